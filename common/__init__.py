@@ -1,0 +1,1 @@
+"""Shared by more than one process: config, errors, paths, metrics, tensor layouts."""

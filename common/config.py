@@ -1,0 +1,210 @@
+"""Pool config (``pool.toml``): target, drafts and scheduling knobs, validated up front.
+
+Every problem becomes a :class:`ConfigError` whose message names the field and the fix,
+so a bad file fails at start with one line instead of deep inside a process.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memspec.common.errors import ConfigError
+from memspec.common.paths import DEFAULT_POOL, expand_path
+
+POLICIES = (
+    "target-only",
+    "general-static",
+    "oracle-static",
+    "mab-sync",
+    "mab-async",
+    "prediction-only",
+    "memspec",
+    "oracle-dynamic",
+)
+STORAGE_PROFILES = ("native", "edge-emulated")
+_POOL_KEYS = {
+    "target", "K", "gamma", "N", "T", "policy", "storage", "general",
+    "memory_budget_mb", "load_iter_ratio", "bandwidth_mb_s", "ucb_c", "predictor_head",
+    "max_new_tokens",
+}
+_DRAFT_KEYS = {"name", "domain", "path"}
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    name: str
+    domain: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    target: Path
+    drafts: tuple[DraftSpec, ...]
+    K: int = 2
+    gamma: int = 4
+    N: int = 4
+    T: int = 32
+    policy: str = "memspec"
+    storage: str = "native"
+    general: str = "general"
+    max_new_tokens: int = 128
+    memory_budget_mb: float | None = None
+    load_iter_ratio: float = 2.7
+    bandwidth_mb_s: float | None = None
+    ucb_c: float = 2.0
+    predictor_head: Path | None = None
+    source: Path | None = field(default=None, compare=False)
+
+    def draft(self, name: str) -> DraftSpec:
+        for d in self.drafts:
+            if d.name == name:
+                return d
+        known = ", ".join(d.name for d in self.drafts) or "none"
+        raise ConfigError(f"unknown draft '{name}'", f"pick one of: {known}")
+
+    @property
+    def general_draft(self) -> DraftSpec:
+        return self.draft(self.general)
+
+
+def _int_field(raw: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"pool.{key} must be an integer, got {value!r}", f"set {key} = {default}")
+    if value < minimum:
+        raise ConfigError(f"pool.{key} = {value} is below {minimum}", f"set {key} >= {minimum}")
+    return value
+
+
+def _float_field(raw: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"pool.{key} must be a positive number, got {value!r}", f"fix {key}")
+    return float(value)
+
+
+def _choice(raw: dict[str, Any], key: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = raw.get(key, default)
+    if value not in allowed:
+        raise ConfigError(f"unknown {key} '{value}'", f"use one of: {', '.join(allowed)}")
+    return value
+
+
+def _parse_drafts(items: Any, base: Path) -> tuple[DraftSpec, ...]:
+    if not isinstance(items, list):
+        raise ConfigError("drafts must be an array of tables", "write [[drafts]] sections")
+    drafts: list[DraftSpec] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ConfigError(f"drafts[{i}] is not a table", "write it as a [[drafts]] section")
+        extra = set(item) - _DRAFT_KEYS
+        if extra:
+            raise ConfigError(f"drafts[{i}] has unknown field '{sorted(extra)[0]}'",
+                              "allowed fields: name, domain, path")
+        for key in ("name", "path"):
+            if not isinstance(item.get(key), str) or not item[key]:
+                raise ConfigError(f"drafts[{i}].{key} is missing", f"give each draft a {key}")
+        name = item["name"]
+        if any(d.name == name for d in drafts):
+            raise ConfigError(f"draft name '{name}' is used twice", "give each draft a unique name")
+        domain = item.get("domain", name)
+        if not isinstance(domain, str):
+            raise ConfigError(f"drafts[{i}].domain must be a string", "e.g. domain = \"code\"")
+        drafts.append(DraftSpec(name=name, domain=domain, path=expand_path(item["path"], base)))
+    return tuple(drafts)
+
+
+def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> PoolConfig:
+    """Validate a parsed TOML document; paths are not touched here (see :func:`check_paths`)."""
+    raw = data.get("pool", {})
+    if not isinstance(raw, dict):
+        raise ConfigError("[pool] must be a table", "see pool.toml in the repository")
+    extra = set(data) - {"pool", "drafts"}
+    if extra:
+        raise ConfigError(f"unknown top-level section '{sorted(extra)[0]}'",
+                          "only [pool] and [[drafts]] are allowed")
+    extra = set(raw) - _POOL_KEYS
+    if extra:
+        raise ConfigError(f"unknown field pool.{sorted(extra)[0]}",
+                          f"allowed fields: {', '.join(sorted(_POOL_KEYS))}")
+    if not isinstance(raw.get("target"), str):
+        raise ConfigError("pool.target is missing", "set target = \"<path to an HF model dir>\"")
+    drafts = _parse_drafts(data.get("drafts", []), base)
+    general = raw.get("general", "general")
+    policy = _choice(raw, "policy", "memspec", POLICIES)
+    if drafts and not any(d.name == general for d in drafts):
+        names = ", ".join(d.name for d in drafts)
+        raise ConfigError(f"pool.general = '{general}' names no draft",
+                          f"set general to one of: {names}")
+    head = raw.get("predictor_head")
+    return PoolConfig(
+        target=expand_path(raw["target"], base),
+        drafts=drafts,
+        K=_int_field(raw, "K", 2, 1),
+        gamma=_int_field(raw, "gamma", 4, 1),
+        N=_int_field(raw, "N", 4, 1),
+        T=_int_field(raw, "T", 32, 0),
+        policy=policy,
+        storage=_choice(raw, "storage", "native", STORAGE_PROFILES),
+        general=general,
+        max_new_tokens=_int_field(raw, "max_new_tokens", 128, 1),
+        memory_budget_mb=_float_field(raw, "memory_budget_mb", None),
+        load_iter_ratio=_float_field(raw, "load_iter_ratio", 2.7) or 2.7,
+        bandwidth_mb_s=_float_field(raw, "bandwidth_mb_s", None),
+        ucb_c=_float_field(raw, "ucb_c", 2.0) or 2.0,
+        predictor_head=expand_path(head, base) if isinstance(head, str) else None,
+        source=source,
+    )
+
+
+def load_pool(path: str | Path | None = None, check: bool = True) -> PoolConfig:
+    """Read and validate a pool file (default: the repository's embedded ``pool.toml``)."""
+    p = Path(path) if path else DEFAULT_POOL
+    if not p.is_file():
+        raise ConfigError(f"pool file {p} not found", "pass --pool <file> or create pool.toml")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML ({exc})", "fix the syntax at that line") from None
+    pool = parse_pool(data, p.resolve().parent, source=p.resolve())
+    if check:
+        check_paths(pool)
+    return pool
+
+
+def _tokenizer_identity(model_dir: Path) -> Any:
+    tok = model_dir / "tokenizer.json"
+    if not tok.is_file():
+        return None
+    data = json.loads(tok.read_text())
+    return (data.get("model", {}).get("vocab"), data.get("model", {}).get("merges"),
+            [t.get("content") for t in data.get("added_tokens", [])])
+
+
+def check_paths(pool: PoolConfig) -> None:
+    """Every model dir exists, has a config, and every draft speaks the target's tokenizer."""
+    from memspec.common.paths import TARGET_DIRNAME, default_target_dir
+
+    if not (pool.target / "config.json").is_file():
+        fix = ("run `memspec zoo target` to build it" if pool.target.name == TARGET_DIRNAME
+               or pool.target == default_target_dir() else "point pool.target at an HF model dir")
+        raise ConfigError(f"target model not found at {pool.target}", fix)
+    target_tok = _tokenizer_identity(pool.target)
+    for d in pool.drafts:
+        if not (d.path / "config.json").is_file():
+            raise ConfigError(f"draft '{d.name}' not found at {d.path}",
+                              "fix drafts.path or run `memspec zoo drafts`")
+        draft_tok = _tokenizer_identity(d.path)
+        if draft_tok is None:
+            raise ConfigError(f"draft '{d.name}' has no tokenizer.json",
+                              "copy the target's tokenizer files into the draft folder")
+        if target_tok is not None and draft_tok != target_tok:
+            raise ConfigError(f"draft '{d.name}' uses a different tokenizer than the target",
+                              "drafts must share the target's tokenizer; retrain or remove it")

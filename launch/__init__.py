@@ -1,0 +1,1 @@
+"""Entry points: the memspec CLI and (later) the supervisor."""

@@ -1,0 +1,1 @@
+"""Processes of the runtime, each named for its one job."""

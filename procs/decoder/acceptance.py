@@ -1,0 +1,75 @@
+"""Acceptance arithmetic for speculative decoding: greedy matching and the rejection rule.
+
+Pure tensor math with no model or process state, so the engine, the simulator and the
+distribution tests share one implementation. Speculative sampling follows Leviathan et
+al. / Chen et al.: accept draft token x with probability min(1, p(x)/q(x)), otherwise
+sample from norm(max(p - q, 0)); the output is distributed exactly as the target's p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memspec.common.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise RequestError(f"temperature {self.temperature} is negative", "use 0 or more")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p {self.top_p} is outside (0, 1]", "use e.g. 0.9")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature then nucleus filtering; both draft and target go through the same warp."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < params.top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def greedy_accept(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix of proposals equal to the target's argmax, then the target's next token."""
+    choice = target_logits.argmax(dim=-1)
+    g = proposals.numel()
+    match = (proposals == choice[:g]).to(torch.int32)
+    n = int(torch.cumprod(match, dim=0).sum().item())
+    return n, int(choice[n].item())
+
+
+def speculative_accept(proposals: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                       gen: torch.Generator | None) -> tuple[int, int]:
+    """Rejection rule. q: [g, V] draft probs the proposals were drawn from; p: [g+1, V]."""
+    g = proposals.numel()
+    idx = torch.arange(g)
+    px = p[idx, proposals]
+    qx = q[idx, proposals]
+    r = torch.rand(g, generator=gen)
+    ok = (r * qx < px).to(torch.int32)  # r < p/q without dividing by a zero q
+    n = int(torch.cumprod(ok, dim=0).sum().item())
+    if n == g:
+        return n, sample(p[g], gen)
+    residual = torch.clamp(p[n] - q[n], min=0.0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else p[n]
+    return n, sample(residual, gen)

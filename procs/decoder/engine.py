@@ -1,0 +1,252 @@
+"""The decode hot loop: batch-1 speculative decoding with swappable, slot-bound drafts.
+
+The engine owns the target and the per-request KV caches. A controller (a policy, the
+multi-process decoder, or a test) picks the draft for each iteration by calling
+:meth:`Session.step`; the engine never decides *which* draft, only runs it losslessly.
+
+Cache invariants (L = committed tokens, prompt included):
+- the target cache holds the first L-1 tokens; the last committed token is fed with the
+  proposals, so one forward verifies gamma proposals and yields gamma+1 distributions;
+- each draft keeps its own cache of some committed prefix; when it becomes active it
+  prefills only the missing suffix (catch-up), so switching back is cheap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from memspec.common.errors import RequestError
+from memspec.common.metrics import IterationRecord, RunStats
+from memspec.procs.decoder.acceptance import (
+    SamplingParams,
+    greedy_accept,
+    sample,
+    speculative_accept,
+    warp,
+)
+from memspec.procs.decoder.slots import BoundDraft
+
+TokenCallback = Callable[[list[int]], None]
+
+
+def _truncate(cache: DynamicCache, length: int) -> None:
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)  # negative = tokens to remove (same meaning across transformers 4/5)
+
+
+@dataclass
+class _DraftCache:
+    generation: int
+    cache: DynamicCache
+    length: int  # committed tokens held in the cache
+
+
+class SpecEngine:
+    """Target model + registered drafts; :meth:`start` opens a request."""
+
+    def __init__(self, target: torch.nn.Module, eos_ids: tuple[int, ...] | list[int],
+                 gamma: int = 4) -> None:
+        if gamma < 1:
+            raise ValueError("gamma must be >= 1")
+        self.target = target.eval()
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.gamma = gamma
+        self.device = next(target.parameters()).device
+        self.vocab = int(target.get_output_embeddings().weight.shape[0])
+        self.max_len = int(getattr(target.config, "max_position_embeddings", 1 << 30))
+        self.drafts: dict[str, BoundDraft] = {}
+
+    def add_draft(self, draft: BoundDraft) -> None:
+        self.drafts[draft.name] = draft
+
+    def remove_draft(self, name: str) -> None:
+        self.drafts.pop(name, None)
+
+    def start(self, prompt_ids: list[int], max_new_tokens: int,
+              params: SamplingParams | None = None,
+              on_tokens: TokenCallback | None = None) -> Session:
+        return Session(self, prompt_ids, max_new_tokens, params or SamplingParams(), on_tokens)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 params: SamplingParams | None = None,
+                 select: Callable[[Session], str | None] | None = None,
+                 on_tokens: TokenCallback | None = None) -> tuple[list[int], RunStats]:
+        """Run to completion; ``select`` names the draft for each iteration (None: target only)."""
+        t0 = time.perf_counter()
+        s = self.start(prompt_ids, max_new_tokens, params, on_tokens)
+        while not s.done:
+            s.step(select(s) if select else None)
+        s.stats.t_e2e = time.perf_counter() - t0
+        return s.generated, s.stats
+
+
+class Session:
+    """One request in flight; :meth:`step` is the body of the hot loop."""
+
+    def __init__(self, engine: SpecEngine, prompt_ids: list[int], max_new_tokens: int,
+                 params: SamplingParams, on_tokens: TokenCallback | None) -> None:
+        if not prompt_ids:
+            raise RequestError("empty prompt", "send at least one token")
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens {max_new_tokens} < 1", "ask for at least 1")
+        need = len(prompt_ids) + max_new_tokens + engine.gamma + 1
+        if need > engine.max_len:
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the "
+                f"target's context of {engine.max_len}", "shorten the prompt or lower max_new_tokens")
+        self.engine = engine
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+        self.on_tokens = on_tokens
+        self.tokens: list[int] = [int(t) for t in prompt_ids]
+        self.prompt_len = len(self.tokens)
+        self.done = False
+        self.stats = RunStats(prompt_tokens=self.prompt_len)
+        self.gen = None
+        if not params.greedy:
+            self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                                     else torch.seed())
+        self._drafts: dict[str, _DraftCache] = {}
+        self._last_draft: str | None = None
+        self._dev = engine.device
+        t0 = time.perf_counter()
+        self._tcache = DynamicCache()
+        if self.prompt_len > 1:
+            with torch.inference_mode():
+                engine.target(self._ids(self.tokens[:-1]), past_key_values=self._tcache,
+                              use_cache=True, logits_to_keep=1)
+        self._sync()
+        self.stats.t_prefill = time.perf_counter() - t0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    def _ids(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+        return t.to(self._dev).view(1, -1)
+
+    def _sync(self) -> None:
+        if self._dev.type == "cuda":
+            torch.cuda.synchronize(self._dev)
+
+    def _commit(self, new: list[int]) -> int:
+        room = self.max_new_tokens - len(self.generated)
+        out: list[int] = []
+        for tok in new[:room]:
+            out.append(tok)
+            if tok in self.engine.eos_ids:
+                self.done = True
+                break
+        self.tokens.extend(out)
+        if len(self.generated) >= self.max_new_tokens:
+            self.done = True
+        if out and self.on_tokens:
+            self.on_tokens(out)
+        return len(out)
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(logits.argmax().item())
+        return sample(warp(logits, self.params), self.gen)
+
+    @torch.inference_mode()
+    def step(self, draft: str | None, desired: bool = True) -> IterationRecord:
+        """One iteration with the named resident draft, or a target-only step for None."""
+        if self.done:
+            raise RuntimeError("session is finished")
+        if draft is not None and draft not in self.engine.drafts:
+            raise KeyError(f"draft '{draft}' is not resident")
+        t0 = time.perf_counter()
+        rec = self._target_step(t0) if draft is None else self._spec_step(draft, t0)
+        rec.desired = desired
+        if draft is not None and self._last_draft is not None and draft != self._last_draft:
+            self.stats.switches += 1
+        if draft is not None:
+            self._last_draft = draft
+        self.stats.records.append(rec)
+        return rec
+
+    def _target_step(self, t0: float) -> IterationRecord:
+        out = self.engine.target(self._ids(self.tokens[-1:]), past_key_values=self._tcache,
+                                 use_cache=True)
+        tok = self._pick(out.logits[0, -1])
+        self._sync()
+        t1 = time.perf_counter()
+        emitted = self._commit([tok])
+        return IterationRecord(None, 0, 0, emitted, t0, t_verify=t1 - t0)
+
+    def _draft_cache(self, bound: BoundDraft) -> _DraftCache:
+        dc = self._drafts.get(bound.name)
+        if dc is None or dc.generation != bound.generation:  # slot rewritten: old KV is garbage
+            dc = _DraftCache(bound.generation, DynamicCache(), 0)
+            self._drafts[bound.name] = dc
+        return dc
+
+    def _spec_step(self, name: str, t0: float) -> IterationRecord:
+        eng, g = self.engine, self.engine.gamma
+        bound = eng.drafts[name]
+        dc = self._draft_cache(bound)
+        to_draft, to_target = bound.to_draft, bound.to_target
+        L = len(self.tokens)
+        missing = torch.tensor(self.tokens[dc.length:], dtype=torch.long)
+        if to_draft is not None:
+            missing = to_draft[missing.to(to_draft.device)]
+        out = bound.model(self._ids(missing), past_key_values=dc.cache, use_cache=True,
+                          logits_to_keep=1)
+        dc.length = L
+        self._sync()
+        t_catch = time.perf_counter()
+        proposals: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(g):
+            logits = out.logits[0, -1]
+            if to_target is None:
+                logits = logits[: eng.vocab]  # a same-tokenizer draft may pad its vocabulary
+            if self.params.greedy:
+                d_idx = int(logits.argmax().item())
+            else:
+                q_sub = warp(logits, self.params)
+                d_idx = sample(q_sub, self.gen)
+                qs.append(self._to_target_space(q_sub, to_target))
+            proposals.append(int(to_target[d_idx]) if to_target is not None else d_idx)
+            if i < g - 1:
+                out = bound.model(self._ids([d_idx]), past_key_values=dc.cache, use_cache=True)
+        self._sync()
+        t_draft_end = time.perf_counter()
+        verify = self._ids(self.tokens[-1:] + proposals)
+        logits = eng.target(verify, past_key_values=self._tcache, use_cache=True).logits[0]
+        prop = torch.tensor(proposals, dtype=torch.long)
+        if self.params.greedy:
+            n, nxt = greedy_accept(prop, logits.float().cpu())
+        else:
+            p = warp(logits, self.params).cpu()
+            n, nxt = speculative_accept(prop, torch.stack(qs).cpu(), p, self.gen)
+        emitted = self._commit(proposals[:n] + [nxt])
+        _truncate(self._tcache, len(self.tokens) - 1)
+        dc.length = min(L + min(n, g - 1), len(self.tokens) - 1)
+        _truncate(dc.cache, dc.length)
+        self._sync()
+        t1 = time.perf_counter()
+        catch = t_catch - t0 if name != self._last_draft else 0.0  # (re)activation catch-up
+        return IterationRecord(name, g, n, emitted, t0,
+                               t_draft=(t_draft_end - t0) - catch,
+                               t_verify=t1 - t_draft_end, t_catchup=catch)
+
+    def _to_target_space(self, q_sub: torch.Tensor, to_target: torch.Tensor | None) -> torch.Tensor:
+        V = self.engine.vocab
+        if to_target is None and q_sub.numel() == V:
+            return q_sub
+        q = torch.zeros(V, dtype=q_sub.dtype, device=q_sub.device)
+        if to_target is None:
+            k = min(V, q_sub.numel())
+            q[:k] = q_sub[:k]
+        else:
+            q[to_target] = q_sub
+        return q

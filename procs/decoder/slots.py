@@ -1,0 +1,135 @@
+"""Slot memory: fixed-capacity byte buffers that draft weights live in as views.
+
+A draft is never allocated on its own: its module is built on the ``meta`` device and its
+parameters are assigned typed views into a slot. Replacing a draft rewrites the slot's
+bytes; the buffer itself is allocated once, which is what lets a loader process fill it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from memspec.common.errors import ModelError
+from memspec.common.safetensors_layout import Layout, read_layout, views_into
+
+META_PREFIX = "memspec."  # tensors in a draft file that are ours, not the model's
+ID_MAP_KEY = "memspec.draft_to_target"  # draft vocab index -> target token id
+CHUNK = 4 << 20
+
+
+def draft_weights_file(model_dir: Path) -> Path:
+    path = Path(model_dir) / "model.safetensors"
+    if not path.is_file():
+        if any(Path(model_dir).glob("model-*-of-*.safetensors")):
+            raise ModelError(f"draft {model_dir} has sharded weights",
+                             "re-save it as one model.safetensors (drafts must fit one slot)")
+        raise ModelError(f"draft weights {path} not found", "run `memspec zoo drafts` or fix the path")
+    return path
+
+
+class SlotBuffer:
+    """One fixed block of bytes, allocated once; ``generation`` counts rewrites."""
+
+    def __init__(self, capacity: int, device: str | torch.device = "cpu",
+                 data: torch.Tensor | None = None) -> None:
+        self.data = data if data is not None else torch.empty(capacity, dtype=torch.uint8,
+                                                              device=device)
+        self.capacity = self.data.numel()
+        self.generation = 0
+        self.draft: str | None = None
+
+    def fill_from_file(self, layout: Layout) -> int:
+        """Copy the file's data section verbatim (in-process path; the loader process streams)."""
+        if layout.data_size > self.capacity:
+            raise ModelError(
+                f"{layout.path.parent.name} needs {layout.data_size / 2**20:.1f} MB but a slot "
+                f"holds {self.capacity / 2**20:.1f} MB", "raise the slot capacity")
+        with layout.path.open("rb") as f:
+            f.seek(layout.data_offset)
+            done = 0
+            while done < layout.data_size:
+                chunk = f.read(min(CHUNK, layout.data_size - done))
+                if not chunk:
+                    raise ModelError(f"{layout.path} is truncated", "rebuild or re-copy it")
+                src = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+                self.data[done:done + len(chunk)].copy_(src)
+                done += len(chunk)
+        self.generation += 1
+        return done
+
+
+@dataclass
+class BoundDraft:
+    """A draft whose parameters are views into a slot, plus its vocabulary map."""
+
+    name: str
+    model: nn.Module
+    slot: SlotBuffer
+    generation: int
+    to_target: torch.Tensor | None  # [V_draft] target ids, None: same vocabulary
+    to_draft: torch.Tensor | None  # [V_target] draft ids (unknown -> 0)
+
+    def __post_init__(self) -> None:
+        self.model.eval()
+
+
+def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are not in the file: rebuild their modules."""
+    for name, mod in list(model.named_modules()):
+        if not any(b.is_meta for b in mod.buffers(recurse=False)):
+            continue
+        if not hasattr(mod, "inv_freq"):
+            raise ModelError(f"module {name} has a buffer the weight file does not hold",
+                             "this architecture is not supported as a slot-bound draft")
+        cfg = getattr(mod, "config", None) or model.config
+        with torch.device(device):  # constructor signatures differ across transformers versions
+            fresh = type(mod)(config=cfg)
+        model.set_submodule(name, fresh)
+
+
+def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | None = None,
+               config=None, target_vocab: int | None = None) -> BoundDraft:
+    """Build the draft on ``meta`` and point every parameter at the slot's bytes."""
+    model_dir = Path(model_dir)
+    layout = layout or read_layout(draft_weights_file(model_dir))
+    config = config or AutoConfig.from_pretrained(model_dir)
+    views = views_into(slot.data, layout)
+    weights = {k: v for k, v in views.items() if not k.startswith(META_PREFIX)}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        bad = (missing or unexpected)[0]
+        raise ModelError(f"draft '{name}' weights do not match its config (tensor {bad})",
+                         "rebuild the draft's model.safetensors from its config")
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    _materialise_buffers(model, slot.data.device)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ModelError(f"draft '{name}' has unbound parameter {leftover[0]}",
+                         "rebuild the draft's weight file")
+    to_target = views.get(ID_MAP_KEY)
+    to_draft = None
+    if to_target is not None:
+        to_target = to_target.to(torch.long)
+        vocab = max(target_vocab or 0, int(to_target.max()) + 1)
+        to_draft = torch.zeros(max(vocab, 1), dtype=torch.long, device=to_target.device)
+        to_draft[to_target] = torch.arange(to_target.numel(), device=to_target.device)
+    return BoundDraft(name, model, slot, slot.generation, to_target, to_draft)
+
+
+def load_into_slot(name: str, model_dir: Path, slot: SlotBuffer,
+                   target_vocab: int | None = None) -> BoundDraft:
+    """In-process load: copy the file into the slot, then bind (engine tests, `generate`)."""
+    layout = read_layout(draft_weights_file(model_dir))
+    slot.fill_from_file(layout)
+    slot.draft = name
+    return bind_draft(name, model_dir, slot, layout, target_vocab=target_vocab)

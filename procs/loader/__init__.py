@@ -1,0 +1,1 @@
+"""Loader process (streams draft weights into slots); see issue 4."""

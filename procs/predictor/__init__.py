@@ -1,0 +1,1 @@
+"""Predictor process (BERT encoder + ranking head); see issue 4."""

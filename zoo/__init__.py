@@ -1,0 +1,1 @@
+"""Model zoo: acquire the target, build corpora, train and evaluate drafts."""
