@@ -7,10 +7,11 @@ so a bad file fails at start with one line instead of deep inside a process.
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from memspec.common.errors import ConfigError
 from memspec.common.paths import DEFAULT_POOL, expand_path

@@ -1,0 +1,108 @@
+"""Build an engine from a pool and serve one request inside this process.
+
+The multi-process runtime reuses the same pieces; this path exists for `memspec generate`
+before the pipeline, for benchmarks that compare against it, and for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memspec.common.config import PoolConfig
+from memspec.common.errors import ConfigError
+from memspec.common.safetensors_layout import read_layout
+from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.procs.decoder.engine import SpecEngine, TokenCallback
+from memspec.procs.decoder.models import (
+    encode_prompt,
+    eos_token_ids,
+    load_causal_lm,
+    load_tokenizer,
+)
+from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
+
+IN_PROCESS_POLICIES = ("target-only", "general-static")
+
+
+@dataclass
+class LocalRuntime:
+    pool: PoolConfig
+    engine: SpecEngine
+    tokenizer: Any
+    slots: list[SlotBuffer] = field(default_factory=list)
+    load_s: dict[str, float] = field(default_factory=dict)
+
+    def ensure_resident(self, name: str) -> SlotBuffer:
+        """Load a draft into a free (or the least recently filled) slot, in-process."""
+        for slot in self.slots:
+            if slot.draft == name:
+                return slot
+        slot = next((s for s in self.slots if s.draft is None), None)
+        if slot is None:
+            slot = min(self.slots, key=lambda s: s.generation)
+            self.engine.remove_draft(slot.draft or "")
+        spec = self.pool.draft(name)
+        t0 = time.perf_counter()
+        bound = load_into_slot(name, spec.path, slot, target_vocab=self.engine.vocab)
+        self.load_s[name] = time.perf_counter() - t0
+        self.engine.add_draft(bound)
+        return slot
+
+
+def slot_capacity(pool: PoolConfig) -> int:
+    """Every slot is as large as the largest draft, so any draft fits any slot."""
+    sizes = [read_layout(draft_weights_file(d.path)).data_size for d in pool.drafts]
+    return max(sizes, default=0)
+
+
+def build_local(pool: PoolConfig, device: str = "cpu", with_drafts: bool = True) -> LocalRuntime:
+    tokenizer = load_tokenizer(pool.target)
+    target = load_causal_lm(pool.target, "target", device=device)
+    engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma)
+    slots: list[SlotBuffer] = []
+    if with_drafts and pool.drafts:
+        cap = slot_capacity(pool)
+        slots = [SlotBuffer(cap, device=device) for _ in range(min(pool.K, len(pool.drafts)))]
+    return LocalRuntime(pool, engine, tokenizer, slots)
+
+
+def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,
+                params: SamplingParams | None = None,
+                on_tokens: TokenCallback | None = None) -> dict[str, Any]:
+    """Serve one prompt with an in-process policy; returns the `generate --json` object."""
+    if policy not in IN_PROCESS_POLICIES:
+        raise ConfigError(f"policy '{policy}' needs the multi-process runtime",
+                          f"use one of: {', '.join(IN_PROCESS_POLICIES)}")
+    t0 = time.perf_counter()
+    select = None
+    loads = 0
+    bytes_loaded = 0
+    if policy == "general-static":
+        if not rt.pool.drafts:
+            raise ConfigError("general-static needs at least one draft in the pool",
+                              "add a [[drafts]] section or use --policy target-only")
+        name = rt.pool.general
+        before = {s.draft for s in rt.slots}
+        slot = rt.ensure_resident(name)
+        if name not in before:
+            loads, bytes_loaded = 1, read_layout(draft_weights_file(rt.pool.draft(name).path)).data_size
+        del slot
+
+        def select(_s):  # noqa: ANN001 - the engine's selector signature
+            return name
+    ids = encode_prompt(rt.tokenizer, prompt)
+    with torch.inference_mode():
+        token_ids, stats = rt.engine.generate(ids, max_new_tokens, params, select, on_tokens)
+    stats.t_e2e = time.perf_counter() - t0
+    stats.loads, stats.bytes_loaded = loads, bytes_loaded
+    summary = stats.summary()
+    summary["policy"] = policy
+    return {
+        "text": rt.tokenizer.decode(token_ids, skip_special_tokens=True),
+        "token_ids": token_ids,
+        "stats": summary,
+    }

@@ -1,0 +1,118 @@
+"""Lossless speculative decoding: greedy output must equal target-only greedy, token for token."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tinymodels import TINY_VOCAB, make_tiny, save_model
+
+from memspec.common.errors import RequestError
+from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.models import load_causal_lm
+from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
+
+PROMPTS = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7]]
+
+
+def engine_with(tiny_dir, names, gamma=4, eos=()):
+    target = load_causal_lm(tiny_dir / "target")
+    eng = SpecEngine(target, eos, gamma=gamma)
+    for name in names:
+        eng.add_draft(load_into_slot(name, tiny_dir / name, SlotBuffer(1 << 20), TINY_VOCAB))
+    return eng
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                         min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("draft", ["self", "random", "small"])
+def test_greedy_identical_to_target_only(tiny_dir, draft):
+    eng = engine_with(tiny_dir, [draft])
+    for prompt in PROMPTS:
+        ref, ref_stats = eng.generate(prompt, 40)
+        out, stats = eng.generate(prompt, 40, select=lambda s: draft)
+        assert out == ref
+        assert ref == hf_greedy(eng.target, prompt, 40)
+        summary = stats.summary()
+        assert summary["num_drafts"] == len(stats.records)
+        assert ref_stats.summary()["num_drafts"] == 0
+        if draft == "self":  # the target drafting for itself gets every proposal accepted
+            assert summary["acceptance_rate"] == 1.0
+            assert summary["mean_acceptance_length"] == 5.0
+
+
+def test_random_draft_is_mostly_rejected(tiny_dir):
+    eng = engine_with(tiny_dir, ["random"])
+    _, stats = eng.generate(PROMPTS[0], 40, select=lambda s: "random")
+    assert stats.summary()["acceptance_rate"] < 0.3
+
+
+def test_switching_every_iteration_never_changes_a_token(tiny_dir):
+    names = ["self", "random", "small"]
+    eng = engine_with(tiny_dir, names, gamma=3)
+    for prompt in PROMPTS:
+        ref, _ = eng.generate(prompt, 50)
+        order = itertools.cycle(names + [None])  # target-only steps in between too
+        out, stats = eng.generate(prompt, 50, select=lambda s, o=order: next(o))
+        assert out == ref
+        assert stats.switches >= len(stats.records) // 2
+        assert {r.draft for r in stats.records} == set(names) | {None}
+        assert sum(r.t_catchup > 0 for r in stats.records) > 0
+
+
+def test_vocab_subset_draft_with_id_map(tiny_dir, tmp_path):
+    """A draft over a frequency-ranked subset of the target vocabulary stays lossless."""
+    keep = torch.arange(0, TINY_VOCAB, 2)  # every other target id
+    full = load_file(tiny_dir / "self" / "model.safetensors")
+    sub = {k: v.clone() for k, v in full.items()}
+    sub["model.embed_tokens.weight"] = full["model.embed_tokens.weight"][keep].clone()
+    sub[ID_MAP_KEY] = keep.to(torch.int64)
+    d = save_model(make_tiny(0, vocab=len(keep)), tmp_path / "sub")
+    save_file(sub, d / "model.safetensors", metadata={"format": "pt"})
+    eng = engine_with(tiny_dir, [])
+    eng.add_draft(load_into_slot("sub", d, SlotBuffer(1 << 20), TINY_VOCAB))
+    for prompt in PROMPTS:
+        ref, _ = eng.generate(prompt, 30)
+        out, stats = eng.generate(prompt, 30, select=lambda s: "sub")
+        assert out == ref
+        for rec in stats.records:
+            assert rec.accepted <= rec.proposed
+
+
+def test_eos_and_max_new_tokens(tiny_dir):
+    eng = engine_with(tiny_dir, ["self"])
+    ref, _ = eng.generate(PROMPTS[1], 30)
+    stop = ref[7]
+    eng.eos_ids = frozenset({stop})
+    first = ref.index(stop)
+    out, _ = eng.generate(PROMPTS[1], 30, select=lambda s: "self")
+    assert out == ref[: first + 1]
+    eng.eos_ids = frozenset()
+    for n in (1, 2, 5, 13):
+        out, _ = eng.generate(PROMPTS[1], n, select=lambda s: "self")
+        assert out == ref[:n]
+
+
+def test_too_long_prompt_is_a_request_error(tiny_dir):
+    eng = engine_with(tiny_dir, [])
+    with pytest.raises(RequestError, match="exceeds the target's context"):
+        eng.generate([1] * 250, 20)
+
+
+def test_draft_kv_catches_up_only_the_missing_suffix(tiny_dir):
+    eng = engine_with(tiny_dir, ["self", "random"])
+    s = eng.start(PROMPTS[1], 40)
+    s.step("self")
+    s.step("random")
+    seen_before = s._drafts["self"].length
+    s.step("random")
+    s.step("self")
+    # the re-activated draft fed only tokens produced since it last ran
+    assert s._drafts["self"].length >= seen_before
+    assert s._drafts["self"].length <= len(s.tokens) - 1
