@@ -48,9 +48,17 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         convert_target(force=args.force)
         return 0
     if args.what == "corpora":
-        from memspec.zoo.build import build_all_corpora
+        import subprocess
 
-        build_all_corpora()
+        from memspec.common.paths import PACKAGE_ROOT, memspec_home
+        from memspec.zoo.corpora import build_corpora, build_prompts
+
+        subprocess.run(["bash", str(PACKAGE_ROOT / "launch" / "install_corpus_sources.sh")],
+                       check=True)
+        corpus = memspec_home() / "corpora"
+        build_corpora(corpus)
+        if args.prompts:
+            build_prompts(corpus, PACKAGE_ROOT / "prompts")
         return 0
     if args.what == "drafts":
         from memspec.zoo.drafts import main_drafts
@@ -94,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--only", default=None, help="comma-separated draft names (drafts)")
     z.add_argument("--minutes", type=float, default=None, help="training budget per draft")
     z.add_argument("--json", action="store_true")
+    z.add_argument("--prompts", action="store_true",
+                   help="corpora: also regenerate the committed prompt sets")
     z.set_defaults(func=cmd_zoo)
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")

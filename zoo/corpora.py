@@ -24,7 +24,6 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import sys
 import sysconfig
@@ -36,6 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from random import Random
 from typing import Any
+
+from memspec.common.paths import memspec_home
 
 DOMAINS = ("general", "code", "math", "law", "medical")
 SPLITS = ("train", "heldout")
@@ -66,11 +67,6 @@ def normalise(text: str) -> str:
 def is_heldout(domain: str, group: str) -> bool:
     """Deterministic group-level split: a group is wholly train or wholly held-out."""
     return stable_hash("split", domain, group) / 2**64 < HELDOUT_FRAC[domain]
-
-
-def memspec_home() -> Path:
-    """``$MEMSPEC_HOME`` or ``<repo>/models`` (the repo root is the package dir)."""
-    return Path(os.environ.get("MEMSPEC_HOME", Path(__file__).resolve().parents[1] / "models"))
 
 
 def package_dir(name: str) -> Path:

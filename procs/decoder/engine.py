@@ -35,7 +35,7 @@ from memspec.procs.decoder.slots import BoundDraft
 TokenCallback = Callable[[list[int]], None]
 
 
-def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: DynamicCache, **kw):
+def forward_with_cache(model: torch.nn.Module, ids: torch.Tensor, cache: DynamicCache, **kw):
     """Call an HF causal LM with a KV cache under whichever keyword its version takes."""
     key = _CACHE_KW.get(type(model))
     if key is None:
@@ -132,7 +132,7 @@ class Session:
         self._tcache = DynamicCache()
         if self.prompt_len > 1:
             with torch.inference_mode():
-                _forward(engine.target, self._ids(self.tokens[:-1]), self._tcache, logits_to_keep=1)
+                forward_with_cache(engine.target, self._ids(self.tokens[:-1]), self._tcache, logits_to_keep=1)
         self._sync()
         self.stats.t_prefill = time.perf_counter() - t0
 
@@ -186,7 +186,7 @@ class Session:
         return rec
 
     def _target_step(self, t0: float) -> IterationRecord:
-        out = _forward(self.engine.target, self._ids(self.tokens[-1:]), self._tcache)
+        out = forward_with_cache(self.engine.target, self._ids(self.tokens[-1:]), self._tcache)
         tok = self._pick(out.logits[0, -1])
         self._sync()
         t1 = time.perf_counter()
@@ -209,7 +209,7 @@ class Session:
         missing = torch.tensor(self.tokens[dc.length:], dtype=torch.long)
         if to_draft is not None:
             missing = to_draft[missing.to(to_draft.device)]
-        out = _forward(bound.model, self._ids(missing), dc.cache, logits_to_keep=1)
+        out = forward_with_cache(bound.model, self._ids(missing), dc.cache, logits_to_keep=1)
         dc.length = L
         self._sync()
         t_catch = time.perf_counter()
@@ -227,11 +227,11 @@ class Session:
                 qs.append(self._to_target_space(q_sub, to_target))
             proposals.append(int(to_target[d_idx]) if to_target is not None else d_idx)
             if i < g - 1:
-                out = _forward(bound.model, self._ids([d_idx]), dc.cache)
+                out = forward_with_cache(bound.model, self._ids([d_idx]), dc.cache)
         self._sync()
         t_draft_end = time.perf_counter()
         verify = self._ids(self.tokens[-1:] + proposals)
-        logits = _forward(eng.target, verify, self._tcache).logits[0]
+        logits = forward_with_cache(eng.target, verify, self._tcache).logits[0]
         prop = torch.tensor(proposals, dtype=torch.long)
         if self.params.greedy:
             n, nxt = greedy_accept(prop, logits.float().cpu())

@@ -1,0 +1,7 @@
+"""`python -m memspec` is the `memspec` command."""
+
+import sys
+
+from memspec.launch.cli import main
+
+sys.exit(main())

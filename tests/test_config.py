@@ -1,0 +1,120 @@
+"""Bad pool files fail at start with one line naming the field and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tinymodels import fake_tokenizer_json
+
+from memspec.common.config import load_pool, parse_pool
+from memspec.common.errors import ConfigError
+
+BASE = {"pool": {"target": "target"},
+        "drafts": [{"name": "general", "path": "self"}, {"name": "code", "path": "small"}]}
+
+
+def pool_file(tmp: Path, tiny_dir: Path, text: str) -> Path:
+    for name in ("target", "self", "random", "small"):
+        if not (tmp / name).exists():
+            shutil.copytree(tiny_dir / name, tmp / name)
+    p = tmp / "pool.toml"
+    p.write_text(text)
+    return p
+
+
+GOOD = """
+[pool]
+target = "target"
+K = 2
+gamma = 4
+policy = "general-static"
+
+[[drafts]]
+name = "general"
+path = "self"
+
+[[drafts]]
+name = "code"
+path = "small"
+"""
+
+
+def test_good_pool_loads(tmp_path, tiny_dir):
+    pool = load_pool(pool_file(tmp_path, tiny_dir, GOOD))
+    assert [d.name for d in pool.drafts] == ["general", "code"]
+    assert pool.target == (tmp_path / "target").resolve()
+    assert pool.general_draft.path == (tmp_path / "self").resolve()
+
+
+def test_embedded_default_pool_parses():
+    pool = load_pool(None, check=False)
+    assert {d.domain for d in pool.drafts} == {"general", "code", "math", "law", "medical"}
+    assert (pool.K, pool.gamma, pool.N) == (2, 4, 4)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"K": 0}, "pool.K = 0 is below 1"),
+    ({"gamma": 0}, "pool.gamma = 0 is below 1"),
+    ({"gamma": "four"}, "pool.gamma must be an integer"),
+    ({"policy": "fastest"}, "unknown policy 'fastest'"),
+    ({"storage": "floppy"}, "unknown storage 'floppy'"),
+    ({"colour": 1}, "unknown field pool.colour"),
+    ({"general": "nope"}, "pool.general = 'nope' names no draft"),
+])
+def test_bad_fields_name_the_field(edit, needle):
+    data = json.loads(json.dumps(BASE))
+    data["pool"].update(edit)
+    with pytest.raises(ConfigError) as err:
+        parse_pool(data, Path("."))
+    msg = str(err.value)
+    assert needle in msg and ";" in msg and "\n" not in msg  # problem; fix — one line
+
+
+def test_duplicate_and_missing_draft_fields():
+    data = json.loads(json.dumps(BASE))
+    data["drafts"].append({"name": "general", "path": "x"})
+    with pytest.raises(ConfigError, match="used twice"):
+        parse_pool(data, Path("."))
+    data["drafts"] = [{"name": "general"}]
+    with pytest.raises(ConfigError, match=r"drafts\[0\].path is missing"):
+        parse_pool(data, Path("."))
+    with pytest.raises(ConfigError, match="pool.target is missing"):
+        parse_pool({"pool": {}}, Path("."))
+
+
+def test_missing_paths_and_tokenizer_mismatch(tmp_path, tiny_dir):
+    p = pool_file(tmp_path, tiny_dir, GOOD.replace('path = "small"', 'path = "nowhere"'))
+    with pytest.raises(ConfigError, match="draft 'code' not found at .*nowhere"):
+        load_pool(p)
+    p.write_text(GOOD.replace('target = "target"', 'target = "gone"'))
+    with pytest.raises(ConfigError, match="target model not found"):
+        load_pool(p)
+    p.write_text(GOOD)
+    (tmp_path / "small" / "tokenizer.json").write_text(json.dumps(fake_tokenizer_json(50)))
+    with pytest.raises(ConfigError, match="different tokenizer than the target"):
+        load_pool(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_pool(tmp_path / "missing.toml")
+    (tmp_path / "broken.toml").write_text("[pool\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_pool(tmp_path / "broken.toml")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memspec.launch.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_one_line_errors(tmp_path, tiny_dir):
+    p = pool_file(tmp_path, tiny_dir, GOOD.replace("K = 2", "K = 0"))
+    res = run_cli("generate", "--pool", str(p), "hello")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0
+    assert "pool.K = 0 is below 1; set K >= 1" in res.stderr
+    res = run_cli("generate", "--pool", str(tmp_path / "absent.toml"), "hello")
+    assert res.returncode == 2 and "pool file" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,257 @@
+"""Acceptance tables and replay: exact against the real engine, and known answers by hand."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tinymodels import TINY_VOCAB, make_tiny, save_model
+
+from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.models import load_causal_lm
+from memspec.procs.decoder.slots import ID_MAP_KEY, BoundDraft, SlotBuffer, load_into_slot
+from memspec.zoo.tables import (
+    Replay,
+    acceptance_table,
+    best_for_interval,
+    capped_engine_accepts,
+    gmean,
+    lookahead,
+    oracle_dynamic,
+    oracle_static,
+    pooled,
+    replay,
+    replay_static,
+    table_from_correct,
+)
+
+PROMPTS = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7], [1, 80, 3, 3, 17, 60]]
+DRAFTS = ["self", "random", "small"]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def bound(tiny_dir) -> dict[str, BoundDraft]:
+    return {n: load_into_slot(n, tiny_dir / n, SlotBuffer(1 << 20), TINY_VOCAB) for n in DRAFTS}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir) -> torch.nn.Module:
+    return load_causal_lm(tiny_dir / "target")
+
+
+def _engine(target, drafts: dict[str, BoundDraft], gamma: int, eos=()) -> SpecEngine:
+    eng = SpecEngine(target, eos, gamma=gamma)
+    for d in drafts.values():
+        eng.add_draft(d)
+    return eng
+
+
+def _table(d: BoundDraft, prompt, tokens, gamma) -> list[int]:
+    return acceptance_table(d.model, prompt, tokens, gamma, d.to_draft, d.to_target,
+                            vocab=TINY_VOCAB)
+
+
+def _engine_accepts(eng: SpecEngine, prompt, tokens, select) -> tuple[list[int], list[str]]:
+    out, stats = eng.generate(prompt, MAX_NEW, select=select)
+    assert out == tokens  # lossless: the trajectory is draft-independent
+    recs = stats.records
+    capped = capped_engine_accepts([r.accepted for r in recs], [r.emitted for r in recs],
+                                   len(tokens))
+    return capped, [r.draft for r in recs]
+
+
+# --------------------------------------------------------------------------- vs the engine
+
+
+@pytest.mark.parametrize("gamma", [3, 4])
+def test_static_replay_equals_engine(target, bound, gamma):
+    eng = _engine(target, bound, gamma)
+    for prompt in PROMPTS:
+        tokens, _ = eng.generate(prompt, MAX_NEW)
+        for name, d in bound.items():
+            table = _table(d, prompt, tokens, gamma)
+            r = replay_static({name: table}, name, gamma)
+            accepts, _ = _engine_accepts(eng, prompt, tokens, lambda s, n=name: n)
+            assert r.accepted == accepts, (name, prompt)
+
+
+def test_switching_schedule_replay_equals_engine(target, bound):
+    """Per-draft KV caches and catch-up must not change what a draft proposes."""
+    gamma = 3
+    eng = _engine(target, bound, gamma)
+    for prompt in PROMPTS:
+        tokens, _ = eng.generate(prompt, MAX_NEW)
+        tables = {n: _table(d, prompt, tokens, gamma) for n, d in bound.items()}
+        order = itertools.cycle(["small", "self", "random", "random"])
+        accepts, used = _engine_accepts(eng, prompt, tokens, lambda s, o=order: next(o))
+        r = replay(tables, used, gamma)
+        assert r.drafts == used
+        assert r.accepted == accepts
+
+
+def test_eos_inside_proposals_is_capped(target, bound):
+    """A trajectory ending at EOS: the engine may accept past it, the table stops there."""
+    gamma = 4
+    plain = _engine(target, bound, gamma)
+    full, _ = plain.generate(PROMPTS[0], MAX_NEW)
+    eos = full[len(full) // 2]
+    tokens = full[:full.index(eos) + 1]
+    eng = _engine(target, bound, gamma, eos=(eos,))
+    for name, d in bound.items():
+        table = _table(d, PROMPTS[0], tokens, gamma)
+        out, stats = eng.generate(PROMPTS[0], MAX_NEW, select=lambda s, n=name: n)
+        assert out == tokens
+        recs = stats.records
+        capped = capped_engine_accepts([r.accepted for r in recs], [r.emitted for r in recs],
+                                       len(tokens))
+        assert replay_static({name: table}, name, gamma).accepted == capped
+
+
+def test_self_draft_table_is_gamma_capped_at_end(target, bound):
+    gamma = 4
+    eng = _engine(target, bound, gamma)
+    for prompt in PROMPTS:
+        tokens, _ = eng.generate(prompt, MAX_NEW)
+        table = _table(bound["self"], prompt, tokens, gamma)
+        assert table == [min(gamma, len(tokens) - t) for t in range(len(tokens))]
+        r = replay_static({"self": table}, "self", gamma)
+        assert r.iterations == -(-len(tokens) // (gamma + 1))
+
+
+def test_vocab_subset_draft_table(tiny_dir, target, tmp_path):
+    """A draft over every other target id: inputs and argmax go through the id maps."""
+    keep = torch.arange(0, TINY_VOCAB, 2)
+    full = load_file(tiny_dir / "self" / "model.safetensors")
+    sub = dict(full)
+    sub["model.embed_tokens.weight"] = full["model.embed_tokens.weight"][keep].clone()
+    sub[ID_MAP_KEY] = keep.to(torch.int64)
+    d = save_model(make_tiny(0, vocab=len(keep)), tmp_path / "sub")
+    save_file(sub, d / "model.safetensors", metadata={"format": "pt"})
+    b = load_into_slot("sub", d, SlotBuffer(1 << 20), TINY_VOCAB)
+    eng = _engine(target, {"sub": b}, 4)
+    for prompt in PROMPTS:
+        tokens, _ = eng.generate(prompt, MAX_NEW)
+        table = _table(b, prompt, tokens, 4)
+        accepts, _ = _engine_accepts(eng, prompt, tokens, lambda s: "sub")
+        assert replay_static({"sub": table}, "sub", 4).accepted == accepts
+
+
+def test_oracles_on_real_tables(target, bound):
+    gamma = 4
+    eng = _engine(target, bound, gamma)
+    for prompt in PROMPTS:
+        tokens, _ = eng.generate(prompt, MAX_NEW)
+        tables = {n: _table(d, prompt, tokens, gamma) for n, d in bound.items()}
+        name, best = oracle_static(tables, gamma)
+        assert name == "self"
+        for n in tables:
+            assert best.iterations <= replay_static(tables, n, gamma).iterations
+        assert oracle_dynamic({"random": tables["random"]}, gamma).accepted == \
+            replay_static(tables, "random", gamma).accepted
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+def test_table_from_correct_runs_and_caps():
+    c = [True, True, True, False, True, True, True, True, True, True]
+    assert table_from_correct(c, 4) == [3, 2, 1, 0, 4, 4, 4, 3, 2, 1]
+    assert table_from_correct(c, 2) == [2, 2, 1, 0, 2, 2, 2, 2, 2, 1]
+    assert table_from_correct([], 4) == []
+
+
+def test_replay_known_answer():
+    # positions: 0 -(a=2)-> 3 -(a=0)-> 4 -(a=4)-> 9 -(a=1, capped by the end)-> 10
+    table = [2, 0, 0, 0, 4, 0, 0, 0, 0, 3]
+    r = replay_static({"d": table}, "d", 4)
+    assert r.positions == [0, 3, 4, 9]
+    assert r.accepted == [2, 0, 4, 1]
+    assert r.iterations == 4
+    assert r.mean_acceptance_length == pytest.approx(1 + 7 / 4)
+    assert r.acceptance_rate == pytest.approx(7 / 16)
+    # gamma caps hand-made entries too
+    assert replay_static({"d": [9] * 6}, "d", 2).accepted == [2, 2]
+
+
+def test_replay_schedule_forms_and_errors():
+    tables = {"a": [0] * 4, "b": [3, 3, 3, 3]}
+    assert replay(tables, ["a", "b"], 3).accepted == [0, 3]
+    assert replay(tables, lambda it, pos: "b", 3).accepted == [3]
+    with pytest.raises(ValueError):
+        replay(tables, ["a"], 3)
+    with pytest.raises(ValueError):
+        replay({"a": [0], "b": [0, 0]}, ["a"], 3)
+    empty = replay({"a": []}, ["a"], 3)
+    assert empty.iterations == 0 and empty.mean_acceptance_length == 1.0
+
+
+def test_oracle_static_prefers_fewest_iterations():
+    tables = {"general": [1] * 20, "code": [4] * 10 + [0] * 10, "math": [0] * 10 + [4] * 10}
+    name, best = oracle_static(tables, 4)
+    static = {n: replay_static(tables, n, 4).iterations for n in tables}
+    assert static == {"general": 10, "code": 12, "math": 12}
+    assert name == "general" and best.iterations == 10
+    for n in tables:
+        assert best.iterations <= static[n]
+
+
+def test_oracle_dynamic_switches_between_phases():
+    # first half only "code" predicts, second half only "math": switching wins
+    tables = {"general": [1] * 40, "code": [4] * 20 + [0] * 20, "math": [0] * 20 + [4] * 20}
+    _, st = oracle_static(tables, 4)
+    dyn = oracle_dynamic(tables, 4, interval=4)
+    assert dyn.drafts[:4] == ["code"] * 4
+    assert "math" in dyn.drafts
+    assert dyn.iterations < st.iterations
+    assert dyn.mean_acceptance_length > st.mean_acceptance_length
+
+
+def test_oracle_dynamic_single_draft_and_interval_edges():
+    table = [3, 0, 1, 2, 4, 4, 0, 0, 1, 2, 3, 4, 0]
+    for interval in (1, 2, 4, 100):
+        assert oracle_dynamic({"d": table}, 4, interval).accepted == \
+            replay_static({"d": table}, "d", 4).accepted
+    with pytest.raises(ValueError):
+        oracle_dynamic({"d": table}, 4, interval=0)
+
+
+def test_oracle_dynamic_is_greedy_not_optimal():
+    """Per-interval greed can lose to a static draft; what holds is per-interval best reach."""
+    tables = {"a": [3, 0, 0, 0, 4, 0, 0, 0, 0], "b": [4, 0, 0, 0, 0, 0, 0, 0, 0]}
+    _, st = oracle_static(tables, 4)
+    dyn = oracle_dynamic(tables, 4, interval=1)
+    assert st.drafts == ["a", "a"]
+    assert dyn.drafts[0] == "b" and dyn.iterations == 5 > st.iterations
+    assert oracle_dynamic(tables, 4, interval=2).iterations == 2  # longer look-ahead sees it
+    for interval in (1, 2, 3):
+        dyn = oracle_dynamic(tables, 4, interval)
+        for s in range(0, dyn.iterations, interval):
+            end = dyn.positions[s + interval] if s + interval < dyn.iterations else 9
+            best = max(lookahead(t, dyn.positions[s], 4, interval)[0] for t in tables.values())
+            assert end == best
+
+
+def test_best_for_interval_ties_keep_current():
+    tables = {"a": [2] * 12, "b": [2] * 12}
+    assert best_for_interval(tables, 0, 4, 4) == "a"
+    assert best_for_interval(tables, 0, 4, 4, current="b") == "b"
+    # near the end: same reach, fewer iterations wins
+    assert best_for_interval({"a": [0, 0, 0], "b": [2, 1, 0]}, 0, 4, 4) == "b"
+
+
+def test_pooled_and_gmean():
+    a = Replay(4, 10, ["d"] * 2, [0, 5], [4, 4])
+    b = Replay(4, 4, ["d"] * 2, [0, 1], [0, 2])
+    p = pooled([a, b])
+    assert p["iterations"] == 4 and p["accepted"] == 10
+    assert p["mean_acceptance_length"] == pytest.approx(1 + 10 / 4)
+    assert p["acceptance_rate"] == pytest.approx(10 / 16)
+    assert gmean([1.0, 4.0]) == pytest.approx(2.0)
+
+
+def test_capped_engine_accepts():
+    # 10 tokens; last iteration accepts 4 past a remaining length of 3
+    assert capped_engine_accepts([2, 4, 4], [3, 5, 2], 10) == [2, 4, 2]
