@@ -1,0 +1,67 @@
+"""ZeroMQ plumbing: private run directory, endpoints, and typed send/receive.
+
+Sockets bind to ``ipc://`` inside a 0700 run directory by default (nothing else on the
+machine can connect), or to loopback TCP when asked. Receiving never raises on bad input:
+it returns the :class:`ProtocolError` so the caller can reply with an error and go on.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tempfile
+from pathlib import Path
+
+import zmq
+
+from memspec.common.messages import Message, ProtocolError, decode, encode
+
+NAMES = ("control", "decoder", "loader", "predictor", "client")
+
+
+def make_run_dir(base: str | os.PathLike | None = None) -> Path:
+    """A fresh private (0700) directory for this run's ipc sockets."""
+    root = Path(base) if base else Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    path = root / f"memspec-{os.getuid()}-{os.getpid()}-{secrets.token_hex(3)}"
+    path.mkdir(mode=0o700, parents=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def endpoint(run_dir: Path, name: str, tcp: bool = False) -> str:
+    if tcp:
+        return f"tcp://127.0.0.1:{free_tcp_port()}"
+    return f"ipc://{run_dir / (name + '.sock')}"
+
+
+def configure(sock: zmq.Socket) -> zmq.Socket:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)  # oversized frames are dropped by ZeroMQ itself
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Message, ident: bytes | None = None,
+         raw: list[bytes] | None = None) -> None:
+    frames = encode(msg, raw)
+    sock.send_multipart(([ident] if ident is not None else []) + frames, copy=False)
+
+
+def recv(sock: zmq.Socket, router: bool = False, flags: int = 0
+         ) -> tuple[bytes | None, Message | ProtocolError, list[bytes]]:
+    """(identity, message or the reason it was rejected, raw frames)."""
+    frames = sock.recv_multipart(flags)
+    ident = None
+    if router:
+        ident, frames = frames[0], frames[1:]
+    try:
+        msg, raw = decode(frames)
+    except ProtocolError as exc:
+        return ident, exc, []
+    return ident, msg, raw
