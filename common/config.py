@@ -59,6 +59,7 @@ class PoolConfig:
     bandwidth_mb_s: float | None = None
     ucb_c: float = 2.0
     predictor_head: Path | None = None
+    K_from_budget: bool = False  # K was not given: derive it from memory_budget_mb
     source: Path | None = field(default=None, compare=False)
 
     def draft(self, name: str) -> DraftSpec:
@@ -161,6 +162,7 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
         bandwidth_mb_s=_float_field(raw, "bandwidth_mb_s", None),
         ucb_c=_float_field(raw, "ucb_c", 2.0) or 2.0,
         predictor_head=expand_path(head, base) if isinstance(head, str) else None,
+        K_from_budget="K" not in raw and "memory_budget_mb" in raw,
         source=source,
     )
 

@@ -48,9 +48,11 @@ def configure(sock: zmq.Socket) -> zmq.Socket:
 
 
 def send(sock: zmq.Socket, msg: Message, ident: bytes | None = None,
-         raw: list[bytes] | None = None) -> None:
+         raw: list[bytes] | None = None, flags: int = zmq.NOBLOCK) -> None:
+    """Non-blocking by default: a peer that is down or backed up raises zmq.Again, so no
+    process ever hangs on another (callers decide whether to drop or retry)."""
     frames = encode(msg, raw)
-    sock.send_multipart(([ident] if ident is not None else []) + frames, copy=False)
+    sock.send_multipart(([ident] if ident is not None else []) + frames, flags=flags, copy=False)
 
 
 def recv(sock: zmq.Socket, router: bool = False, flags: int = 0

@@ -16,29 +16,97 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from memspec.common.config import load_pool
+    from memspec.common.config import POLICIES, load_pool
+    from memspec.common.errors import ConfigError
     from memspec.procs.decoder.acceptance import SamplingParams
-    from memspec.procs.decoder.inprocess import build_local, run_request
 
     pool = load_pool(args.pool)
     policy = args.policy or pool.policy
-    params = SamplingParams(args.temperature, args.top_p, args.seed)
-    rt = build_local(pool, with_drafts=policy != "target-only")
-    stream = None
-    if not args.json:
-        def stream(ids: list[int]) -> None:
-            sys.stdout.write(rt.tokenizer.decode(ids, skip_special_tokens=True))
-            sys.stdout.flush()
-    out = run_request(rt, args.prompt, policy, args.max_new_tokens or pool.max_new_tokens,
-                      params, stream)
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy '{policy}'", f"use one of: {', '.join(POLICIES)}")
+    SamplingParams(args.temperature, args.top_p, args.seed)  # validate before starting
+    max_new = args.max_new_tokens or pool.max_new_tokens
+    if args.in_process:
+        out = _generate_in_process(pool, args, policy, max_new)
+    else:
+        from memspec.launch.up import generate
+
+        out = generate(args.pool, args.prompt, stream=not args.json, policy=policy,
+                       max_new_tokens=max_new, temperature=args.temperature,
+                       top_p=args.top_p, seed=args.seed)
     if args.json:
         print(json.dumps(out))
     else:
         s = out["stats"]
         print(f"\n[{policy}] {s['generated_tokens']} tokens, {s['tokens_per_s_steady']:.1f} tok/s "
               f"steady, {s['tokens_per_s_e2e']:.1f} tok/s e2e, mean acceptance length "
-              f"{s['mean_acceptance_length']:.2f}", file=sys.stderr)
+              f"{s['mean_acceptance_length']:.2f}, drafts {s['drafts_used']}", file=sys.stderr)
     return 0
+
+
+def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int) -> dict:
+    from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.inprocess import build_local, run_request
+
+    rt = build_local(pool, with_drafts=policy != "target-only")
+    stream = None
+    if not args.json:
+        def stream(ids: list[int]) -> None:
+            sys.stdout.write(rt.tokenizer.decode(ids, skip_special_tokens=True))
+            sys.stdout.flush()
+    params = SamplingParams(args.temperature, args.top_p, args.seed)
+    return run_request(rt, args.prompt, policy, max_new, params, stream)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from memspec.launch.up import serve
+
+    return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
+                 cold_start=args.cold_start)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from memspec.launch.client import submit
+
+    def show(tok) -> None:  # noqa: ANN001
+        sys.stdout.write(tok.text)
+        sys.stdout.flush()
+
+    kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
+          "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    done = submit(args.endpoint, args.prompt, None if args.json else show, **kw)
+    if args.json:
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids, "stats": done.stats}))
+    else:
+        print()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from memspec.launch.client import status
+
+    st = status(args.endpoint)
+    if args.json:
+        print(json.dumps({"procs": st.procs, "slots": st.slots}))
+    else:
+        for name, p in st.procs.items():
+            print(f"{name:<10} pid {p.get('pid')}  state {p.get('state')}  "
+                  f"restarts {p.get('restarts')}  rss {p.get('rss_mb', 0):.0f} MB")
+        for slot in st.slots:
+            print(f"slot {slot['slot']}: {slot['state']:<8} {slot.get('draft') or '-'} "
+                  f"(generation {slot['generation']})")
+    return 0
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default=None,
+                   help="target-only | general-static | mab-sync | mab-async | "
+                        "prediction-only | memspec (default: the pool's)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:
@@ -83,16 +151,33 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="memspec", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="speculative decoding of one prompt")
+    g = sub.add_parser("generate", help="one prompt through decoder, loader and predictor")
     _add_pool(g)
-    g.add_argument("--policy", default=None, help="target-only | general-static")
-    g.add_argument("--max-new-tokens", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_request_args(g)
+    g.add_argument("--in-process", action="store_true",
+                   help="run the engine in this process (target-only / general-static only)")
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
+
+    u = sub.add_parser("up", help="supervisor: start the three processes and serve prompts")
+    _add_pool(u)
+    u.add_argument("--endpoint", default=None, help="ZeroMQ endpoint for clients "
+                   "(default ipc://$XDG_RUNTIME_DIR/memspec-UID/memspec.sock; tcp://127.0.0.1:P)")
+    u.add_argument("--no-stdin", action="store_true", help="serve the endpoint only")
+    u.add_argument("--cold-start", action="store_true",
+                   help="empty the draft slots before every request (paper's method)")
+    u.set_defaults(func=cmd_up)
+
+    sm = sub.add_parser("submit", help="send a prompt to a running `memspec up`")
+    sm.add_argument("--endpoint", required=True)
+    _add_request_args(sm)
+    sm.add_argument("prompt")
+    sm.set_defaults(func=cmd_submit)
+
+    st = sub.add_parser("status", help="processes and slots of a running `memspec up`")
+    st.add_argument("--endpoint", required=True)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
 
     z = sub.add_parser("zoo", help="build models and corpora")
     z.add_argument("what", choices=["target", "corpora", "drafts", "eval"])

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tinymodels import TINY_VOCAB, make_tiny, save_model
 
+from memspec.common.config import DraftSpec, PoolConfig
+from memspec.common.errors import ConfigError
+from memspec.common.paths import default_target_dir
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import load_causal_lm
 from memspec.procs.decoder.slots import ID_MAP_KEY, BoundDraft, SlotBuffer, load_into_slot
+from memspec.zoo.evaluate import (
+    acceptance_report,
+    evaluate,
+    format_report,
+    heldout_prompts,
+    traces_path,
+)
 from memspec.zoo.tables import (
     Replay,
     acceptance_table,
@@ -255,3 +266,59 @@ def test_pooled_and_gmean():
 def test_capped_engine_accepts():
     # 10 tokens; last iteration accepts 4 past a remaining length of 3
     assert capped_engine_accepts([2, 4, 4], [3, 5, 2], 10) == [2, 4, 2]
+
+
+# --------------------------------------------------------------------------- zoo eval pieces
+
+
+def test_acceptance_report_by_hand():
+    trajs = [{"domain": "general", "tokens": [0] * 10}, {"domain": "code", "tokens": [0] * 10},
+             {"domain": "code", "tokens": []}]
+    tables = {"general": [[4] * 10, [0] * 10, []], "code": [[0] * 10, [4] * 10, []]}
+    r = acceptance_report(tables, trajs, "general", ["general", "code"], 4, 4)
+    assert r["mean_acceptance_length"]["general"] == {"general": 1 + 8 / 2, "code": 1.0}
+    assert r["acceptance_rate"]["code"]["code"] == pytest.approx(8 / 8)
+    assert r["oracle_static_choice"] == {"general": {"general": 1}, "code": {"code": 1}}
+    assert r["oracle_static_over_general"]["code"] == pytest.approx(5.0)
+    assert r["oracle_static_over_general"]["gmean"] == pytest.approx(5.0 ** 0.5)
+    assert r["oracle_dynamic_over_oracle_static"]["gmean"] == pytest.approx(1.0)
+
+
+def test_evaluate_on_tiny_pool(tiny_dir, target):
+    """The whole report minus trajectory building, on tiny models: keys, exactness, costs."""
+    drafts = (DraftSpec("self", "general", tiny_dir / "self"),
+              DraftSpec("random", "code", tiny_dir / "random"),
+              DraftSpec("small", "law", tiny_dir / "small"))
+    pool = PoolConfig(target=tiny_dir / "target", drafts=drafts, general="self", gamma=4, N=4)
+    eng = SpecEngine(target, (), gamma=4)
+    trajs = []
+    for i, prompt in enumerate(PROMPTS + [[1, 11, 12], [1, 90, 2]]):
+        tokens, _ = eng.generate(prompt, 24)
+        trajs.append({"id": f"p{i}", "domain": ["general", "code", "law"][i % 3],
+                      "prompt_ids": prompt, "tokens": tokens})
+    r = evaluate(pool, target, (), trajs, check_per_domain=1)
+    assert r["drafts"] == ["self", "random", "small"]
+    assert r["domains"] == ["general", "code", "law"]
+    assert all(r["mean_acceptance_length"]["self"][d] == 5.0 for d in r["domains"])
+    assert r["oracle_static_over_general"]["gmean"] == pytest.approx(1.0)
+    check = r["table_vs_engine"]
+    assert check["prompts"] == 3 and check["iterations_compared"] > 0
+    assert check["mismatching_iterations"] == 0 and check["trajectory_divergences"] == 0
+    assert set(r["draft_load_s"]) == set(r["load_over_iteration"]) == {"self", "random", "small"}
+    assert r["sd_iteration_s"] > 0
+    r["prompts_per_domain"] = 2
+    text = format_report(r)
+    assert "oracle-dynamic" in text and "load" in text
+    json.dumps(r)
+
+
+def test_heldout_prompts_and_traces_path(monkeypatch, tmp_path):
+    rows = heldout_prompts(["general", "math"], 3)
+    assert [r["domain"] for r in rows] == ["general"] * 3 + ["math"] * 3
+    with pytest.raises(ConfigError):
+        heldout_prompts(["nosuchdomain"], 1)
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path))
+    pool = PoolConfig(target=default_target_dir(), drafts=())
+    assert traces_path(pool) == tmp_path / "traces" / "heldout.jsonl"
+    other = PoolConfig(target=tmp_path / "other-target", drafts=())
+    assert traces_path(other).name == "heldout-other-target.jsonl"

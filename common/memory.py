@@ -1,0 +1,37 @@
+"""psutil-based memory accounting, and the draft-slot count a memory budget allows."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from memspec.common.errors import ConfigError
+
+
+def process_rss_mb(pid: int | None = None) -> float:
+    try:
+        return psutil.Process(pid or os.getpid()).memory_info().rss / 2**20
+    except psutil.Error:
+        return 0.0
+
+
+def process_info(pid: int) -> dict:
+    """RSS / shared memory of one process, for status reports."""
+    try:
+        mem = psutil.Process(pid).memory_info()
+    except psutil.Error:
+        return {"rss_mb": 0.0, "shared_mb": 0.0}
+    return {"rss_mb": round(mem.rss / 2**20, 1),
+            "shared_mb": round(getattr(mem, "shared", 0) / 2**20, 1)}
+
+
+def slots_for_budget(budget_mb: float, slot_bytes: int, n_drafts: int) -> int:
+    """K = how many slots of the largest draft fit in the budget (at most one per draft)."""
+    need_mb = slot_bytes / 2**20
+    k = int(budget_mb // need_mb) if need_mb > 0 else n_drafts
+    if k < 1:
+        raise ConfigError(
+            f"memory_budget_mb = {budget_mb:g} is too small for one draft slot ({need_mb:.1f} MB)",
+            f"raise memory_budget_mb to at least {need_mb:.1f} or use smaller drafts")
+    return min(k, n_drafts)

@@ -1,0 +1,301 @@
+"""Supervisor: spawns decoder, loader and predictor, watches them, restarts the one that dies.
+
+It also routes requests: prompts from stdin or from clients on a ZeroMQ endpoint are queued
+here and handed to the decoder one at a time, so a decoder crash costs only the request in
+flight (it gets an Error reply) and the queue is served by the restarted decoder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from memspec.common.errors import MemspecError
+from memspec.common.memory import process_info
+from memspec.common.messages import (
+    Done,
+    Error,
+    Heartbeat,
+    Message,
+    PeerRestarted,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Status,
+    StatusRequest,
+    Submit,
+    Tokens,
+)
+from memspec.common.slotmem import cleanup_shm
+from memspec.common.sockets import configure, endpoint, make_run_dir, recv, send
+
+PROCS = ("loader", "predictor", "decoder")
+HEARTBEAT_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 300.0
+Reply = Callable[[Message], None]
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the supervisor itself is killed: no orphans."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen | None = None
+    restarts: int = 0
+    state: str = "stopped"
+    last_beat: float = 0.0
+    started: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+
+class Supervisor:
+    def __init__(self, pool: str | None = None, client_endpoint: str | None = None,
+                 tcp: bool = False, cold_start: bool = False, quiet_logs: bool = True,
+                 run_dir: Path | None = None) -> None:
+        self.pool = pool
+        self.run_dir = run_dir or make_run_dir()
+        self.ep = {n: endpoint(self.run_dir, n, tcp) for n in ("control", "decoder", "loader",
+                                                                "predictor")}
+        self.client_endpoint = client_endpoint
+        self.cold_start = cold_start
+        self.quiet_logs = quiet_logs
+        self.procs = {n: Proc(n) for n in PROCS}
+        self.ctx = zmq.Context()
+        self.control = configure(self.ctx.socket(zmq.PULL))
+        self.control.bind(self.ep["control"])
+        self.decoder = configure(self.ctx.socket(zmq.DEALER))
+        self.decoder.connect(self.ep["decoder"])
+        self.client: zmq.Socket | None = None
+        if client_endpoint:
+            self.client = configure(self.ctx.socket(zmq.ROUTER))
+            self.client.bind(client_endpoint)
+        self.queue: deque[tuple[Submit, Reply]] = deque()
+        self.in_flight: tuple[Submit, Reply] | None = None
+        self.slots: list[dict] = []
+        self.decoder_token = ""
+        self.stopping = False
+
+    # ---- processes ------------------------------------------------------------------
+    def _cmd(self, name: str) -> list[str]:
+        cmd = [sys.executable, "-m", f"memspec.procs.{name}.main",
+               "--endpoint", self.ep[name], "--control", self.ep["control"]]
+        if self.pool:
+            cmd += ["--pool", self.pool]
+        if name == "decoder":
+            self.decoder_token = secrets.token_hex(4)
+            cmd += ["--loader", self.ep["loader"], "--predictor", self.ep["predictor"],
+                    "--run-token", self.decoder_token]
+            if self.cold_start:
+                cmd.append("--cold-start")
+        return cmd
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / f"{name}.log"
+
+    def spawn(self, name: str) -> None:
+        p = self.procs[name]
+        log = open(self.log_path(name), "ab") if self.quiet_logs else None  # noqa: SIM115
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+        p.popen = subprocess.Popen(self._cmd(name), stdin=subprocess.DEVNULL,
+                                   stdout=log or sys.stderr, stderr=log or sys.stderr,
+                                   start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        if log:
+            log.close()
+        p.state, p.started, p.last_beat = "starting", time.monotonic(), time.monotonic()
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        for name in PROCS:
+            self.spawn(name)
+        deadline = time.monotonic() + timeout
+        while any(p.state != "ready" for p in self.procs.values()):
+            if time.monotonic() > deadline:
+                raise MemspecError("processes did not become ready in time",
+                                   f"see the logs in {self.run_dir}")
+            for p in self.procs.values():
+                if p.popen and p.popen.poll() is not None and p.state == "starting":
+                    raise MemspecError(f"{p.name} exited at start (code {p.popen.returncode}): "
+                                       f"{self._last_log_line(p.name)}",
+                                       "fix the problem it names and start again")
+            self._poll_control(100)
+
+    def _last_log_line(self, name: str) -> str:
+        try:
+            lines = [x for x in self.log_path(name).read_text(errors="replace").splitlines()
+                     if x.strip()]
+        except OSError:
+            return "no log"
+        errs = [x for x in lines if "error" in x.lower()]
+        return (errs or lines or ["no output"])[-1].strip()[:300]
+
+    def _on_crash(self, p: Proc, why: str) -> None:
+        print(f"[supervisor] {p.name} {why}; restarting", file=sys.stderr, flush=True)
+        if p.popen and p.popen.poll() is None:
+            p.popen.kill()
+            p.popen.wait()
+        if p.name == "decoder":
+            cleanup_shm(f"memspec-{self.decoder_token}-")
+            if self.in_flight:
+                req, reply = self.in_flight
+                reply(Error(req_id=req.req_id,
+                            message=f"decoder crashed ({why}) during this request; resubmit it"))
+                self.in_flight = None
+            self.slots = []
+        p.restarts += 1
+        self.spawn(p.name)
+        p.state = "restarting"
+
+    def _check_procs(self) -> None:
+        now = time.monotonic()
+        for p in self.procs.values():
+            if p.popen is None:
+                continue
+            code = p.popen.poll()
+            if code is not None:
+                self._on_crash(p, f"exited with code {code}")
+            elif p.state == "ready" and now - p.last_beat > HEARTBEAT_TIMEOUT_S:
+                self._on_crash(p, f"sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
+            elif p.state != "ready" and now - p.started > START_TIMEOUT_S:
+                self._on_crash(p, "did not become ready")
+
+    # ---- messages -------------------------------------------------------------------
+    def _poll_control(self, timeout_ms: int) -> None:
+        if not self.control.poll(timeout_ms):
+            return
+        while True:
+            try:
+                _, msg, _ = recv(self.control, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if isinstance(msg, ProtocolError):
+                print(f"[supervisor] malformed control message: {msg}", file=sys.stderr)
+            elif isinstance(msg, Ready) and msg.proc in self.procs:
+                self._on_ready(self.procs[msg.proc], msg)
+            elif isinstance(msg, Heartbeat) and msg.proc in self.procs:
+                self.procs[msg.proc].last_beat = time.monotonic()
+            elif isinstance(msg, Status):
+                self.slots = msg.slots
+
+    def _on_ready(self, p: Proc, msg: Ready) -> None:
+        if p.pid != msg.pid:
+            return  # a Ready from a process we already replaced
+        restarted = p.state == "restarting"
+        p.state, p.last_beat, p.info = "ready", time.monotonic(), msg.info
+        if restarted:
+            print(f"[supervisor] {p.name} is back (pid {msg.pid})", file=sys.stderr, flush=True)
+            if p.name in ("loader", "predictor"):
+                try:
+                    send(self.decoder, PeerRestarted(proc=p.name, pid=msg.pid))
+                except zmq.Again:
+                    pass
+
+    def _poll_decoder(self) -> None:
+        while True:
+            try:
+                _, msg, _ = recv(self.decoder, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if isinstance(msg, ProtocolError) or self.in_flight is None:
+                continue
+            req, reply = self.in_flight
+            if isinstance(msg, (Tokens, Done, Error)) and msg.req_id in (req.req_id, ""):
+                reply(msg)
+                if isinstance(msg, (Done, Error)):
+                    self.in_flight = None
+
+    def _poll_clients(self) -> None:
+        if self.client is None:
+            return
+        while True:
+            try:
+                ident, msg, _ = recv(self.client, router=True, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+            def reply(m: Message, ident: bytes | None = ident) -> None:
+                try:
+                    send(self.client, m, ident=ident)
+                except zmq.Again:
+                    pass  # the client went away
+
+            if isinstance(msg, ProtocolError):
+                reply(Error(req_id="", message=f"malformed message: {msg}"))
+            elif isinstance(msg, Submit):
+                self.submit(msg, reply)
+            elif isinstance(msg, StatusRequest):
+                reply(self.status())
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+            else:
+                reply(Error(req_id="", message=f"the endpoint does not accept {msg.TYPE}"))
+
+    def _dispatch(self) -> None:
+        if self.in_flight is None and self.queue and self.procs["decoder"].state == "ready":
+            try:
+                send(self.decoder, self.queue[0][0])
+            except zmq.Again:
+                return  # decoder socket not connected yet: try on the next tick
+            self.in_flight = self.queue.popleft()
+
+    # ---- public -----------------------------------------------------------------------
+    def submit(self, req: Submit, reply: Reply) -> None:
+        self.queue.append((req, reply))
+
+    def status(self) -> Status:
+        procs = {n: {"pid": p.pid, "restarts": p.restarts, "state": p.state,
+                     **(process_info(p.pid) if p.pid else {})}
+                 for n, p in self.procs.items()}
+        return Status(procs=procs, slots=self.slots)
+
+    def tick(self, timeout_ms: int = 50) -> None:
+        self._poll_control(timeout_ms)
+        self._poll_decoder()
+        self._poll_clients()
+        self._check_procs()
+        self._dispatch()
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight is None and not self.queue
+
+    def shutdown(self) -> None:
+        for p in self.procs.values():
+            if p.popen and p.popen.poll() is None:
+                p.popen.terminate()
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            if p.popen:
+                try:
+                    p.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+            p.state = "stopped"
+        if self.decoder_token:
+            cleanup_shm(f"memspec-{self.decoder_token}-")
+        self.ctx.destroy(linger=0)
+        if self.client_endpoint and self.client_endpoint.startswith("ipc://"):
+            Path(self.client_endpoint[6:]).unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
