@@ -204,6 +204,7 @@ class Submit(Message):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    trace: bool = False  # Done.stats gets a per-iteration / per-load timeline
 
 
 @dataclass

@@ -81,6 +81,8 @@ class Controller:
         self.scores: dict[str, float] | None = None
         self._rank_seq: dict[str, int] = {}
         self._stats: RunStats | None = None
+        self._events: list[list] | None = None  # [t, "load"|"loaded"|"failed", draft, slot]
+        self._t0 = 0.0
         self.on_slots_changed: Callable[[], None] | None = None
 
     # ---- messages from loader / predictor / supervisor -----------------------------------
@@ -89,6 +91,8 @@ class Controller:
             self._on_loaded(msg)
         elif isinstance(msg, LoadFailed):
             slot = self.table.fail(msg.slot, msg.generation, msg.draft, msg.reason)
+            if slot is not None:
+                self._event("failed", msg.draft, msg.slot)
             if slot is not None and msg.reason != "cancelled":
                 _log(f"draft '{msg.draft}' quarantined: {msg.reason}")
             self._changed()
@@ -120,6 +124,7 @@ class Controller:
             self._changed()
             return
         self.engine.add_draft(bound)
+        self._event("loaded", msg.draft, slot.index)
         if self._stats is not None:
             self._stats.loads += 1
             self._stats.bytes_loaded += msg.nbytes
@@ -140,7 +145,12 @@ class Controller:
         _log("loader restarted: pending loads re-issued")
 
     # ---- residency actions ---------------------------------------------------------------
+    def _event(self, kind: str, draft: str, slot: int) -> None:
+        if self._events is not None:
+            self._events.append([time.perf_counter() - self._t0, kind, draft, slot])
+
     def _send_load(self, slot: Slot) -> None:
+        self._event("load", slot.draft or "", slot.index)
         f = self.files[slot.draft or ""]
         self.channels.send(Load(
             slot=slot.index, generation=slot.generation, draft=slot.draft or "", path=str(f.path),
@@ -224,10 +234,11 @@ class Controller:
             traceback.print_exc(file=sys.stderr)
             emit(Error(req_id=req.req_id, message=f"internal error: {type(exc).__name__}: {exc}"))
         finally:
-            self._stats = None
+            self._stats = self._events = None
 
     def _serve(self, req: Submit, emit: Emit) -> None:
-        t_start = time.perf_counter()
+        t_start = self._t0 = time.perf_counter()
+        self._events = [] if req.trace else None
         policy_name = req.policy or self.pool.policy
         policy: Policy = make_policy(policy_name, ucb_c=self.pool.ucb_c)
         params = SamplingParams(req.temperature, req.top_p, req.seed)
@@ -285,6 +296,11 @@ class Controller:
         summary = stats.summary()
         summary.update(policy=policy_name, quarantined=dict(self.table.failed),
                        resident_at_end=sorted(self.table.resident))
+        if self._events is not None:
+            summary["trace"] = {
+                "iterations": [[r.t_start - t_start, r.draft, r.accepted, r.duration, r.desired]
+                               for r in stats.records],
+                "loads": self._events}
         emit(Done(req_id=req.req_id,
                   text=self.tokenizer.decode(session.generated, skip_special_tokens=True),
                   token_ids=session.generated, stats=summary))

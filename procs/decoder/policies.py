@@ -1,0 +1,405 @@
+"""Draft scheduling policies behind one interface (ARCHITECTURE.md §5).
+
+Pure logic: no sockets, processes, torch or clocks, so the decoder's controller and the
+replay simulator run the very same code. At every scheduling point the caller builds a
+`SchedView`, asks `decide`, issues `Decision.actions` (evictions, cancels, then loads) and
+runs `Decision.run` for the next interval; after every SD iteration it calls `observe`.
+
+Contract: `run` is always resident (after `actions.evict`) or None (target alone), except
+that a blocking policy may set `wait_for`, in which case `run == wait_for` and the caller
+blocks until that draft is resident (or has failed; then it should decide again).
+Quarantined (`failed`) drafts are never chosen, loaded or run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol, cast
+
+from memspec.common.errors import ConfigError
+from memspec.procs.decoder.cache_manager import (
+    NO_ACTIONS,
+    CacheActions,
+    lowest,
+    rank,
+    update_cache,
+)
+
+
+@dataclass
+class SchedView:
+    """What a policy sees at a scheduling point (every N iterations)."""
+
+    iteration: int
+    drafts: tuple[str, ...]  # all pool drafts, pool order
+    general: str  # the general draft's name
+    capacity: int  # K
+    resident: frozenset[str]  # loaded + bound, runnable now
+    loading: frozenset[str]  # loads in flight
+    failed: frozenset[str]  # quarantined drafts (load failed): never choose, never load
+    active: str | None  # draft that ran the last interval
+    scores: Mapping[str, float] | None  # newest predictor ranking (None if none arrived yet)
+
+    def usable(self) -> tuple[str, ...]:
+        """Pool drafts that may still be chosen, in pool order."""
+        return tuple(d for d in self.drafts if d not in self.failed)
+
+    def runnable(self) -> frozenset[str]:
+        return self.resident - self.failed
+
+    def in_flight(self) -> frozenset[str]:
+        return self.loading - self.resident - self.failed
+
+
+@dataclass(frozen=True)
+class Decision:
+    run: str | None  # draft for the next interval; resident (or None = target-only)
+    preferred: str | None  # what the policy would run if everything were resident
+    actions: CacheActions  # loads/evictions to issue now
+    wait_for: str | None = None  # blocking policies: wait until resident, then run it
+
+
+class Policy(Protocol):
+    name: str
+    uses_predictor: bool
+
+    def reset(self) -> None:
+        """Forget per-request state (a new prompt starts)."""
+
+    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
+        """Feed back one SD iteration's outcome."""
+
+    def decide(self, view: SchedView) -> Decision:
+        """Choose the next interval's draft and the cache actions to issue now."""
+
+
+# An oracle plan sees the view and names the draft to run (or ranks the drafts).
+OraclePlan = Callable[[SchedView], str | Mapping[str, float] | None]
+
+
+def _acquire(view: SchedView, want: str | None, victim: Callable[[set[str]], str | None],
+             protect: set[str], *, cancel_ok: bool = False) -> CacheActions:
+    """Load one draft reactively: a free slot if any, else evict `victim(candidates)`.
+
+    Returns no actions when `want` is resident, loading or failed, or no slot can be freed.
+    """
+    busy = view.resident | view.loading | view.failed
+    if want is None or want in busy or view.capacity < 1:
+        return NO_ACTIONS
+    if len(view.runnable()) + len(view.in_flight()) < view.capacity:
+        return CacheActions(prefetch=(want,))
+    out = victim(set(view.runnable()) - protect - {want})
+    if out is not None:
+        return CacheActions(prefetch=(want,), evict=(out,))
+    out = victim(set(view.in_flight()) - {want}) if cancel_ok else None
+    return CacheActions(prefetch=(want,), cancel=(out,)) if out is not None else NO_ACTIONS
+
+
+def _after(view: SchedView, actions: CacheActions) -> frozenset[str]:
+    """Drafts still runnable once the evictions are issued."""
+    return view.runnable() - set(actions.evict)
+
+
+def _keeper(view: SchedView, best: Callable[[frozenset[str]], str | None]) -> str | None:
+    """The draft to protect from eviction: the active one, or, when none ran last interval
+    (request start, target-only fallback), the resident one we would run now, so that
+    loading toward a better draft never leaves the next interval without one."""
+    if view.active in view.runnable():
+        return view.active
+    return best(view.runnable())
+
+
+def _by_name(names: set[str]) -> str | None:
+    """Victim choice for policies without scores: deterministic, nothing smarter to go on."""
+    return max(names) if names else None
+
+
+class TargetOnly:
+    """No drafts at all: the baseline every speedup is measured against."""
+
+    name = "target-only"
+    uses_predictor = False
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
+        pass
+
+    def decide(self, view: SchedView) -> Decision:
+        return Decision(None, None, NO_ACTIONS)
+
+
+class _StaticDraft(TargetOnly):
+    """One draft for the whole request: load it, run it once resident, target alone before."""
+
+    def target(self, view: SchedView) -> str | None:
+        raise NotImplementedError
+
+    def decide(self, view: SchedView) -> Decision:
+        want = self.target(view)
+        if want is None or want in view.failed:
+            return Decision(None, None, NO_ACTIONS)
+        protect = {view.active} if view.active else set()
+        actions = _acquire(view, want, _by_name, protect)
+        run = want if want in _after(view, actions) else None
+        return Decision(run, want, actions)
+
+
+class GeneralStatic(_StaticDraft):
+    name = "general-static"
+
+    def target(self, view: SchedView) -> str | None:
+        return view.general
+
+
+class OracleStatic(_StaticDraft):
+    """Best single draft per prompt, from offline tables: the plan is asked once per request."""
+
+    name = "oracle-static"
+
+    def __init__(self, plan: OraclePlan) -> None:
+        self.plan = plan
+        self.choice: str | None = None
+        self.asked = False
+
+    def reset(self) -> None:
+        self.choice, self.asked = None, False
+
+    def target(self, view: SchedView) -> str | None:
+        if not self.asked:
+            self.choice, self.asked = _top1(_plan_scores(self.plan(view), view)), True
+        return self.choice
+
+
+def _top1(scores: Mapping[str, float], names: Iterable[str] | None = None) -> str | None:
+    """Best of `names` (default: every scored draft) by score; None when there is none."""
+    ranked = rank(scores, names)
+    return ranked[0] if ranked else None
+
+
+def _plan_scores(result: str | Mapping[str, float] | None, view: SchedView) -> dict[str, float]:
+    """An oracle names one draft or ranks several; either way, scores over usable drafts."""
+    if result is None:
+        return {}
+    scores = {result: 1.0} if isinstance(result, str) else result
+    return {d: float(scores[d]) for d in view.usable() if d in scores}
+
+
+class MemSpec(TargetOnly):
+    """Keep the predicted top-K resident (Alg. 2), run the best resident one (Alg. 3)."""
+
+    name = "memspec"
+    uses_predictor = True
+
+    def __init__(self, *, cancel_unwanted: bool = False) -> None:
+        self.cancel_unwanted = cancel_unwanted
+
+    def scores(self, view: SchedView) -> dict[str, float]:
+        """The predictor's scores over usable drafts; before any arrives, the general draft."""
+        if view.scores is None:
+            return {view.general: 1.0} if view.general not in view.failed else {}
+        return {d: float(view.scores[d]) for d in view.usable() if d in view.scores}
+
+    def decide(self, view: SchedView) -> Decision:
+        scores = self.scores(view)
+        keep = _keeper(view, lambda names: _top1(scores, names))
+        actions = update_cache(scores, view.runnable(), view.in_flight(), view.capacity, keep,
+                               cancel_unwanted=self.cancel_unwanted)
+        return Decision(_top1(scores, _after(view, actions)), _top1(scores), actions)
+
+
+class OracleDynamic(MemSpec):
+    """MemSpec driven by future knowledge instead of a predictor, same memory limit."""
+
+    name = "oracle-dynamic"
+    uses_predictor = False
+
+    def __init__(self, plan: OraclePlan, *, cancel_unwanted: bool = False) -> None:
+        super().__init__(cancel_unwanted=cancel_unwanted)
+        self.plan = plan
+
+    def scores(self, view: SchedView) -> dict[str, float]:
+        return _plan_scores(self.plan(view), view)
+
+
+class PredictionOnly(MemSpec):
+    """Predictor top-1 only, loaded reactively when chosen: no working set (ablation)."""
+
+    name = "prediction-only"
+
+    def decide(self, view: SchedView) -> Decision:
+        scores = self.scores(view)
+        want = _top1(scores)
+        keep = _keeper(view, lambda names: _top1(scores, names))
+        actions = _acquire(view, want, lambda names: lowest(scores, names), {keep})
+        return Decision(_top1(scores, _after(view, actions)), want, actions)
+
+
+class _Ucb:
+    """UCB1 over drafts; reward = accepted tokens per SD iteration."""
+
+    uses_predictor = False
+
+    def __init__(self, c: float) -> None:
+        self.c = c
+        self.reset()
+
+    def reset(self) -> None:
+        self.pulls: dict[str, int] = {}
+        self.rewards: dict[str, float] = {}
+
+    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
+        if draft is None:
+            return
+        self.pulls[draft] = self.pulls.get(draft, 0) + 1
+        self.rewards[draft] = self.rewards.get(draft, 0.0) + accepted
+
+    def mean(self, draft: str) -> float:
+        n = self.pulls.get(draft, 0)
+        return self.rewards.get(draft, 0.0) / n if n else 0.0
+
+    def index(self, draft: str) -> float:
+        """Mean plus exploration bonus; untried drafts come first (infinite index)."""
+        n = self.pulls.get(draft, 0)
+        if n == 0:
+            return math.inf
+        total = sum(self.pulls.values())
+        return self.mean(draft) + self.c * math.sqrt(math.log(total) / n)
+
+    def pick(self, view: SchedView) -> str | None:
+        """Explore each usable draft once (resident ones first, fewer loads), then UCB."""
+        usable = view.usable()
+        order = {d: i for i, d in enumerate(usable)}
+        untried = [d for d in usable if self.pulls.get(d, 0) == 0]
+        if untried:
+            return min(untried, key=lambda d: (d not in view.resident, d not in view.loading,
+                                               order[d]))
+        return max(usable, key=lambda d: (self.index(d), -order[d]), default=None)
+
+    def victim(self, names: set[str]) -> str | None:
+        """Evict the resident the bandit values least (lowest index, then mean, then name)."""
+        return min(names, key=lambda d: (self.index(d), self.mean(d), d), default=None)
+
+    def best_known(self, names: frozenset[str], view: SchedView) -> str | None:
+        order = {d: i for i, d in enumerate(view.drafts)}
+        return max(names, key=lambda d: (self.mean(d), -order.get(d, 0)), default=None)
+
+
+class MabAsync(_Ucb):
+    """UCB choice loaded in the background; the best resident by mean reward runs meanwhile."""
+
+    name = "mab-async"
+
+    def decide(self, view: SchedView) -> Decision:
+        chosen = self.pick(view)
+        keep = _keeper(view, lambda names: self.best_known(names, view))
+        actions = _acquire(view, chosen, self.victim, {keep})
+        runnable = _after(view, actions)
+        run = chosen if chosen in runnable else self.best_known(runnable, view)
+        return Decision(run, chosen, actions)
+
+
+class MabSync(_Ucb):
+    """UCB choice, blocking until it is resident (the active draft is idle while it waits)."""
+
+    name = "mab-sync"
+
+    def decide(self, view: SchedView) -> Decision:
+        chosen = self.pick(view)
+        if chosen is None or chosen in view.runnable():
+            return Decision(chosen, chosen, NO_ACTIONS)
+        actions = _acquire(view, chosen, lambda names: self._victim(names, view.active), set(),
+                           cancel_ok=True)
+        if chosen in view.loading or chosen in actions.prefetch:
+            return Decision(chosen, chosen, actions, wait_for=chosen)
+        return Decision(self.best_known(view.runnable(), view), chosen, actions)
+
+    def _victim(self, names: set[str], active: str | None) -> str | None:
+        """Spare the active draft when another can go; it is idle during the wait anyway."""
+        return self.victim(names - {active}) or self.victim(names)
+
+
+class _WaitInitial:
+    """Block on the first decision of a request until the preferred draft is resident.
+
+    The paper's Alg. 3 loads the initial draft d0 before decoding (line 3), and the static
+    baselines are 'resident from start'; later decisions keep the wrapped policy's semantics.
+    """
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.name, self.uses_predictor = inner.name, inner.uses_predictor
+        self.first = True
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.first = True
+
+    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
+        self.inner.observe(draft, proposed, accepted)
+
+    def decide(self, view: SchedView) -> Decision:
+        d = self.inner.decide(view)
+        first, self.first = self.first, False
+        want = d.preferred
+        if not first or d.wait_for or want is None or want in view.resident:
+            return d
+        if want in view.loading or want in d.actions.prefetch:
+            return replace(d, run=want, wait_for=want)
+        return d
+
+
+def _need_plan(name: str, plan: object) -> OraclePlan:
+    if not callable(plan):
+        raise ConfigError(f"policy '{name}' needs an oracle plan from acceptance tables",
+                          "run `memspec trace` first, or pick another policy")
+    return cast(OraclePlan, plan)
+
+
+_KW = ("oracle_plan", "wait_initial", "cancel_unwanted")
+
+
+def make_policy(name: str, *, ucb_c: float = 2.0, seed: int = 0, **kw: object) -> Policy:
+    """Build a policy by its config name (memspec.common.config.POLICIES).
+
+    kw: `oracle_plan` (oracle-static/-dynamic: view -> draft name or scores),
+    `wait_initial` (block once at request start for the preferred draft, Alg. 3 line 3),
+    `cancel_unwanted` (memspec/oracle-dynamic: cancel in-flight loads outside W when a
+    slot is needed). `seed` is accepted for randomised variants; every policy here is
+    deterministic.
+    """
+    unknown = sorted(set(kw) - set(_KW))
+    if unknown:
+        raise ConfigError(f"unknown policy option(s) {', '.join(unknown)}",
+                          f"valid: {', '.join(_KW)}")
+    if not (isinstance(ucb_c, (int, float)) and math.isfinite(ucb_c) and ucb_c >= 0):
+        raise ConfigError(f"ucb_c = {ucb_c!r} is not a finite number >= 0", "use e.g. 2.0")
+    policy = _build(name, float(ucb_c), kw)
+    return _WaitInitial(policy) if kw.get("wait_initial") else policy
+
+
+def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
+    builders = _builders(name, c, bool(kw.get("cancel_unwanted", False)), kw.get("oracle_plan"))
+    if name not in builders:
+        raise ConfigError(f"unknown policy '{name}'", f"valid: {', '.join(builders)}")
+    return builders[name]()
+
+
+def _builders(name: str, c: float, cancel: bool, plan: object) -> dict[str, Callable[[], Policy]]:
+    """Every policy by config name; oracle plans are checked only when an oracle is built."""
+    return {
+        "target-only": TargetOnly,
+        "general-static": GeneralStatic,
+        "oracle-static": lambda: OracleStatic(_need_plan(name, plan)),
+        "mab-sync": lambda: MabSync(c),
+        "mab-async": lambda: MabAsync(c),
+        "prediction-only": PredictionOnly,
+        "memspec": lambda: MemSpec(cancel_unwanted=cancel),
+        "oracle-dynamic": lambda: OracleDynamic(_need_plan(name, plan), cancel_unwanted=cancel),
+    }
+
+
+POLICY_NAMES = tuple(_builders("", 2.0, False, None))
