@@ -1,0 +1,236 @@
+"""The loader process: serves ``Load`` / ``Cancel`` from the decoder, one load at a time.
+
+``python -m memspec.procs.loader.main --endpoint E --control C`` binds a ROUTER at ``E``
+(the decoder connects a DEALER) and connects a PUSH to the supervisor's control PULL at
+``C``: ``Ready`` once, then ``Heartbeat`` every 0.5 s, also in the middle of a long load.
+Loads are served FIFO; between chunks the socket is polled without blocking, so a
+``Cancel`` aborts the in-flight load or drops a queued one. The loader holds no
+authoritative state (the decoder owns the slots), so it can be killed and restarted at
+any time. Bad input is answered with ``Error``/``LoadFailed`` and never ends the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+import zmq
+
+from memspec.common import sockets
+from memspec.common.messages import (
+    Cancel,
+    Error,
+    Heartbeat,
+    Load,
+    Loaded,
+    LoadFailed,
+    Message,
+    ProtocolError,
+    Ready,
+    Shutdown,
+)
+from memspec.common.slotmem import CUDA_IPC, TRANSPORTS, SlotWriter
+from memspec.procs.loader.job import Cancelled, LoadError, open_slot, stream, validate
+from memspec.procs.loader.reader import IO_MODES
+
+PROC = "loader"
+HEARTBEAT_S = 0.5
+CHUNK = 1 << 20
+
+
+def log(text: str) -> None:
+    print(f"[{PROC}] {text}", file=sys.stderr, flush=True)
+
+
+class LoaderProcess:
+    def __init__(self, endpoint: str, control: str, chunk: int = CHUNK,
+                 io_mode: str = "auto") -> None:
+        self.chunk = chunk
+        self.io_mode = io_mode
+        self.ctx = zmq.Context()
+        self.router = sockets.configure(self.ctx.socket(zmq.ROUTER))
+        self.router.bind(endpoint)
+        self.control = sockets.configure(self.ctx.socket(zmq.PUSH))
+        self.control.setsockopt(zmq.SNDHWM, 64)
+        self.control.connect(control)
+        self.queue: deque[tuple[bytes, Load]] = deque()
+        self.ipc: dict[int, tuple[str, int, SlotWriter]] = {}  # slot -> open cuda-ipc writer
+        self.current: tuple[bytes, Load] | None = None
+        self.stopping = False
+        self.loads = 0
+        self.failures = 0
+        self._next_beat = 0.0
+
+    # --- control plane -------------------------------------------------------------------
+    def _push(self, msg: Message) -> None:
+        try:  # a missing supervisor must never stall the loader
+            sockets.send(self.control, msg)
+        except zmq.Again:
+            pass
+
+    def _reply(self, ident: bytes, msg: Message) -> None:
+        try:
+            sockets.send(self.router, msg, ident=ident)
+        except zmq.ZMQError as exc:
+            log(f"reply {msg.TYPE} dropped: {exc}")
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_beat:
+            state = f"loading {self.current[1].draft}" if self.current else "idle"
+            self._push(Heartbeat(proc=PROC, pid=os.getpid(), state=state))
+            self._next_beat = now + HEARTBEAT_S
+
+    def _receive(self, timeout_ms: int) -> None:
+        """Handle every message that arrives within ``timeout_ms`` (0: only what is queued)."""
+        while not self.stopping and self.router.poll(timeout_ms, zmq.POLLIN):
+            timeout_ms = 0
+            try:
+                ident, msg, _raw = sockets.recv(self.router, router=True, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # a frame list without an identity cannot be answered
+                log("dropped a message without a routing identity")
+                continue
+            self._handle(ident, msg)
+
+    def _handle(self, ident: bytes, msg: Message | ProtocolError) -> None:
+        if isinstance(msg, ProtocolError):
+            log(f"malformed message: {msg}")
+            self._reply(ident, Error(req_id="", message=f"malformed message: {msg}"))
+        elif isinstance(msg, Load):
+            self.queue.append((ident, msg))
+        elif isinstance(msg, Cancel):
+            self._cancel(ident, msg)
+        elif isinstance(msg, Shutdown):
+            log(f"shutdown requested{': ' + msg.reason if msg.reason else ''}")
+            self.stopping = True
+        else:
+            self._reply(ident, Error(req_id="", message=f"loader does not handle {msg.TYPE}"))
+
+    def _cancel(self, ident: bytes, msg: Cancel) -> None:
+        if self.current and _matches(self.current[1], msg):
+            raise Cancelled()
+        for item in list(self.queue):
+            if _matches(item[1], msg):
+                self.queue.remove(item)
+                self._fail(item, "cancelled")
+
+    def _between_chunks(self) -> None:
+        self._beat()
+        self._receive(0)
+        if self.stopping:
+            raise Cancelled("loader shutting down")
+
+    # --- loads ---------------------------------------------------------------------------
+    def _fail(self, item: tuple[bytes, Load], reason: str) -> None:
+        ident, load = item
+        self.failures += 1
+        log(f"load of '{load.draft}' into slot {load.slot} (gen {load.generation}) "
+            f"failed: {reason}")
+        self._reply(ident, LoadFailed(slot=load.slot, generation=load.generation,
+                                      draft=load.draft, reason=reason))
+
+    def _serve(self, item: tuple[bytes, Load]) -> None:
+        ident, load = item
+        self.current = item
+        try:
+            layout = validate(load)
+            writer = self._writer(load)
+            try:
+                res = stream(load, layout, writer, self._between_chunks, self.chunk,
+                             self.io_mode)
+            finally:
+                if load.transport != CUDA_IPC:
+                    writer.close()
+        except LoadError as exc:
+            self._fail(item, str(exc))
+            return
+        except Exception as exc:  # a bug or driver error must not end the process
+            self._fail(item, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            self.current = None
+        self.loads += 1
+        mbps = res.nbytes / max(res.seconds, 1e-9) / 1e6
+        log(f"loaded '{load.draft}' into slot {load.slot} (gen {load.generation}): "
+            f"{res.nbytes} B in {res.seconds:.3f} s ({mbps:.0f} MB/s, {res.io_mode}, "
+            f"{load.storage})")
+        self._reply(ident, Loaded(slot=load.slot, generation=load.generation,
+                                  draft=load.draft, nbytes=res.nbytes, seconds=res.seconds,
+                                  checksum=res.checksum))
+
+    def _writer(self, load: Load) -> SlotWriter:
+        """shm: opened per load, because a restarted decoder may recreate a segment under the
+        same name. cuda-ipc: kept open per slot, so each exported handle is opened (and its
+        ref counter released) once; a new handle for a slot (decoder restart) replaces it,
+        which bounds the mappings of a dead decoder's memory to one per slot."""
+        if load.transport != CUDA_IPC:
+            return open_slot(load)
+        cached = self.ipc.get(load.slot)
+        if cached and cached[:2] == (load.handle, load.capacity):
+            return cached[2]
+        if cached:
+            del self.ipc[load.slot]
+            cached[2].close()
+        writer = open_slot(load)
+        self.ipc[load.slot] = (load.handle, load.capacity, writer)
+        return writer
+
+    def run(self) -> None:
+        info = {"transports": list(TRANSPORTS), "io": self.io_mode, "chunk": self.chunk}
+        self._push(Ready(proc=PROC, pid=os.getpid(), info=info))
+        log(f"ready (pid {os.getpid()}, io={self.io_mode}, chunk={self.chunk})")
+        while not self.stopping:
+            self._beat()
+            if self.queue:
+                self._serve(self.queue.popleft())
+                continue
+            wait = max(0.0, self._next_beat - time.monotonic())
+            self._receive(int(wait * 1000) + 1)
+        for item in self.queue:
+            self._fail(item, "loader shutting down")
+        self.queue.clear()
+
+    def close(self) -> None:
+        for _handle, _cap, writer in self.ipc.values():
+            writer.close()
+        self.ipc.clear()
+        self.router.close(0)
+        self.control.close(0)
+        self.ctx.term()
+
+
+def _matches(load: Load, cancel: Cancel) -> bool:
+    return load.slot == cancel.slot and load.generation == cancel.generation
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="memspec.procs.loader.main", description=__doc__)
+    ap.add_argument("--endpoint", required=True, help="ROUTER endpoint to bind (decoder)")
+    ap.add_argument("--control", required=True, help="supervisor control PULL to connect")
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="bytes per read (4 KiB multiple)")
+    ap.add_argument("--io", choices=IO_MODES, default="auto",
+                    help="auto/direct: O_DIRECT when the filesystem allows; buffered: fadvise")
+    args = ap.parse_args(argv)
+    proc = LoaderProcess(args.endpoint, args.control, args.chunk, args.io)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        proc.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        proc.run()
+    finally:
+        proc.close()
+    log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
