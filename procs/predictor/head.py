@@ -1,0 +1,156 @@
+"""Ranking head: encoder embedding (+ a has-recent flag) -> one score per draft.
+
+Saved as ``head.safetensors`` (weights; draft names and dims also in its metadata) next to
+``head.json`` (names, dims, training info, accuracy), both small enough to commit. Loading
+checks both files against the pool's drafts so a head trained for another pool, or a
+corrupt file, fails at start with one line instead of ranking the wrong drafts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memspec.common.errors import ModelError
+
+FORMAT = "memspec-predictor-head/1"
+N_FLAGS = 2  # one-hot [prompt only, prompt + recent]: the two inputs look different
+RETRAIN = "retrain it: python -m memspec.procs.predictor.train_head"
+
+
+class RankHead(nn.Module):
+    """Linear (hidden=0) or one-hidden-layer MLP over ``[embedding ; flags]``."""
+
+    def __init__(self, names: Sequence[str], embed_dim: int = 384, hidden: int = 0,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if not names or len(set(names)) != len(names):
+            raise ValueError("a head needs distinct draft names")
+        self.names = list(names)
+        self.embed_dim = embed_dim
+        self.hidden = hidden
+        d_in = embed_dim + N_FLAGS
+        if hidden:
+            self.net = nn.Sequential(nn.Dropout(dropout), nn.Linear(d_in, hidden), nn.GELU(),
+                                     nn.Dropout(dropout), nn.Linear(hidden, len(names)))
+        else:
+            self.net = nn.Sequential(nn.Dropout(dropout), nn.Linear(d_in, len(names)))
+
+    @staticmethod
+    def features(emb: torch.Tensor, has_recent: torch.Tensor | Sequence[bool]) -> torch.Tensor:
+        flag = torch.as_tensor(has_recent, dtype=torch.long).reshape(-1)
+        return torch.cat([emb, nn.functional.one_hot(flag, N_FLAGS).to(emb.dtype)], dim=-1)
+
+    def forward(self, emb: torch.Tensor, has_recent: torch.Tensor | Sequence[bool]) -> torch.Tensor:
+        """Logits, one column per draft in ``self.names`` order."""
+        return self.net(self.features(emb, has_recent))
+
+    def probs(self, emb: torch.Tensor, has_recent: Sequence[bool]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.softmax(self.forward(emb, has_recent).float(), dim=-1)
+
+    def reorder(self, names: Sequence[str]) -> RankHead:
+        """The same head with output columns permuted to ``names`` (the pool's order)."""
+        if list(names) == self.names:
+            return self
+        last = self.net[-1]
+        idx = torch.tensor([self.names.index(n) for n in names])
+        with torch.no_grad():
+            last.weight.copy_(last.weight[idx].clone())
+            last.bias.copy_(last.bias[idx].clone())
+        self.names = list(names)
+        return self
+
+
+def sidecar(path: Path) -> Path:
+    return Path(path).with_suffix(".json")
+
+
+def save_head(head: RankHead, path: Path, info: dict[str, Any] | None = None) -> Path:
+    """Write ``path`` (safetensors) and its ``.json`` sidecar; returns the sidecar path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, "names": json.dumps(head.names),
+            "embed_dim": str(head.embed_dim), "hidden": str(head.hidden)}
+    _write_safetensors({k: v.detach().float() for k, v in head.state_dict().items()}, meta, path)
+    doc = {"format": FORMAT, "drafts": head.names, "embed_dim": head.embed_dim,
+           "hidden": head.hidden, "flags": ["prompt_only", "prompt_recent"], **(info or {})}
+    sidecar(path).write_text(json.dumps(doc, indent=2) + "\n")
+    return sidecar(path)
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                       path: Path) -> None:
+    """Byte-reproducible safetensors (sorted header keys; the library's metadata order is
+    random), so retraining with the same seed leaves the committed file unchanged."""
+    header: dict[str, Any] = {"__metadata__": meta}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        blob = tensors[name].contiguous().cpu().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    side = sidecar(path)
+    if not side.is_file():
+        raise ModelError(f"predictor head {path} has no {side.name} beside it", RETRAIN)
+    try:
+        doc = json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{side} is not valid JSON ({type(exc).__name__})", RETRAIN) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ModelError(f"{side} is not a {FORMAT} file", RETRAIN)
+    return doc
+
+
+def load_head(path: Path, names: Sequence[str] | None = None) -> RankHead:
+    """Load and validate; with ``names`` the head must cover exactly those drafts (any order),
+    and its columns come back in ``names`` order."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"predictor head not found at {path}",
+                         "train one: python -m memspec.procs.predictor.train_head")
+    doc = read_info(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        state = load_file(str(path))
+        saved_names = json.loads(meta.get("names", "null"))
+        embed_dim, hidden = int(meta["embed_dim"]), int(meta["hidden"])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"predictor head {path} is corrupt ({type(exc).__name__})",
+                         RETRAIN) from None
+    if saved_names != doc.get("drafts"):
+        raise ModelError(f"{path.name} and {sidecar(path).name} disagree on the draft names",
+                         RETRAIN)
+    if names is not None and sorted(names) != sorted(saved_names):
+        raise ModelError(f"predictor head ranks drafts {saved_names}, the pool has {list(names)}",
+                         RETRAIN + " for this pool, or set pool.predictor_head")
+    head = RankHead(saved_names, embed_dim=embed_dim, hidden=hidden)
+    try:
+        head.load_state_dict(state, strict=True)
+    except RuntimeError:
+        raise ModelError(f"predictor head {path} has unexpected tensors or shapes",
+                         RETRAIN) from None
+    head.eval()
+    return head.reorder(names) if names is not None else head
+
+
+def default_head_path() -> Path:
+    from memspec.procs.predictor import DEFAULT_HEAD
+
+    return DEFAULT_HEAD

@@ -1,0 +1,218 @@
+"""The predictor process: answers Snapshot with Ranking, heartbeats, never dies on input.
+
+    python -m memspec.procs.predictor.main --endpoint E --control C [--pool P]
+
+Binds a ROUTER at E (the decoder connects a DEALER) before loading, so early snapshots
+queue instead of failing; connects PUSH to the supervisor's control endpoint C and sends
+Ready once the head, tokenizer and encoder are loaded, then a Heartbeat every 0.5 s. When
+several snapshots of one request are queued only the newest is answered: a stale ranking
+is worthless to the decoder and answering it would only add latency to the fresh one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import zmq  # noqa: E402
+
+from memspec.common.errors import MemspecError, ModelError  # noqa: E402
+from memspec.common.messages import (  # noqa: E402
+    Error,
+    Heartbeat,
+    ProtocolError,
+    Ranking,
+    Ready,
+    Shutdown,
+    Snapshot,
+)
+from memspec.common.sockets import configure, recv, send  # noqa: E402
+
+PROC = "predictor"
+HEARTBEAT_S = 0.5
+MAX_DRAIN = 256  # messages read per wake-up before answering; bounds one round's latency
+LOG_LIMIT = 50  # rejected-message log lines before going quiet (a flood must not fill disks)
+
+
+def log(msg: str) -> None:
+    print(f"[{PROC}] {msg}", file=sys.stderr, flush=True)
+
+
+def newest_per_request(items: list[tuple[bytes, Snapshot]]) -> list[tuple[bytes, Snapshot]]:
+    """Keep the last-arrived snapshot per (peer, req_id), in first-seen order."""
+    latest: dict[tuple[bytes, str], tuple[bytes, Snapshot]] = {}
+    for ident, snap in items:
+        key = (ident, snap.req_id)
+        latest.pop(key, None)
+        latest[key] = (ident, snap)
+    return list(latest.values())
+
+
+class Server:
+    """The poll loop; the ranker is injected so the loop logic is testable on its own."""
+
+    def __init__(self, router: zmq.Socket, control: zmq.Socket, ranker) -> None:
+        self.router, self.control, self.ranker = router, control, ranker
+        self.pid = os.getpid()
+        self.stop = False
+        self.rejected = 0
+        self.dropped_stale = 0
+
+    def reject(self, ident: bytes | None, req_id: str, reason: str) -> None:
+        self.rejected += 1
+        if self.rejected <= LOG_LIMIT:
+            log(f"rejected message: {reason}")
+        elif self.rejected == LOG_LIMIT + 1:
+            log("further rejected messages are not logged")
+        if ident is not None:
+            send(self.router, Error(req_id=req_id, message=f"{PROC}: {reason}"), ident=ident)
+
+    def drain(self) -> list[tuple[bytes, Snapshot]]:
+        snaps: list[tuple[bytes, Snapshot]] = []
+        for _ in range(MAX_DRAIN):
+            try:
+                ident, msg, _raw = recv(self.router, router=True, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if isinstance(msg, ProtocolError):
+                self.reject(ident, "", str(msg))
+            elif isinstance(msg, Snapshot):
+                snaps.append((ident, msg))
+            elif isinstance(msg, Shutdown):
+                log(f"shutdown requested{': ' + msg.reason if msg.reason else ''}")
+                self.stop = True
+            else:
+                self.reject(ident, getattr(msg, "req_id", ""),
+                            f"unexpected message type {msg.TYPE!r}")
+        return snaps
+
+    def answer(self, snaps: list[tuple[bytes, Snapshot]]) -> None:
+        fresh = newest_per_request(snaps)
+        self.dropped_stale += len(snaps) - len(fresh)
+        good = []
+        for ident, snap in fresh:
+            if self.ranker.bad_ids(snap.recent_ids):
+                self.reject(ident, snap.req_id, "recent_ids outside the target vocabulary")
+            else:
+                good.append((ident, snap))
+        if not good:
+            return
+        try:
+            scores, seconds = self.ranker.rank([s.prompt for _, s in good],
+                                               [s.recent_ids for _, s in good])
+        except Exception as exc:  # a bad input must cost one reply, never the process
+            for ident, snap in good:
+                self.reject(ident, snap.req_id, f"ranking failed ({type(exc).__name__}: {exc})")
+            return
+        for (ident, snap), row in zip(good, scores):
+            send(self.router, Ranking(req_id=snap.req_id, seq=snap.seq, drafts=self.ranker.names,
+                                      scores=row, latency_s=seconds), ident=ident)
+
+    def heartbeat(self, state: str) -> None:
+        send(self.control, Heartbeat(proc=PROC, pid=self.pid, state=state))
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        next_beat = time.monotonic()
+        while not self.stop:
+            now = time.monotonic()
+            if now >= next_beat:
+                self.heartbeat("idle")
+                next_beat = now + HEARTBEAT_S
+            try:
+                events = dict(poller.poll(max(0.0, next_beat - now) * 1000))
+            except zmq.ZMQError as exc:  # EINTR from a signal: re-check the stop flag
+                if exc.errno != zmq.EINTR:
+                    raise
+                continue
+            if self.router in events:
+                snaps = self.drain()
+                if snaps and not self.stop:
+                    self.answer(snaps)
+
+
+def _control_error(control: zmq.Socket, message: str) -> None:
+    """Tell the supervisor why we are exiting; linger briefly so the message leaves."""
+    control.setsockopt(zmq.LINGER, 1000)
+    send(control, Error(req_id="", message=f"{PROC}: {message}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="memspec predictor process")
+    ap.add_argument("--endpoint", required=True, help="ROUTER bind address for snapshots")
+    ap.add_argument("--control", required=True, help="supervisor PULL address (Ready/Heartbeat)")
+    ap.add_argument("--pool", type=Path, default=None, help="pool.toml (default: embedded)")
+    ap.add_argument("--head", type=Path, default=None,
+                    help="head.safetensors (default: pool.predictor_head, else predictor/)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: leave the cores to the decoder)")
+    args = ap.parse_args(argv)
+
+    ctx = zmq.Context()
+    control = configure(ctx.socket(zmq.PUSH))
+    control.connect(args.control)
+    router = configure(ctx.socket(zmq.ROUTER))
+    server: Server | None = None
+
+    def on_signal(_signum: int, _frame) -> None:
+        if server is not None:
+            server.stop = True
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        t0 = time.perf_counter()
+        from memspec.common.config import load_pool
+        from memspec.procs.predictor import DEFAULT_HEAD
+
+        pool = load_pool(args.pool, check=False)
+        # checked before torch is imported: the commonest setup mistake fails in a blink
+        head = Path(args.head or pool.predictor_head or DEFAULT_HEAD)
+        if not head.is_file():
+            raise ModelError(f"predictor head not found at {head}",
+                             "train one: python -m memspec.procs.predictor.train_head")
+        try:
+            router.bind(args.endpoint)
+        except zmq.ZMQError as exc:
+            raise MemspecError(f"cannot bind {args.endpoint} ({exc})",
+                               "pick a free endpoint") from None
+        import torch
+
+        from memspec.procs.predictor.ranker import Ranker
+
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        ranker = Ranker.load(pool, head, device=args.device)
+        load_s = time.perf_counter() - t0
+        server = Server(router, control, ranker)
+        send(control, Ready(proc=PROC, pid=os.getpid(), info={
+            "drafts": ranker.names, "load_s": round(load_s, 3), "head": str(head),
+            "device": args.device, "threads": torch.get_num_threads(), "T": ranker.T}))
+        log(f"ready in {load_s:.1f}s: ranking {', '.join(ranker.names)}")
+        server.serve()
+        return 0
+    except MemspecError as exc:
+        log(f"error: {exc}")
+        _control_error(control, str(exc))
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        router.close()
+        control.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
