@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-from tinymodels import make_tiny, save_model
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before torch / transformers load
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the suite runs several processes
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from tinymodels import make_tiny, save_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
