@@ -191,16 +191,22 @@ GARBAGE = [
 ]
 
 
-def _hostile(ep: str, frames: list[bytes], expect_reply: bool) -> Message | None:
+def _hostile(sup: Supervisor, ep: str, frames: list[bytes], expect_reply: bool,
+             kind: int = zmq.DEALER) -> Message | None:
+    """Send raw frames; keep the (in-process) supervisor ticking while waiting for a reply."""
     from memspec.common.messages import decode
 
     ctx = zmq.Context()
-    sock = configure(ctx.socket(zmq.DEALER if expect_reply else zmq.PUSH))
+    sock = configure(ctx.socket(kind))
+    sock.setsockopt(zmq.SNDTIMEO, 10000)
     try:
         sock.connect(ep)
         sock.send_multipart(frames)
-        if expect_reply and sock.poll(10000):
-            return decode(sock.recv_multipart())[0]
+        deadline = time.monotonic() + (10 if expect_reply else 0.5)
+        while time.monotonic() < deadline:
+            sup.tick(5)
+            if expect_reply and sock.poll(5):
+                return decode(sock.recv_multipart())[0]
         return None
     finally:
         ctx.destroy(linger=0)
@@ -212,13 +218,12 @@ def test_malformed_input_on_every_socket(sup, reference):
            "loader": sup.ep["loader"], "predictor": sup.ep["predictor"]}
     for name, ep in eps.items():
         for frames in GARBAGE:
-            reply = _hostile(ep, frames, expect_reply=True)
-            sup.tick(5)
+            reply = _hostile(sup, ep, frames, expect_reply=True)
             assert isinstance(reply, Error), (name, frames, reply)
-        big = _hostile(ep, [b"\x00" * (20 << 20)], expect_reply=False)  # over MAXMSGSIZE
+        big = _hostile(sup, ep, [b"\x00" * (20 << 20)], expect_reply=False)  # over MAXMSGSIZE
         assert big is None
     for frames in GARBAGE:
-        _hostile(sup.ep["control"], frames, expect_reply=False)
+        _hostile(sup, sup.ep["control"], frames, expect_reply=False, kind=zmq.PUSH)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 2:
         sup.tick(20)
