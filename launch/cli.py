@@ -144,7 +144,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.engine import main_bench_engine
 
         return main_bench_engine(args)
-    raise MemspecError(f"unknown benchmark '{args.what}'", "use: memspec bench engine")
+    if args.what == "pipeline":
+        from memspec.bench.pipeline import main_bench_pipeline
+
+        return main_bench_pipeline(args)
+    raise MemspecError(f"unknown benchmark '{args.what}'", "use engine or pipeline")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.set_defaults(func=cmd_zoo)
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", choices=["engine"])
+    b.add_argument("what", choices=["engine", "pipeline"])
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3)
     b.add_argument("--max-new-tokens", type=int, default=64)

@@ -1,0 +1,176 @@
+"""`memspec bench pipeline`: what the three-process design costs, measured side by side.
+
+1. tokens/s of the multi-process pipeline over the in-process engine, same prompts, same
+   policy (general-static, draft already resident) — the target ratio is >= 0.97;
+2. snapshot -> ranking round trip to the predictor process over ZeroMQ;
+3. loader fill bandwidth (file -> slot through the loader process) over the raw cold-read
+   bandwidth of the same file in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from memspec.common.config import load_pool
+from memspec.common.messages import (
+    Done,
+    Error,
+    Load,
+    Loaded,
+    LoadFailed,
+    Message,
+    Ranking,
+    Snapshot,
+    Submit,
+)
+from memspec.common.safetensors_layout import read_layout
+from memspec.common.slotmem import SlotMemory, choose_transport, new_run_token, shm_name
+from memspec.common.sockets import configure, recv, send
+from memspec.launch.supervisor import Supervisor
+from memspec.procs.decoder.inprocess import build_local, run_request
+from memspec.procs.loader.reader import ColdReader
+
+DOMAINS = ("general", "code", "math", "law", "medical")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _prompts(n: int) -> list[str]:
+    root = Path(__file__).resolve().parent.parent / "prompts"
+    rows = {d: [json.loads(x)["prompt"] for x in (root / f"{d}.jsonl").read_text().splitlines()]
+            for d in DOMAINS}
+    return [rows[DOMAINS[i % 5]][i // 5] for i in range(n)]
+
+
+def _request(sup: Supervisor, prompt: str, policy: str, max_new: int) -> Done:
+    out: list[Message] = []
+    sup.submit(Submit(req_id=secrets.token_hex(4), prompt=prompt, policy=policy,
+                      max_new_tokens=max_new), lambda m: out.append(m)
+               if isinstance(m, (Done, Error)) else None)
+    while not out:
+        sup.tick(10)
+    if isinstance(out[0], Error):
+        raise RuntimeError(out[0].message)
+    return out[0]  # type: ignore[return-value]
+
+
+def _dealer(sup: Supervisor, name: str) -> zmq.Socket:
+    sock = configure(sup.ctx.socket(zmq.DEALER))
+    sock.connect(sup.ep[name])
+    return sock
+
+
+def _await(sup: Supervisor, sock: zmq.Socket, kinds: tuple[type, ...]) -> Message:
+    while True:
+        sup.tick(1)
+        if sock.poll(1):
+            _, msg, _ = recv(sock)
+            if isinstance(msg, kinds):
+                return msg
+
+
+def ranking_round_trip(sup: Supervisor, pool, prompts: list[str], n: int = 20) -> dict:
+    sock = _dealer(sup, "predictor")
+    rtt, reported = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        send(sock, Snapshot(req_id=f"bench{i}", seq=0, prompt=prompts[i % len(prompts)],
+                            recent_ids=list(range(100, 100 + pool.T))), flags=0)
+        msg = _await(sup, sock, (Ranking,))
+        rtt.append(time.perf_counter() - t0)
+        reported.append(msg.latency_s)  # type: ignore[attr-defined]
+    sock.close()
+    return {"round_trip_ms": 1e3 * statistics.median(rtt),
+            "predictor_compute_ms": 1e3 * statistics.median(reported)}
+
+
+def fill_vs_cold_read(sup: Supervisor, path: Path, reps: int = 3) -> dict:
+    layout = read_layout(path)
+    mem = SlotMemory.create(shm_name(new_run_token(), 0), layout.data_size,
+                            choose_transport("cpu"))
+    sock = _dealer(sup, "loader")
+    fills, raws = [], []
+    try:
+        for r in range(reps):
+            t0 = time.perf_counter()
+            reader = ColdReader(path, layout.data_offset, layout.data_size)
+            for _ in reader:
+                pass
+            reader.close()
+            raws.append(layout.data_size / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            send(sock, Load(slot=0, generation=r + 1, draft="bench", path=str(path),
+                            transport=mem.transport, handle=mem.handle, capacity=mem.capacity),
+                 flags=0)
+            msg = _await(sup, sock, (Loaded, LoadFailed))
+            if isinstance(msg, LoadFailed):
+                raise RuntimeError(msg.reason)
+            fills.append(layout.data_size / (time.perf_counter() - t0))
+    finally:
+        sock.close()
+        mem.close()
+        mem.unlink()
+    return {"file": str(path), "bytes": layout.data_size,
+            "fill_MB_s": statistics.median(fills) / 1e6,
+            "raw_cold_read_MB_s": statistics.median(raws) / 1e6,
+            "fill_over_raw": statistics.median(fills) / statistics.median(raws)}
+
+
+def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> dict[str, Any]:
+    pool = load_pool(pool_path)
+    prompts = _prompts(n_prompts)
+    sup = Supervisor(pool_path)
+    try:
+        _log("starting the pipeline and an in-process engine")
+        sup.start()
+        rt = build_local(pool)
+        _request(sup, prompts[0], "general-static", 8)  # warm: the general draft resident
+        run_request(rt, prompts[0], "general-static", 8)
+        inproc, multi = [], []
+        for i, p in enumerate(prompts):  # interleaved, so load drift hits both alike
+            a = [run_request(rt, p, "general-static", max_new)["stats"]["tokens_per_s_steady"]
+                 for _ in range(reps)]
+            b = [_request(sup, p, "general-static", max_new).stats["tokens_per_s_steady"]
+                 for _ in range(reps)]
+            inproc.append(statistics.median(a))
+            multi.append(statistics.median(b))
+            _log(f"prompt {i + 1}/{len(prompts)}: {multi[-1] / inproc[-1]:.3f}")
+        del rt
+        _log("predictor round trip")
+        rank = ranking_round_trip(sup, pool, prompts)
+        _log("loader fill vs cold read")
+        fill = fill_vs_cold_read(sup, pool.target / "model.safetensors")
+    finally:
+        sup.shutdown()
+    ratios = [m / i for m, i in zip(multi, inproc)]
+    return {"prompts": n_prompts, "max_new_tokens": max_new,
+            "in_process_tok_s": inproc, "pipeline_tok_s": multi,
+            "pipeline_over_in_process": statistics.geometric_mean(ratios),
+            "ranking": rank, "fill": fill}
+
+
+def main_bench_pipeline(args) -> int:
+    res = run(args.pool, args.prompts, args.max_new_tokens)
+    print(f"pipeline / in-process tokens/s: {res['pipeline_over_in_process']:.3f} "
+          f"(gmean over {res['prompts']} prompts, {res['max_new_tokens']} new tokens)")
+    for i, (a, b) in enumerate(zip(res["in_process_tok_s"], res["pipeline_tok_s"])):
+        print(f"  prompt {i}: in-process {a:6.1f} tok/s   pipeline {b:6.1f} tok/s   {b / a:.3f}")
+    r = res["ranking"]
+    print(f"snapshot->ranking round trip: {r['round_trip_ms']:.1f} ms "
+          f"(predictor compute {r['predictor_compute_ms']:.1f} ms)")
+    f = res["fill"]
+    print(f"loader fill {f['fill_MB_s']:.0f} MB/s vs raw cold read {f['raw_cold_read_MB_s']:.0f} "
+          f"MB/s of {Path(f['file']).name} ({f['bytes'] / 2**20:.0f} MB): {f['fill_over_raw']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
