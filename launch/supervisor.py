@@ -63,6 +63,7 @@ class Proc:
     state: str = "stopped"
     last_beat: float = 0.0
     started: float = 0.0
+    ready_at: float = 0.0  # monotonic time of the last Ready
     info: dict = field(default_factory=dict)
 
     @property
@@ -206,6 +207,7 @@ class Supervisor:
             return  # a Ready from a process we already replaced
         restarted = p.state == "restarting"
         p.state, p.last_beat, p.info = "ready", time.monotonic(), msg.info
+        p.ready_at = p.last_beat
         if restarted:
             print(f"[supervisor] {p.name} is back (pid {msg.pid})", file=sys.stderr, flush=True)
             if p.name in ("loader", "predictor"):

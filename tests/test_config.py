@@ -118,3 +118,12 @@ def test_cli_prints_one_line_errors(tmp_path, tiny_dir):
     assert "pool.K = 0 is below 1; set K >= 1" in res.stderr
     res = run_cli("generate", "--pool", str(tmp_path / "absent.toml"), "hello")
     assert res.returncode == 2 and "pool file" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_memory_budget_derives_k_or_fails_clearly():
+    from memspec.common.memory import slots_for_budget
+
+    assert slots_for_budget(20, 8 << 20, 5) == 2
+    assert slots_for_budget(1000, 8 << 20, 5) == 5
+    with pytest.raises(ConfigError, match="too small for one draft slot"):
+        slots_for_budget(4, 8 << 20, 5)
