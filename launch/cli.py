@@ -62,7 +62,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from memspec.launch.up import serve
 
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
-                 cold_start=args.cold_start)
+                 cold_start=args.cold_start, tcp=args.tcp)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--endpoint", default=None, help="ZeroMQ endpoint for clients "
                    "(default ipc://$XDG_RUNTIME_DIR/memspec-UID/memspec.sock; tcp://127.0.0.1:P)")
     u.add_argument("--no-stdin", action="store_true", help="serve the endpoint only")
+    u.add_argument("--tcp", action="store_true",
+                   help="loopback TCP between the processes instead of ipc:// sockets")
     u.add_argument("--cold-start", action="store_true",
                    help="empty the draft slots before every request (paper's method)")
     u.set_defaults(func=cmd_up)

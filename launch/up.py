@@ -35,10 +35,10 @@ class _Stop:
 
 
 def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
-          cold_start: bool = False) -> int:
+          cold_start: bool = False, tcp: bool = False) -> int:
     stop = _Stop()
     endpoint = endpoint or default_endpoint()
-    sup = Supervisor(pool, client_endpoint=endpoint, cold_start=cold_start)
+    sup = Supervisor(pool, client_endpoint=endpoint, cold_start=cold_start, tcp=tcp)
     try:
         print(f"[memspec] starting decoder, loader, predictor (logs: {sup.run_dir})",
               file=sys.stderr, flush=True)
