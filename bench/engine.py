@@ -8,7 +8,6 @@ the same cache lengths in a tight loop. Both are measured in one run on this mac
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from memspec.common.config import load_pool
+from memspec.common.machine import machine_line
 from memspec.procs.decoder.engine import forward_with_cache
 from memspec.procs.decoder.inprocess import build_local, run_request
 from memspec.zoo.trajectories import read_prompts
@@ -85,8 +85,7 @@ def run(pool_path: str | None, n_prompts: int, max_new: int) -> dict[str, Any]:
               f"overhead {rows[-1]['overhead_ratio']:.3f}", file=sys.stderr, flush=True)
     gm = statistics.geometric_mean
     return {
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-                   f"threads, {'cuda' if torch.cuda.is_available() else 'cpu'}",
+        "machine": machine_line(),
         "gamma": pool.gamma, "max_new_tokens": max_new, "rows": rows,
         "gmean_speedup": gm([r["speedup"] for r in rows]),
         "gmean_overhead_ratio": gm([r["overhead_ratio"] for r in rows]),

@@ -15,9 +15,10 @@ Every step is idempotent and cached under ``memspec_home()/draft_work``; ``--for
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-import platform
+import os
 import shutil
 import sys
 import time
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from memspec.common.machine import machine_line
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
 from memspec.procs.decoder.models import encode_prompt, load_causal_lm, load_tokenizer
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
@@ -48,6 +50,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 DOC_SEP = "\n\n"  # corpus documents are joined by a blank line (id 0 is reserved for 'rare')
 DEV_PROMPTS_PER_DOMAIN = 20
+DISTILL_WINDOWS = 96  # per domain: 96 x 256 target-labelled positions
 IGNORE = -100
 
 
@@ -84,6 +87,8 @@ class TrainPlan:
     traj_domains: tuple[str, ...]
     traj_weight: float  # share of batches drawn from target responses
     general_weight: float = 0.0  # share of batches drawn from the all-domain mix (fine-tunes)
+    distill_weight: float = 0.0  # share of corpus windows labelled with the target's argmax
+    distill_domains: tuple[str, ...] = ()
     init_from: str | None = None
     batch: int = 16
     seq_len: int = 256
@@ -93,11 +98,18 @@ class TrainPlan:
 
 
 def default_plans(minutes: float | None) -> dict[str, TrainPlan]:
-    """General from scratch (~10 min); domains fine-tuned from it (~5 min each)."""
-    plans = {"general": TrainPlan("general", minutes or 10.0, 3e-3, DOMAINS, DOMAINS, 0.5)}
+    """General from scratch (~8 min); domains distilled from it (~5 min each).
+
+    As in the paper, the general draft is the not-yet-specialised base: it learns the text of
+    every domain but is distilled toward the target only on general instructions. Each
+    domain draft is then distilled on its own domain: the target's greedy responses and
+    its argmax labels on domain text, which is where acceptance comes from.
+    """
+    plans = {"general": TrainPlan("general", minutes or 8.0, 3e-3, DOMAINS, ("general",), 0.25,
+                                  distill_weight=0.25, distill_domains=("general",))}
     for d in DOMAIN_DRAFTS:
-        plans[d] = TrainPlan(d, minutes or 5.0, 1e-3, (d,), (d,), 0.45,
-                             general_weight=0.15, init_from="general")
+        plans[d] = TrainPlan(d, minutes or 5.0, 2e-3, (d,), (d,), 0.3, distill_weight=0.5,
+                             distill_domains=(d,), init_from="general", warmup_steps=10)
     return plans
 
 
@@ -128,32 +140,37 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads"
-
-
 # --------------------------------------------------------------------------- step a: traces
 
 
-def ensure_trajectories(prompts: list[dict], out: Path, target_dir: Path) -> list[dict]:
-    """Target greedy responses; the builder is resumable, so only missing ids cost time."""
-    done = {json.loads(x)["id"] for x in out.read_text().splitlines() if x.strip()} \
-        if out.is_file() else set()
-    if all(p["id"] in done for p in prompts):
-        rows = {r["id"]: r for r in read_prompts(out)}
-        return [rows[p["id"]] for p in prompts]
-    model, tok = load_causal_lm(target_dir, device=device()), load_tokenizer(target_dir)
-    return build_trajectories(model, tok, target_dir, prompts, out)
+def _complete_rows(path: Path) -> dict[str, dict]:
+    rows = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line another process is still writing
+                continue
+            rows[row["id"]] = row
+    return rows
+
+
+def ensure_trajectories(prompts: list[dict], out: Path, target_dir: Path,
+                        also: Sequence[Path] = (), generate: bool = True) -> list[dict]:
+    """Target greedy responses; the builder is resumable, so only missing ids cost time.
+
+    ``also``: files written by other commands (read only) whose rows are reused, since with
+    greedy decoding a prompt's trajectory is the same whoever computed it.
+    """
+    have: dict[str, dict] = {}
+    for path in (*also, out):
+        have.update(_complete_rows(path))
+    missing = [p for p in prompts if p["id"] not in have]
+    if missing and generate:
+        model, tok = load_causal_lm(target_dir, device=device()), load_tokenizer(target_dir)
+        for row in build_trajectories(model, tok, target_dir, missing, out):
+            have[row["id"]] = row
+    return [have[p["id"]] for p in prompts if p["id"] in have]
 
 
 def dev_prompts(per_domain: int = DEV_PROMPTS_PER_DOMAIN) -> list[dict]:
@@ -184,6 +201,36 @@ def corpus_tokens(domain: str, tokenizer, force: bool = False) -> np.ndarray:
     log("tokens", f"{domain}: {arr.size:,} tokens from {len(texts)} docs "
         f"in {time.perf_counter() - t0:.1f}s")
     return arr
+
+
+@torch.inference_mode()
+def target_labels(domain: str, corpus: np.ndarray, target, windows: int, seq_len: int = 256,
+                  batch: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """The target's argmax after every prefix of random corpus windows (cached, resumable).
+
+    One batched teacher-forced pass labels ``seq_len`` positions at once: far cheaper than
+    generating, and it is exactly what greedy acceptance rewards.
+    """
+    cache = work_dir() / "distill" / f"{domain}_{seq_len}.npz"
+    if cache.is_file():
+        got = np.load(cache)
+        if len(got["x"]) >= windows:
+            return got["x"][:windows], got["y"][:windows]
+    rng = np.random.default_rng(SEED + DOMAINS.index(domain))
+    starts = rng.integers(0, corpus.size - seq_len - 1, windows)
+    x = np.stack([corpus[s:s + seq_len] for s in starts]).astype(np.int64)
+    y = np.zeros_like(x)
+    t0 = time.perf_counter()
+    for i in range(0, windows, batch):
+        ids = torch.from_numpy(x[i:i + batch]).to(device())
+        y[i:i + batch] = target(ids).logits.argmax(-1).cpu().numpy()
+        if (i // batch) % 10 == 0:
+            rate = (i + batch) * seq_len / (time.perf_counter() - t0)
+            log("distill", f"{domain}: {min(i + batch, windows)}/{windows} windows, "
+                f"{rate:.0f} tokens/s")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(cache, x=x.astype(np.uint16), y=y.astype(np.uint16))
+    return x.astype(np.uint16), y.astype(np.uint16)
 
 
 # --------------------------------------------------------------------------- step b: vocabulary
@@ -255,6 +302,7 @@ class Batches:
     rng: np.random.Generator
     seq_len: int
     max_traj_len: int
+    distill: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def _labels(self, target_ids: np.ndarray) -> np.ndarray:
         lab = self.inv[target_ids]
@@ -273,6 +321,8 @@ class Batches:
     def responses(self, domains: Sequence[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """prompt_ids + tokens, right-padded; loss on response tokens only."""
         pool = [r for d in domains for r in self.trajs[d]]
+        if not pool:  # no target responses for these domains (yet): corpus text instead
+            return self.corpus(domains, n)
         picks = [pool[int(i)] for i in self.rng.integers(0, len(pool), n)]
         seqs, starts = [], []
         for r in picks:
@@ -287,8 +337,25 @@ class Batches:
             y[i, st - 1:s.size - 1] = self._labels(s[st:])
         return torch.from_numpy(x), torch.from_numpy(y)
 
+    def distilled(self, domains: Sequence[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Corpus windows whose labels are the target's own argmax (its greedy choice)."""
+        doms = [d for d in domains if d in self.distill]
+        if not doms:
+            return self.corpus(domains, n)
+        xs, ys = [], []
+        for _ in range(n):
+            win, lab = self.distill[doms[self.rng.integers(len(doms))]]
+            i = int(self.rng.integers(len(win)))
+            xs.append(win[i].astype(np.int64))
+            ys.append(lab[i].astype(np.int64))
+        x, y = np.stack(xs), np.stack(ys)
+        return torch.from_numpy(self.inv[x]), torch.from_numpy(self._labels(y))
+
     def draw(self, plan: TrainPlan) -> tuple[torch.Tensor, torch.Tensor]:
         u = self.rng.random()
+        if u < plan.distill_weight:
+            return self.distilled(plan.distill_domains, plan.batch)
+        u -= plan.distill_weight
         if u < plan.general_weight:
             if self.rng.random() < 0.5:
                 return self.responses(DOMAINS, plan.batch)
@@ -320,11 +387,41 @@ def lr_at(plan: TrainPlan, step: int, frac: float) -> float:
     return plan.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def new_model(arch: DraftArch, seed: int) -> LlamaForCausalLM:
+def new_model(arch: DraftArch, seed: int, embed: torch.Tensor | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = arch.config()
     cfg.dtype = torch.float32
-    return LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    if embed is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(embed)
+    return model
+
+
+def target_embedding_init(target_dir: Path, vocab: np.ndarray, width: int,
+                          std: float = 0.02) -> torch.Tensor:
+    """The target's (tied) embeddings of the draft vocabulary, PCA-projected to the draft width.
+
+    A warm start worth many CPU minutes: token geometry (and, through the tied head, which
+    tokens are interchangeable) is known from step 0 instead of learned from ~1M tokens.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+        key = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))  # noqa: SIM118
+        emb = f.get_tensor(key).float()[torch.from_numpy(vocab)]
+    emb = emb - emb.mean(0, keepdim=True)
+    u, sv, _ = torch.linalg.svd(emb, full_matrices=False)
+    proj = u[:, :width] * sv[:width]
+    return proj * (std / proj.std())
+
+
+def masked_loss(model: LlamaForCausalLM, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on labelled positions only: the vocabulary projection is most of the
+    compute, and prompt tokens of a response example carry no loss."""
+    hidden = model.model(x).last_hidden_state
+    keep = y != IGNORE
+    return F.cross_entropy(model.lm_head(hidden[keep]).float(), y[keep])
 
 
 def train(model: LlamaForCausalLM, batches: Batches, plan: TrainPlan,
@@ -334,15 +431,14 @@ def train(model: LlamaForCausalLM, batches: Batches, plan: TrainPlan,
     model.to(dev).train()
     torch.manual_seed(plan.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rec = TrainRecord(plan.name, plan=asdict(plan), machine=machine())
+    busy = f", 1-min load average {os.getloadavg()[0]:.1f} at start"  # shared machines
+    rec = TrainRecord(plan.name, plan=asdict(plan), machine=machine_line() + busy)
     budget, t0, ema = plan.minutes * 60.0, time.perf_counter(), None
     while (elapsed := time.perf_counter() - t0) < budget:
         x, y = batches.draw(plan)
         for g in opt.param_groups:
             g["lr"] = lr_at(plan, rec.steps, elapsed / budget)
-        logits = model(x.to(dev)).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(dev).flatten(),
-                               ignore_index=IGNORE)
+        loss = masked_loss(model, x.to(dev), y.to(dev))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -350,7 +446,8 @@ def train(model: LlamaForCausalLM, batches: Batches, plan: TrainPlan,
         rec.steps += 1
         rec.tokens_seen += x.numel()
         rec.loss_tokens_seen += int((y != IGNORE).sum())
-        ema = float(loss) if ema is None else 0.98 * ema + 0.02 * float(loss)
+        val = float(loss.detach())
+        ema = val if ema is None else 0.98 * ema + 0.02 * val
         if rec.steps % 50 == 0 and on_log:
             on_log(f"step {rec.steps} {elapsed:.0f}s loss {ema:.3f} "
                    f"{rec.tokens_seen / max(elapsed, 1e-9):.0f} tok/s")
@@ -371,114 +468,50 @@ def save_draft(model: LlamaForCausalLM, to_target: np.ndarray, out: Path,
              for k, v in model.state_dict().items() if k != "lm_head.weight"}
     state[ID_MAP_KEY] = torch.from_numpy(np.ascontiguousarray(to_target, dtype=np.int64))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = model.config.to_dict()
-    cfg["dtype"] = "bfloat16"
-    cfg.pop("torch_dtype", None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    cfg = copy.deepcopy(model.config)
+    cfg.architectures, cfg.dtype = ["LlamaForCausalLM"], torch.bfloat16  # file dtype = compute
+    cfg.save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (target_dir / name).is_file():
             shutil.copyfile(target_dir / name, out / name)
     return (out / "model.safetensors").stat().st_size
 
 
-def load_draft_fp32(path: Path) -> LlamaForCausalLM:
-    """Reload a saved draft for fine-tuning (fp32 master weights from the bf16 file)."""
+def load_draft_fp32(path: Path) -> tuple[LlamaForCausalLM, np.ndarray]:
+    """Reload a saved draft and its id map for fine-tuning (fp32 weights from the bf16 file)."""
     bound = load_into_slot(path.name, path, SlotBuffer(MAX_DRAFT_BYTES * 2),
                            target_vocab=TARGET_VOCAB)
     model = LlamaForCausalLM(bound.model.config)
     sd = {k: v.float() for k, v in bound.model.state_dict().items()}
     model.load_state_dict(sd, strict=False)
     model.tie_weights()
-    return model
+    return model, bound.to_target.cpu().numpy().copy()
 
 
 # --------------------------------------------------------------------------- acceptance (dev)
 
 
 @torch.inference_mode()
-def acceptance_runs(model: torch.nn.Module, to_target: torch.Tensor, to_draft: torch.Tensor,
-                    row: dict, gamma: int = GAMMA) -> np.ndarray:
-    """A_d(t) for every response position t: consecutive teacher-forced argmax hits, <= gamma."""
-    prompt, toks = row["prompt_ids"], row["tokens"]
-    if not toks:
-        return np.zeros(0, dtype=np.int64)
-    ids = torch.tensor([prompt + toks[:-1]], dtype=torch.long, device=to_draft.device)
-    logits = model(to_draft[ids]).logits[0, len(prompt) - 1:]
-    pred = to_target[logits.argmax(-1)].cpu().numpy()
-    hit = pred == np.asarray(toks)
-    runs = np.zeros(len(toks) + 1, dtype=np.int64)
-    for t in range(len(toks) - 1, -1, -1):
-        runs[t] = runs[t + 1] + 1 if hit[t] else 0
-    return np.minimum(runs[:-1], gamma)
-
-
-def replay(runs: np.ndarray, pick: Callable[[int], np.ndarray] | None = None) -> tuple[int, int]:
-    """(accepted, iterations) of greedy SD over one trajectory: position advances by A+1."""
-    t, acc, it = 0, 0, 0
-    while t < len(runs):
-        a = int(min(runs[t], len(runs) - t - 1)) if pick is None else int(pick(t)[t])
-        acc, it, t = acc + a, it + 1, t + a + 1
-    return acc, it
-
-
-def mal(acc: int, it: int) -> float:
-    return 1.0 + acc / max(it, 1)
-
-
-def oracle_dynamic(tables: dict[str, np.ndarray], interval: int = 4) -> tuple[int, int]:
-    """Best draft per ``interval`` iterations, chosen with future knowledge."""
-    n = len(next(iter(tables.values())))
-    t, acc, it = 0, 0, 0
-    while t < n:
-        best = None
-        for runs in tables.values():
-            s, a, k = t, 0, 0
-            while s < n and k < interval:
-                step = int(min(runs[s], n - s - 1))
-                s, a, k = s + step + 1, a + step, k + 1
-            if best is None or s > best[0]:
-                best = (s, a, k)
-        t, acc, it = best[0], acc + best[1], it + best[2]
-    return acc, it
-
-
-def acceptance_report(tables: dict[str, dict[str, list[np.ndarray]]]) -> dict:
-    """Draft x domain mean acceptance length, and the oracle ratios the issue asks for."""
-    drafts = list(tables)
-    domains = list(next(iter(tables.values())))
-    table: dict[str, dict[str, float]] = {d: {} for d in drafts}
-    o_static, o_dyn, general = {}, {}, {}
-    for dom in domains:
-        per = {d: [replay(r) for r in tables[d][dom]] for d in drafts}
-        for d in drafts:
-            table[d][dom] = mal(sum(a for a, _ in per[d]), sum(i for _, i in per[d]))
-        n = len(per[drafts[0]])
-        best = [max((per[d][i] for d in drafts), key=lambda ai: mal(*ai)) for i in range(n)]
-        dyn = [oracle_dynamic({d: tables[d][dom][i] for d in drafts}) for i in range(n)]
-        o_static[dom] = mal(sum(a for a, _ in best), sum(i for _, i in best))
-        o_dyn[dom] = mal(sum(a for a, _ in dyn), sum(i for _, i in dyn))
-        general[dom] = table["general"][dom] if "general" in table else float("nan")
-    gmean = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
-    os_over_g = {d: o_static[d] / general[d] for d in domains}
-    od_over_os = {d: o_dyn[d] / o_static[d] for d in domains}
-    return {"mean_acceptance_length": table, "oracle_static": o_static,
-            "oracle_dynamic": o_dyn,
-            "oracle_static_over_general": {**os_over_g, "gmean": gmean(list(os_over_g.values()))},
-            "oracle_dynamic_over_oracle_static":
-                {**od_over_os, "gmean": gmean(list(od_over_os.values()))}}
-
-
 def measure_acceptance(names: Sequence[str], rows: list[dict]) -> dict:
-    """Teacher-forced tables for the saved (bf16, slot-bound) drafts: what ships is measured."""
-    tables: dict[str, dict[str, list[np.ndarray]]] = {}
+    """Teacher-forced tables for the saved (bf16, slot-bound) drafts: what ships is measured.
+
+    The same table and replay code as `memspec zoo eval` (zoo/tables.py, zoo/evaluate.py).
+    """
+    from memspec.zoo.evaluate import acceptance_report, draft_tables
+
+    rows = [r for r in rows if r["tokens"]]
+    tables = {}
     for name in names:
         bound = load_into_slot(name, drafts_dir() / name, SlotBuffer(MAX_DRAFT_BYTES * 2),
                                target_vocab=TARGET_VOCAB)
-        tables[name] = {d: [] for d in DOMAINS}
-        for r in rows:
-            tables[name][r["domain"]].append(
-                acceptance_runs(bound.model, bound.to_target, bound.to_draft, r))
-    return acceptance_report(tables)
+        tables[name] = draft_tables(bound, rows, GAMMA, TARGET_VOCAB)
+    domains = [d for d in DOMAINS if any(r["domain"] == d for r in rows)]
+    rep = acceptance_report(tables, rows, "general" if "general" in tables else names[0],
+                            domains, GAMMA, 4)
+    rep["prompts"] = {d: sum(r["domain"] == d for r in rows) for d in domains}
+    rep["oracle_static"] = rep["oracle_static_mean_acceptance_length"]
+    rep["oracle_dynamic"] = rep["oracle_dynamic_mean_acceptance_length"]
+    return rep
 
 
 def format_report(rep: dict) -> str:
@@ -505,12 +538,15 @@ def write_card(name: str, rec: dict, data: dict, size: int, vocab: int, arch: Dr
         gen = report["mean_acceptance_length"].get("general", {})
         acc = "\n".join(f"| {d} | {row[d]:.3f} | {gen.get(d, float('nan')):.3f} |" for d in row)
         acc = ("\n## Measured acceptance (held-out, teacher-forced replay, greedy, gamma=4)\n\n"
-               f"First {DEV_PROMPTS_PER_DOMAIN} held-out prompts per domain, target greedy "
+               f"Held-out prompts per domain (first of each set): {report.get('prompts')}; "
+               "target greedy "
                "trajectories of at most 128 new tokens. Mean acceptance length "
                "(1 + accepted / iterations):\n\n| domain | this draft | general draft |\n"
                "|---|---|---|\n" + acc + "\n")
     plan = rec["plan"]
-    src = "from scratch" if not plan.get("init_from") else f"fine-tuned from `{plan['init_from']}`"
+    src = ("from scratch; token embeddings initialised from a PCA of the target's embeddings "
+           "of the draft vocabulary" if not plan.get("init_from")
+           else f"fine-tuned from `{plan['init_from']}`")
     text = f"""# memspec draft `{name}`
 
 Draft model for speculative decoding with SmolLM2-135M-Instruct (target), trained by
@@ -529,8 +565,11 @@ vocab {vocab}, bfloat16 weights. File size: {size:,} bytes ({size / 1e6:.2f} MB)
 - target greedy responses (distillation) to `prompts/train.jsonl`
   ({', '.join(plan['traj_domains'])}): {data['traj_prompts']} prompts,
   {data['response_tokens']:,} response tokens; loss on response tokens only
-- batch shares: responses {plan['traj_weight']:.2f}, all-domain mix
-  {plan['general_weight']:.2f}, rest domain corpus; batch {plan['batch']}, corpus windows
+- target argmax labels on corpus windows ({', '.join(plan.get('distill_domains', ()))}):
+  {data.get('target_labelled_tokens', 0):,} labelled positions (teacher-forced target pass)
+- batch shares: target labels {plan.get('distill_weight', 0):.2f}, responses
+  {plan['traj_weight']:.2f}, all-domain mix {plan['general_weight']:.2f}, rest corpus text
+  ({', '.join(plan['corpus_domains'])}); batch {plan['batch']}, corpus windows
   {plan['seq_len']} tokens
 - tokens processed: {rec['tokens_seen']:,} ({rec['loss_tokens_seen']:,} with loss)
 
@@ -550,23 +589,35 @@ vocab {vocab}, bfloat16 weights. File size: {size:,} bytes ({size / 1e6:.2f} MB)
 
 
 def data_summary(plan: TrainPlan, corpora: dict[str, np.ndarray],
-                 trajs: dict[str, list[dict]]) -> dict:
+                 trajs: dict[str, list[dict]],
+                 distill: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> dict:
     rows = [r for d in plan.traj_domains for r in trajs[d]]
     return {"corpus_tokens": int(sum(corpora[d].size for d in plan.corpus_domains)),
             "traj_prompts": len(rows),
-            "response_tokens": int(sum(len(r["tokens"]) for r in rows))}
+            "response_tokens": int(sum(len(r["tokens"]) for r in rows)),
+            "target_labelled_tokens": int(sum((distill or {})[d][1].size
+                                              for d in plan.distill_domains
+                                              if d in (distill or {})))}
 
 
 def train_one(plan: TrainPlan, arch: DraftArch, batches: Batches, vocab: np.ndarray,
               target_dir: Path) -> dict:
-    """Train (or fine-tune) one draft, save it, and keep its record for the model card."""
+    """Train (or fine-tune) one draft, save it, and keep its record for the model card.
+
+    A fine-tune keeps its parent's vocabulary whatever ``vocab`` says: the embedding rows
+    are the parent's, so its id map must be too.
+    """
     if plan.init_from:
-        model = load_draft_fp32(drafts_dir() / plan.init_from)
+        model, vocab = load_draft_fp32(drafts_dir() / plan.init_from)
+        batches.inv = inverse_map(vocab)
     else:
-        model = new_model(arch, plan.seed)
+        batches.inv = inverse_map(vocab)
+        model = new_model(arch, plan.seed, target_embedding_init(target_dir, vocab, arch.hidden))
     rec = train(model, batches, plan, on_log=lambda m: log(plan.name, m))
     size = save_draft(model, vocab, drafts_dir() / plan.name, target_dir)
-    out = asdict(rec) | {"size_bytes": size, "arch": asdict(arch)}
+    out = asdict(rec) | {"size_bytes": size, "arch": asdict(arch),
+                         "data": data_summary(plan, batches.corpora, batches.trajs,
+                                              batches.distill)}
     (work_dir() / "records").mkdir(parents=True, exist_ok=True)
     (work_dir() / "records" / f"{plan.name}.json").write_text(json.dumps(out, indent=2))
     log(plan.name, f"saved {size:,} bytes, {rec.steps} steps, {rec.wall_s:.0f}s, "
@@ -586,27 +637,39 @@ def train_prompts(per_domain: int | None = None) -> list[dict]:
 
 def build_drafts(names: Sequence[str] | None = None, minutes: float | None = None,
                  force: bool = False, arch: DraftArch | None = None,
-                 target_dir: Path | None = None, train_per_domain: int | None = None) -> dict:
+                 target_dir: Path | None = None, train_per_domain: int | None = None,
+                 new_traces: bool = True) -> dict:
     """Steps a-e; returns the dev acceptance report. Drafts already on disk are kept.
 
     ``train_per_domain`` limits distillation to the first prompts of each domain (a CPU
-    session that cannot afford all 500 target trajectories).
+    session that cannot afford all 500 target trajectories); ``new_traces=False`` trains on
+    the train trajectories already on disk and generates none (held-out dev ones are always
+    completed: the acceptance check needs them).
     """
     if not torch.cuda.is_available():
         torch.set_num_threads(min(torch.get_num_threads(), 2))  # the issue's 2-core budget
     arch, target_dir = arch or DraftArch(), target_dir or default_target_dir()
-    names = list(names or DRAFT_NAMES)
+    names = list(DRAFT_NAMES if names is None else names)
     t0 = time.perf_counter()
     tok = load_tokenizer(target_dir)
     log("a", "train trajectories")
     train_rows = ensure_trajectories(train_prompts(train_per_domain), train_traces_path(),
-                                     target_dir)
+                                     target_dir, generate=new_traces)
     trajs = {d: [r for r in train_rows if r["domain"] == d and r["tokens"]] for d in DOMAINS}
     corpora = {d: corpus_tokens(d, tok, force=False) for d in DOMAINS}
     log("b", f"vocabulary ({time.perf_counter() - t0:.0f}s)")
-    vocab = ensure_vocabulary(corpora, train_rows, tok, arch.vocab, force)
-    batches = Batches(inverse_map(vocab), corpora, trajs, np.random.default_rng(SEED), 256, 512)
+    # a new vocabulary only when the general draft (the root of the family) is retrained
+    vocab = ensure_vocabulary(corpora, train_rows, tok, arch.vocab, force and "general" in names)
     plans = default_plans(minutes)
+    wanted = sorted({d for n in names for d in plans[n].distill_domains})
+    distill = {}
+    if wanted:
+        log("a", f"target labels on corpus windows for {wanted}")
+        target = load_causal_lm(target_dir, device=device())
+        distill = {d: target_labels(d, corpora[d], target, DISTILL_WINDOWS) for d in wanted}
+        del target
+    batches = Batches(inverse_map(vocab), corpora, trajs, np.random.default_rng(SEED), 256, 512,
+                      distill)
     for name in DRAFT_NAMES:
         if name not in names:
             continue
@@ -619,7 +682,8 @@ def build_drafts(names: Sequence[str] | None = None, minutes: float | None = Non
             f"({time.perf_counter() - t0:.0f}s elapsed)")
         train_one(plans[name], arch, batches, vocab, target_dir)
     log("e", "held-out dev acceptance")
-    dev = ensure_trajectories(dev_prompts(), dev_traces_path(), target_dir)
+    dev = ensure_trajectories(dev_prompts(), dev_traces_path(), target_dir,
+                              also=[memspec_home() / "traces" / "heldout.jsonl"])
     present = [n for n in DRAFT_NAMES if (drafts_dir() / n / "model.safetensors").is_file()]
     report = measure_acceptance(present, dev)
     (work_dir() / "acceptance.json").write_text(json.dumps(report, indent=2))
@@ -628,8 +692,8 @@ def build_drafts(names: Sequence[str] | None = None, minutes: float | None = Non
         rec_path = work_dir() / "records" / f"{name}.json"
         if rec_path.is_file():
             rec = json.loads(rec_path.read_text())
-            write_card(name, rec, data_summary(plans[name], corpora, trajs),
-                       rec["size_bytes"], int(vocab.size), arch, report)
+            data = rec.get("data") or data_summary(plans[name], corpora, trajs)
+            write_card(name, rec, data, rec["size_bytes"], int(vocab.size), arch, report)
     total = sum((drafts_dir() / n / "model.safetensors").stat().st_size for n in present)
     log("e", f"pool {total:,} bytes; done in {time.perf_counter() - t0:.0f}s")
     return report

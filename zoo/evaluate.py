@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
+from memspec.common.machine import machine_info
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.inprocess import slot_capacity
@@ -218,20 +218,6 @@ def engine_check(engine: SpecEngine, name: str, trajs: Sequence[dict],
         if first is not None:
             report["mismatches"].append({"id": traj["id"], "position": first})
     return report, times
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "device": "cpu", "torch": torch.__version__, "python": platform.python_version(),
-            "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
 # --------------------------------------------------------------------------- the command
