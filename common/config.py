@@ -6,6 +6,7 @@ so a bad file fails at start with one line instead of deep inside a process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +192,20 @@ def _tokenizer_identity(model_dir: Path) -> Any:
             [t.get("content") for t in data.get("added_tokens", [])])
 
 
+def tokenizer_fingerprint(model_dir: Path) -> str | None:
+    """Hash of the vocabulary, merges and added tokens; a draft that ships no tokenizer files
+    records its target's fingerprint in config.json (``memspec_tokenizer_sha256``) instead."""
+    ident = _tokenizer_identity(model_dir)
+    if ident is not None:
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = cfg.get("memspec_tokenizer_sha256")
+    return value if isinstance(value, str) else None
+
+
 def check_paths(pool: PoolConfig) -> None:
     """Every model dir exists, has a config, and every draft speaks the target's tokenizer."""
     from memspec.common.paths import TARGET_DIRNAME, default_target_dir
@@ -199,12 +214,12 @@ def check_paths(pool: PoolConfig) -> None:
         fix = ("run `memspec zoo target` to build it" if pool.target.name == TARGET_DIRNAME
                or pool.target == default_target_dir() else "point pool.target at an HF model dir")
         raise ConfigError(f"target model not found at {pool.target}", fix)
-    target_tok = _tokenizer_identity(pool.target)
+    target_tok = tokenizer_fingerprint(pool.target)
     for d in pool.drafts:
         if not (d.path / "config.json").is_file():
             raise ConfigError(f"draft '{d.name}' not found at {d.path}",
                               "fix drafts.path or run `memspec zoo drafts`")
-        draft_tok = _tokenizer_identity(d.path)
+        draft_tok = tokenizer_fingerprint(d.path)
         if draft_tok is None:
             raise ConfigError(f"draft '{d.name}' has no tokenizer.json",
                               "copy the target's tokenizer files into the draft folder")

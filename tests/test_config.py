@@ -127,3 +127,19 @@ def test_memory_budget_derives_k_or_fails_clearly():
     assert slots_for_budget(1000, 8 << 20, 5) == 5
     with pytest.raises(ConfigError, match="too small for one draft slot"):
         slots_for_budget(4, 8 << 20, 5)
+
+
+def test_draft_without_tokenizer_files_uses_recorded_fingerprint(tmp_path, tiny_dir):
+    from memspec.common.config import tokenizer_fingerprint
+
+    p = pool_file(tmp_path, tiny_dir, GOOD)
+    cfg_path = tmp_path / "small" / "config.json"
+    (tmp_path / "small" / "tokenizer.json").unlink()
+    cfg = json.loads(cfg_path.read_text())
+    cfg["memspec_tokenizer_sha256"] = tokenizer_fingerprint(tmp_path / "target")
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_pool(p).draft("code").path == (tmp_path / "small").resolve()
+    cfg["memspec_tokenizer_sha256"] = "0" * 64
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="different tokenizer than the target"):
+        load_pool(p)

@@ -19,7 +19,6 @@ import copy
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from memspec.common.config import tokenizer_fingerprint
 from memspec.common.machine import machine_line
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
 from memspec.procs.decoder.models import encode_prompt, load_causal_lm, load_tokenizer
@@ -462,7 +462,8 @@ def train(model: LlamaForCausalLM, batches: Batches, plan: TrainPlan,
 
 def save_draft(model: LlamaForCausalLM, to_target: np.ndarray, out: Path,
                target_dir: Path) -> int:
-    """One bf16 model.safetensors (tied head omitted) + id map + the target's tokenizer files."""
+    """One bf16 model.safetensors (tied head omitted) + id map; config.json records the
+    target's tokenizer fingerprint instead of a 3.5 MB copy of its tokenizer files."""
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.bfloat16).contiguous()
              for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -470,10 +471,10 @@ def save_draft(model: LlamaForCausalLM, to_target: np.ndarray, out: Path,
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = copy.deepcopy(model.config)
     cfg.architectures, cfg.dtype = ["LlamaForCausalLM"], torch.bfloat16  # file dtype = compute
+    cfg.memspec_tokenizer_sha256 = tokenizer_fingerprint(target_dir)
     cfg.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (target_dir / name).is_file():
-            shutil.copyfile(target_dir / name, out / name)
+    for name in TOKENIZER_FILES:  # drop copies an older build left behind
+        (out / name).unlink(missing_ok=True)
     return (out / "model.safetensors").stat().st_size
 
 
@@ -547,6 +548,11 @@ def write_card(name: str, rec: dict, data: dict, size: int, vocab: int, arch: Dr
     src = ("from scratch; token embeddings initialised from a PCA of the target's embeddings "
            "of the draft vocabulary" if not plan.get("init_from")
            else f"fine-tuned from `{plan['init_from']}`")
+    if rec.get("continued_from"):  # a second round on the same recipe (steps/time are totals)
+        first = rec["continued_from"]
+        src = (f"fine-tuned from `{first['plan']['init_from']}` for {first['steps']} steps / "
+               f"{first['wall_s']:.0f} s at lr {first['plan']['lr']}, then continued on the "
+               f"same data at lr {plan['lr']}")
     text = f"""# memspec draft `{name}`
 
 Draft model for speculative decoding with SmolLM2-135M-Instruct (target), trained by
