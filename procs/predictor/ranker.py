@@ -24,8 +24,8 @@ def head_path_for(pool: PoolConfig, override: Path | None = None) -> Path:
 
 @dataclass
 class Ranker:
-    encoder: Encoder
-    head: RankHead  # columns in ``names`` order
+    encoder: Encoder | None  # None (with head) for a pool without drafts: nothing to rank
+    head: RankHead | None  # columns in ``names`` order
     tokenizer: object  # the target's (recent ids are target LM ids)
     names: list[str]
     T: int
@@ -36,6 +36,8 @@ class Ranker:
         from memspec.procs.decoder.models import load_tokenizer
 
         names = [d.name for d in pool.drafts]
+        if not names:  # a target-only pool: answer every snapshot with an empty ranking
+            return cls(None, None, load_tokenizer(pool.target), [], pool.T)
         rank_head = load_head(head_path_for(pool, head), names).to(device)
         tokenizer = load_tokenizer(pool.target)
         return cls(Encoder(device=device), rank_head, tokenizer, names, pool.T)
@@ -52,6 +54,8 @@ class Ranker:
              ) -> tuple[list[list[float]], float]:
         """Probabilities (pool order) for each snapshot, and the seconds spent (one batch)."""
         t0 = time.perf_counter()
+        if self.head is None or self.encoder is None:
+            return [[] for _ in prompts], 0.0
         recents = [decode_recent(self.tokenizer, list(ids)[-self.T:] if self.T else [])
                    for ids in recent_ids]
         recents = [r if r.strip() else "" for r in recents]  # as in training: no text, no flag
