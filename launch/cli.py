@@ -25,6 +25,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy '{policy}'", f"use one of: {', '.join(POLICIES)}")
     SamplingParams(args.temperature, args.top_p, args.seed)  # validate before starting
+    _check_max_new(args.max_new_tokens)
     max_new = args.max_new_tokens or pool.max_new_tokens
     if args.in_process:
         out = _generate_in_process(pool, args, policy, max_new)
@@ -72,6 +73,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         sys.stdout.write(tok.text)
         sys.stdout.flush()
 
+    _check_max_new(args.max_new_tokens)
     kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     done = submit(args.endpoint, args.prompt, None if args.json else show, **kw)
@@ -96,6 +98,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"slot {slot['slot']}: {slot['state']:<8} {slot.get('draft') or '-'} "
                   f"(generation {slot['generation']})")
     return 0
+
+
+def _check_max_new(value: int | None) -> None:
+    from memspec.common.errors import RequestError
+
+    if value is not None and value < 1:
+        raise RequestError(f"--max-new-tokens {value} is below 1", "ask for at least 1 token")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:

@@ -86,14 +86,11 @@ def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,
             raise ConfigError("general-static needs at least one draft in the pool",
                               "add a [[drafts]] section or use --policy target-only")
         name = rt.pool.general
-        before = {s.draft for s in rt.slots}
-        slot = rt.ensure_resident(name)
-        if name not in before:
-            loads, bytes_loaded = 1, read_layout(draft_weights_file(rt.pool.draft(name).path)).data_size
-        del slot
-
-        def select(_s):  # noqa: ANN001 - the engine's selector signature
-            return name
+        if name not in {s.draft for s in rt.slots}:
+            path = draft_weights_file(rt.pool.draft(name).path)
+            loads, bytes_loaded = 1, read_layout(path).data_size
+        rt.ensure_resident(name)
+        select = lambda _session: name  # noqa: E731 - the engine's per-iteration selector
     ids = encode_prompt(rt.tokenizer, prompt)
     with torch.inference_mode():
         token_ids, stats = rt.engine.generate(ids, max_new_tokens, params, select, on_tokens)

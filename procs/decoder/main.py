@@ -29,6 +29,7 @@ from memspec.common.messages import (
     ProtocolError,
     Ready,
     Shutdown,
+    Snapshot,
     Status,
     StatusRequest,
     Submit,
@@ -71,8 +72,6 @@ class SocketChannels:
         self.state = "idle"
 
     def send(self, msg: Message) -> None:
-        from memspec.common.messages import Snapshot
-
         sock = self.predictor if isinstance(msg, Snapshot) else self.loader
         try:
             send(sock, msg)
@@ -84,8 +83,7 @@ class SocketChannels:
         if now - self._last_beat >= HEARTBEAT_S:
             self._last_beat = now
             try:
-                send(self.control, Heartbeat(proc="decoder", pid=os.getpid(), state=state),
-                     )
+                send(self.control, Heartbeat(proc="decoder", pid=os.getpid(), state=state))
             except zmq.Again:
                 pass
 
@@ -114,8 +112,6 @@ class SocketChannels:
 def _calibrate_iteration_s(engine: SpecEngine, tokenizer, pool, slot: SlotBuffer,
                            files) -> float:
     """Median SD iteration time with the general draft: the unit of the edge-emulated profile."""
-    from memspec.procs.decoder.slots import draft_weights_file
-
     spec = pool.general_draft
     layout = files[spec.name].layout
     slot.fill_from_file(layout)
@@ -125,7 +121,6 @@ def _calibrate_iteration_s(engine: SpecEngine, tokenizer, pool, slot: SlotBuffer
     engine.remove_draft(spec.name)
     slot.generation += 1
     durs = [r.duration for r in stats.records[1:]] or [r.duration for r in stats.records]
-    del draft_weights_file
     return statistics.median(durs)
 
 
