@@ -50,7 +50,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 DOC_SEP = "\n\n"  # corpus documents are joined by a blank line (id 0 is reserved for 'rare')
 DEV_PROMPTS_PER_DOMAIN = 20
-DISTILL_WINDOWS = 96  # per domain: 96 x 256 target-labelled positions
+DISTILL_WINDOWS = 96  # general: 96 x 256 target-labelled positions
+DOMAIN_DISTILL_WINDOWS = 288  # domain drafts: acceptance grew with every extra label
 IGNORE = -100
 
 
@@ -108,8 +109,8 @@ def default_plans(minutes: float | None) -> dict[str, TrainPlan]:
     """
     plans = {"general": TrainPlan("general", minutes or 8.0, 3e-3, DOMAINS, ("general",), 0.25,
                                   distill_weight=0.25, distill_domains=("general",))}
-    for d in DOMAIN_DRAFTS:  # math keeps its first recipe; 288 windows helped the others
-        windows, mins = (DISTILL_WINDOWS, 5.0) if d == "math" else (288, 6.0)
+    for d in DOMAIN_DRAFTS:  # 288 target-labelled windows beat 96 on every domain
+        windows, mins = (576, 8.0) if d == "code" else (DOMAIN_DISTILL_WINDOWS, 6.0)
         plans[d] = TrainPlan(d, minutes or mins, 2e-3, (d,), (d,), 0.3, distill_weight=0.5,
                              distill_domains=(d,), distill_windows=windows,
                              init_from="general", warmup_steps=10)
