@@ -67,7 +67,8 @@ def run(pool_path: str | None, n_prompts: int, max_new: int) -> dict[str, Any]:
         assert base["token_ids"] == spec["token_ids"], "speculative output differs from target"
         s = spec["stats"]
         iters = max(s["iterations"], 1)
-        iter_s = (s["time"]["desired"] + s["time"]["fallback"]) / iters
+        iter_s = (s["time"]["desired"] + s["time"]["fallback"]
+                  + s["time"]["target_fallback"]) / iters
         ctx = s["prompt_tokens"] + s["generated_tokens"] // 2
         draft = rt.engine.drafts[pool.general].model
         raw_s = _raw_iteration_s(rt.engine.target, draft, ctx, pool.gamma)

@@ -205,6 +205,7 @@ class Submit(Message):
     top_p: float = 1.0
     seed: int | None = None
     trace: bool = False  # Done.stats gets a per-iteration / per-load timeline
+    ucb_c: float | None = None  # mab-* exploration constant (None: the pool's)
 
 
 @dataclass

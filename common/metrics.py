@@ -24,6 +24,7 @@ class IterationRecord:
     t_verify: float = 0.0
     t_catchup: float = 0.0
     desired: bool = True  # False: fallback execution (preferred draft not resident)
+    catchup_tokens: int = 0  # tokens the draft's KV cache had to prefill on (re)activation
 
     @property
     def duration(self) -> float:
@@ -57,8 +58,11 @@ class RunStats:
         t_verify = sum(r.t_verify for r in recs)
         t_catchup = sum(r.t_catchup for r in recs)
         t_desired = sum(r.duration for r in recs if r.desired)
-        t_fallback = sum(r.duration for r in recs if not r.desired)
-        t_decode = t_desired + t_fallback + self.t_load_wait + self.t_prediction
+        # §6: fallback = a non-preferred *resident draft* runs while the preferred one loads;
+        # the target alone while nothing preferred is resident (cold start) is kept apart
+        t_fallback = sum(r.duration for r in recs if not r.desired and r.draft is not None)
+        t_target_fb = sum(r.duration for r in recs if not r.desired and r.draft is None)
+        t_decode = t_desired + t_fallback + t_target_fb + self.t_load_wait + self.t_prediction
         return {
             "generated_tokens": generated,
             "prompt_tokens": self.prompt_tokens,
@@ -77,6 +81,7 @@ class RunStats:
                 "catchup": t_catchup,
                 "desired": t_desired,
                 "fallback": t_fallback,
+                "target_fallback": t_target_fb,
                 "load_wait": self.t_load_wait,
                 "prediction": self.t_prediction,
                 "decode": t_decode,

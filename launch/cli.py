@@ -149,6 +149,12 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "eval":
+        from memspec.bench.evaluation import main_bench
+
+        return main_bench(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64
     if args.what == "engine":
         from memspec.bench.engine import main_bench_engine
 
@@ -158,6 +164,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return main_bench_pipeline(args)
     raise MemspecError(f"unknown benchmark '{args.what}'", "use engine or pipeline")
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from memspec.zoo.trace import main_trace
+
+    return main_trace(args)
+
+
+def cmd_predictor(args: argparse.Namespace) -> int:
+    from memspec.procs.predictor.train_head import main as train_main
+
+    return train_main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,13 +224,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpora: also regenerate the committed prompt sets")
     z.set_defaults(func=cmd_zoo)
 
+    t = sub.add_parser("trace", help="greedy trajectories + per-draft acceptance tables")
+    _add_pool(t)
+    t.add_argument("--sets", default="train,heldout,predictor",
+                   help="prompt sets to trace (predictor: held-out prompts 51-90 per domain)")
+    t.add_argument("--heldout-per-domain", type=int, default=20)
+    t.add_argument("--check-per-domain", type=int, default=1,
+                   help="held-out prompts per domain re-run through the engine, per draft")
+    t.add_argument("--max-new-tokens", type=int, default=128,
+                   help="trajectory length (not 128: separate <set>-L<n> files, for sweeps)")
+    t.add_argument("--json", action="store_true", help="one-line JSON report")
+    t.set_defaults(func=cmd_trace)
+
+    pr = sub.add_parser("predictor", help="train the predictor's ranking head")
+    pr.add_argument("what", choices=["train"])
+    pr.add_argument("rest", nargs=argparse.REMAINDER,
+                    help="trainer options (memspec predictor train --help)")
+    pr.set_defaults(func=cmd_predictor)
+
     b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", choices=["engine", "pipeline"])
+    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline"],
+                   help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
-    b.add_argument("--prompts", type=int, default=3)
-    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
+    b.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default 128 (eval), 64 (engine, pipeline)")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--plots", default=None, help="folder for PNG plots")
+    b.add_argument("--prompts-per-domain", type=int, default=20,
+                   help="eval: held-out prompts per domain in the simulator")
+    b.add_argument("--real-per-domain", type=int, default=10,
+                   help="eval: prompts per domain run for real per policy (0: skip)")
+    b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
+    b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
+    b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
     b.set_defaults(func=cmd_bench)
     return ap
 

@@ -252,7 +252,7 @@ def test_memspec_spends_less_time_in_fallback_than_mab_async(sup):
         for prompt in first_prompts().values():
             done = run(sup, prompt, policy, max_new_tokens=64)
             assert isinstance(done, Done)
-            fallback += done.stats["time"]["fallback"]
+            fallback += done.stats["time"]["fallback"] + done.stats["time"]["target_fallback"]
             decode += done.stats["time"]["decode"]
         frac[policy] = fallback / decode
     print("fallback share:", frac)
@@ -318,3 +318,47 @@ def test_status_json_and_clean_shutdown(tmp_path):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
+    """oracle-static/-dynamic in the runtime: same tokens, drafts chosen from the tables;
+    an untraced prompt or a sampled request gets a one-line error, not a dead decoder."""
+    from memspec.common.paths import memspec_home
+    from memspec.procs.decoder.models import load_causal_lm, load_tokenizer
+    from memspec.zoo.tablestore import pool_fingerprint, trajectories_path
+    from memspec.zoo.trace import build_tables
+    from memspec.zoo.trajectories import build_trajectories
+
+    real_home = str(memspec_home())
+    pool_path = write_pool(tmp_path, storage="edge-emulated")
+    pool_path.write_text(pool_path.read_text().replace("$MEMSPEC_HOME", real_home))
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))  # traces go to a scratch home
+    pool = load_pool(pool_path)
+    tok = load_tokenizer(pool.target)
+    target = load_causal_lm(pool.target, "target")
+    prompts = [dict(json.loads((PACKAGE_ROOT / "prompts" / f"{d}.jsonl").read_text()
+                               .splitlines()[0]), domain=d) for d in DOMAINS]
+    trajs = build_trajectories(target, tok, pool.target, prompts,
+                               trajectories_path(pool, "heldout"), max_new_tokens=MAX_NEW,
+                               progress=False)
+    build_tables(pool, trajs, int(target.get_output_embeddings().weight.shape[0]), "heldout",
+                 pool_fingerprint(pool))
+    del target
+    s = Supervisor(str(pool_path), cold_start=True)
+    try:
+        s.start()
+        for policy in ("oracle-static", "oracle-dynamic"):
+            used: set[str] = set()
+            for d, prompt in first_prompts().items():
+                done = run(s, prompt, policy)
+                assert isinstance(done, Done), (policy, d, done)
+                assert done.token_ids == reference[d], (policy, d)
+                used |= set(done.stats["drafts_used"])
+            assert used, f"{policy} never ran a draft"
+        err = run(s, "An untraced prompt about nothing in particular.", "oracle-dynamic")
+        assert isinstance(err, Error) and "memspec trace" in err.message
+        err = run(s, first_prompts()["code"], "oracle-static", temperature=0.7)
+        assert isinstance(err, Error) and "temperature 0" in err.message
+        assert isinstance(run(s, first_prompts()["math"], "memspec"), Done)
+    finally:
+        s.shutdown()

@@ -241,3 +241,32 @@ def capped_engine_accepts(accepted: Sequence[int], emitted: Sequence[int],
         out.append(min(a, length - pos))
         pos += e
     return out
+
+
+# --------------------------------------------------------------------------- utility labels
+
+
+def interval_utility(tables_by_draft: Mapping[str, Table], pos: int, gamma: int, interval: int,
+                     horizon: int = 4) -> dict[str, float]:
+    """Each draft's utility at a scheduling point: tokens it would commit over the next
+    ``interval`` iterations, plus a small tie-breaker from the next ``horizon`` intervals.
+
+    The tie-breaker matters: over one 4-iteration interval drafts often tie, and a draft that
+    stays good longer is the better one to keep resident (loads take several iterations).
+    """
+    out = {}
+    for name, table in tables_by_draft.items():
+        near, _ = lookahead(table, pos, gamma, interval)
+        far, _ = lookahead(table, pos, gamma, interval * horizon)
+        out[name] = (near - pos) + (far - pos) / (1000.0 * interval * horizon * (gamma + 1))
+    return out
+
+
+def utility_label(tables_by_draft: Mapping[str, Table], pos: int, gamma: int, interval: int,
+                  horizon: int = 4) -> str | None:
+    """The draft with the highest interval utility; None when every draft ties exactly
+    (no draft is better there, so the position teaches nothing). Ties: pool order."""
+    u = interval_utility(tables_by_draft, pos, gamma, interval, horizon)
+    if len(set(u.values())) <= 1:
+        return None
+    return max(u, key=lambda d: u[d])

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from memspec.common.config import PoolConfig
-from memspec.common.errors import MemspecError
+from memspec.common.errors import MemspecError, RequestError
 from memspec.common.messages import (
     Cancel,
     Done,
@@ -38,11 +38,13 @@ from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.engine import Session, SpecEngine
 from memspec.procs.decoder.models import encode_prompt
+from memspec.procs.decoder.oracle import make_plan
 from memspec.procs.decoder.policies import Decision, Policy, SchedView, make_policy
 from memspec.procs.decoder.residency import Slot, SlotState, SlotTable
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft, draft_weights_file
 
 INITIAL_RANKING_TIMEOUT_S = 2.0
+ORACLE_POLICIES = ("oracle-static", "oracle-dynamic")
 Emit = Callable[[Message], None]
 
 
@@ -83,6 +85,7 @@ class Controller:
         self._stats: RunStats | None = None
         self._events: list[list] | None = None  # [t, "load"|"loaded"|"failed", draft, slot]
         self._t0 = 0.0
+        self._oracle_index: dict[tuple[int, ...], dict[str, list[int]]] | None = None
         self.on_slots_changed: Callable[[], None] | None = None
 
     # ---- messages from loader / predictor / supervisor -----------------------------------
@@ -107,6 +110,7 @@ class Controller:
             _log(f"peer reported: {msg.message}")
 
     def _on_loaded(self, msg: Loaded) -> None:
+        t_bind = time.perf_counter()
         slot = self.table.complete(msg.slot, msg.generation, msg.draft)
         if slot is None:
             _log(f"ignored stale completion slot={msg.slot} gen={msg.generation} ({msg.draft})")
@@ -124,7 +128,7 @@ class Controller:
             self._changed()
             return
         self.engine.add_draft(bound)
-        self._event("loaded", msg.draft, slot.index)
+        self._event("loaded", msg.draft, slot.index, msg.seconds, time.perf_counter() - t_bind)
         if self._stats is not None:
             self._stats.loads += 1
             self._stats.bytes_loaded += msg.nbytes
@@ -145,9 +149,10 @@ class Controller:
         _log("loader restarted: pending loads re-issued")
 
     # ---- residency actions ---------------------------------------------------------------
-    def _event(self, kind: str, draft: str, slot: int) -> None:
+    def _event(self, kind: str, draft: str, slot: int, *seconds: float) -> None:
+        """Trace entry [t, kind, draft, slot, *seconds] (loaded: load and bind seconds)."""
         if self._events is not None:
-            self._events.append([time.perf_counter() - self._t0, kind, draft, slot])
+            self._events.append([time.perf_counter() - self._t0, kind, draft, slot, *seconds])
 
     def _send_load(self, slot: Slot) -> None:
         self._event("load", slot.draft or "", slot.index)
@@ -236,18 +241,41 @@ class Controller:
         finally:
             self._stats = self._events = None
 
+    def oracle_tables(self, policy: str, ids: list[int], params: SamplingParams
+                      ) -> dict[str, list[int]]:
+        """This prompt's acceptance tables (oracles know the future only for traced prompts)."""
+        if not params.greedy:
+            raise RequestError(f"policy '{policy}' replays greedy acceptance tables",
+                               "use temperature 0, or another policy")
+        if self._oracle_index is None:
+            self._oracle_index = oracle_index(self.pool)
+        tables = self._oracle_index.get(tuple(ids))
+        if tables is None:
+            raise RequestError(f"policy '{policy}' has no acceptance tables for this prompt",
+                               "run `memspec trace` and use a traced prompt "
+                               "(prompts/<domain>.jsonl, prompts/train.jsonl), or another policy")
+        return tables
+
     def _serve(self, req: Submit, emit: Emit) -> None:
         t_start = self._t0 = time.perf_counter()
         self._events = [] if req.trace else None
         policy_name = req.policy or self.pool.policy
-        policy: Policy = make_policy(policy_name, ucb_c=self.pool.ucb_c)
         params = SamplingParams(req.temperature, req.top_p, req.seed)
+        ids = encode_prompt(self.tokenizer, req.prompt)
+        where: dict[str, Session] = {}
+        plan = None
+        if policy_name in ORACLE_POLICIES:
+            plan = make_plan(policy_name, self.oracle_tables(policy_name, ids, params),
+                             self.pool.gamma, self.pool.N,
+                             lambda: len(where["s"].generated) if "s" in where else 0)
+        ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
+        policy: Policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan) if plan \
+            else make_policy(policy_name, ucb_c=ucb_c)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
         if self.cold_start:
             for d in list(self.table.resident | self.table.loading):
                 self.evict(d)
         self.scores = None
-        ids = encode_prompt(self.tokenizer, req.prompt)
         text_so_far = ""
 
         def stream(new: list[int]) -> None:
@@ -256,13 +284,16 @@ class Controller:
             emit(Tokens(req_id=req.req_id, ids=new, text=text[len(text_so_far):]))
             text_so_far = text
 
-        session = self.engine.start(ids, max_new, params, stream)
+        session = where["s"] = self.engine.start(ids, max_new, params, stream)
         stats = self._stats = session.stats
         stats.loads = stats.evictions = stats.bytes_loaded = 0
         self.drain(req.req_id)
+        t_initial = 0.0
         if policy.uses_predictor:
             self._snapshot(req.req_id, 0, req.prompt, None)
-            stats.t_prediction += self._wait_initial_ranking(req.req_id)
+            t_initial = self._wait_initial_ranking(req.req_id)
+            stats.t_prediction += t_initial
+        t_loop = time.perf_counter() - t_start
         active: str | None = None
         iteration, seq, n = 0, 0, self.pool.N
         while not session.done:
@@ -270,7 +301,12 @@ class Controller:
             self.apply(decision)
             run = decision.run
             if decision.wait_for is not None:
-                stats.t_load_wait += self._wait_resident(decision.wait_for, req.req_id)
+                t_wait = time.perf_counter()
+                waited = self._wait_resident(decision.wait_for, req.req_id)
+                stats.t_load_wait += waited
+                if self._events is not None:
+                    self._events.append([t_wait - t_start, "wait", decision.wait_for, -1,
+                                         waited])
                 if decision.wait_for in self.table.resident:
                     run = decision.wait_for
             if run is not None and run not in self.engine.drafts:
@@ -298,12 +334,38 @@ class Controller:
                        resident_at_end=sorted(self.table.resident))
         if self._events is not None:
             summary["trace"] = {
-                "iterations": [[r.t_start - t_start, r.draft, r.accepted, r.duration, r.desired]
+                "iterations": [[r.t_start - t_start, r.draft, r.accepted, r.duration, r.desired,
+                                r.t_catchup, r.emitted, r.catchup_tokens]
                                for r in stats.records],
-                "loads": self._events}
+                "loads": self._events, "loop_start": t_loop, "initial_prediction": t_initial}
         emit(Done(req_id=req.req_id,
                   text=self.tokenizer.decode(session.generated, skip_special_tokens=True),
                   token_ids=session.generated, stats=summary))
+
+
+def oracle_index(pool: PoolConfig) -> dict[tuple[int, ...], dict[str, list[int]]]:
+    """Prompt ids -> per-draft tables, over every traced prompt set whose tables match the
+    pool's drafts (empty when none do: oracle requests then get a one-line error)."""
+    from memspec.zoo.tablestore import (
+        SETS,
+        pool_fingerprint,
+        read_tables,
+        tables_path,
+        trajectories_path,
+        trajectory_rows,
+    )
+
+    fp = pool_fingerprint(pool)
+    out: dict[tuple[int, ...], dict[str, list[int]]] = {}
+    for which in SETS:
+        tt = read_tables(tables_path(pool, which), pool.gamma, fp)
+        if tt is None:
+            continue
+        rows = trajectory_rows(trajectories_path(pool, which), list(tt.rows))
+        for pid, row in rows.items():
+            out[tuple(row["prompt_ids"])] = tt.rows[pid]["tables"]
+    _log(f"oracle tables for {len(out)} traced prompts")
+    return out
 
 
 def draft_files(pool: PoolConfig) -> dict[str, DraftFile]:

@@ -206,6 +206,7 @@ class Session:
         dc = self._draft_cache(bound)
         to_draft, to_target = bound.to_draft, bound.to_target
         L = len(self.tokens)
+        n_missing = L - dc.length
         missing = torch.tensor(self.tokens[dc.length:], dtype=torch.long)
         if to_draft is not None:
             missing = to_draft[missing.to(to_draft.device)]
@@ -244,10 +245,12 @@ class Session:
         _truncate(dc.cache, dc.length)
         self._sync()
         t1 = time.perf_counter()
-        catch = t_catch - t0 if name != self._last_draft else 0.0  # (re)activation catch-up
+        switched = name != self._last_draft
+        catch = t_catch - t0 if switched else 0.0  # (re)activation catch-up
         return IterationRecord(name, g, n, emitted, t0,
                                t_draft=(t_draft_end - t0) - catch,
-                               t_verify=t1 - t_draft_end, t_catchup=catch)
+                               t_verify=t1 - t_draft_end, t_catchup=catch,
+                               catchup_tokens=n_missing if switched else 0)
 
     def _to_target_space(self, q_sub: torch.Tensor, to_target: torch.Tensor | None) -> torch.Tensor:
         V = self.engine.vocab

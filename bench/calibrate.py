@@ -1,0 +1,88 @@
+"""Measure the cost model on the real runtime: traced calibration requests + catch-up timing.
+
+Calibration prompts come from the training set so the held-out prompts that validate the
+simulator never shaped its costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from memspec.bench.realruns import RealRequest, run_real
+from memspec.common.config import PoolConfig
+from memspec.sim.costmodel import CostModel, fit
+
+CATCHUP_TOKENS = (8, 32, 96, 192)
+
+
+def _log(msg: str) -> None:
+    print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
+
+
+def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
+    """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does."""
+    import torch
+    from transformers import DynamicCache
+
+    from memspec.procs.decoder.engine import forward_with_cache
+    from memspec.procs.decoder.inprocess import slot_capacity
+    from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
+
+    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    spec = pool.general_draft
+    bound = load_into_slot(spec.name, spec.path, SlotBuffer(slot_capacity(pool)))
+    out = []
+    with torch.inference_mode():
+        for n in CATCHUP_TOKENS:
+            ids = torch.randint(0, 1000, (1, n))
+            forward_with_cache(bound.model, ids, DynamicCache(), logits_to_keep=1)  # warm
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                forward_with_cache(bound.model, ids, DynamicCache(), logits_to_keep=1)
+                times.append(time.perf_counter() - t0)
+            out.append((n, statistics.median(times)))
+    _log("catch-up " + ", ".join(f"{n} tok {s * 1e3:.1f} ms" for n, s in out))
+    return out
+
+
+def draft_architectures(pool: PoolConfig) -> dict[str, str]:
+    """Draft -> the config fields that set its compute (equal keys: equal iteration cost)."""
+    import json
+
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
+            "num_attention_heads", "num_key_value_heads", "vocab_size", "torch_dtype", "dtype")
+    out = {}
+    for d in pool.drafts:
+        cfg = json.loads((Path(d.path) / "config.json").read_text())
+        out[d.name] = json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True)
+    return out
+
+
+def calibrate(pool: PoolConfig, pool_path: str | None, prompts: Sequence[dict],
+              max_new_tokens: int, out: Path,
+              policies: Sequence[str] = ("general-static", "memspec", "mab-async")
+              ) -> CostModel:
+    """Fit the cost model from traced requests of `policies` on `prompts` (training set)."""
+    reqs = [RealRequest(pol, p["id"], p["domain"], p["prompt"], max_new_tokens)
+            for pol in policies for p in prompts]
+    runs = run_real(reqs, out, pool_path)
+    stats = [r["stats"] for r in runs.values()]
+    initial = [s["trace"]["initial_prediction"] for s in stats
+               if s["trace"]["initial_prediction"] > 0]
+    predict_s = statistics.median(initial) if initial else 0.0
+    cost = fit(stats, pool.N, catchup_timings(pool), predict_s, [d.name for d in pool.drafts],
+               draft_architectures(pool))
+    bw = [r["bandwidth_bytes_s"] for r in runs.values() if r.get("bandwidth_bytes_s")]
+    cost.source.update(policies=list(policies), prompts=[p["id"] for p in prompts],
+                       max_new_tokens=max_new_tokens,
+                       bandwidth_bytes_s=statistics.median(bw) if bw else 0.0)
+    _log(f"spec iteration {statistics.fmean(cost.spec_s.values()) * 1e3:.1f} ms, target step "
+         f"{cost.target_s * 1e3:.1f} ms, load {statistics.fmean(cost.load_s.values()) * 1e3:.0f}"
+         f" ms, ranking {cost.predict_s * 1e3:.1f} ms, between intervals "
+         f"{cost.sched_s * 1e3:.2f} ms, predictor slowdown {cost.predictor_slowdown:+.3f}")
+    return cost

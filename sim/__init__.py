@@ -1,0 +1,1 @@
+"""Replay simulator: the runtime's policies over acceptance tables with a measured cost model."""

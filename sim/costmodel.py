@@ -1,0 +1,227 @@
+"""What each runtime action costs, measured on the real multi-process runtime.
+
+Fitted from traced requests (`Submit(trace=True)`): every iteration record, every load the
+loader timed, the predictor's answer latency and the decoder's gaps between intervals. The
+simulator charges exactly these, so its error against real runs says how complete the model
+is, not how lucky a constant was.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CostModel:
+    spec_s: dict[str, float]  # one SD iteration of each draft at an empty context
+    target_s: float  # one target-only step at an empty context
+    catchup_base_s: float  # (re)activating a draft: fixed part of its KV prefill
+    catchup_per_token_s: float  # ... and per missing token
+    load_s: dict[str, float]  # one draft load under the storage profile (loader-timed)
+    predict_s: float  # snapshot sent -> ranking back (predictor compute + messaging)
+    snapshot_s: float  # building and sending one snapshot (on the critical path)
+    sched_s: float  # decoder work between intervals (drain, bind, decide, heartbeat)
+    inner_s: float = 0.0  # between two iterations of one interval (observe, loop)
+    prefill_base_s: float = 0.0  # target prefill of the prompt, fixed part
+    prefill_per_token_s: float = 0.0
+    per_context_token_s: float = 0.0  # both grow with the context (attention, streaming)
+    mean_iteration_s: float = 0.0  # mean SD iteration seen (load/iteration reference)
+    load_slowdown: float = 0.0  # iterations run this much slower while the loader reads,
+    # checksums and copies a draft on the same cores
+    bind_s: float = 0.0  # decoder binding a landed draft (at the next drain)
+    predictor_slowdown: float = 0.0  # iterations are this much slower while the predictor
+    # process encodes snapshots on the same cores (CPU); ~0 with a GPU decoder
+    pre_s: float = 0.0  # request start -> decode loop, besides prefill and first ranking
+    post_s: float = 0.0  # last iteration -> reply
+    source: dict[str, Any] = field(default_factory=dict)
+
+
+    def spec_cost(self, draft: str, context: int) -> float:
+        return self.spec_s[draft] + self.per_context_token_s * context
+
+    def target_cost(self, context: int) -> float:
+        return self.target_s + self.per_context_token_s * context
+
+    def catchup_s(self, tokens: int) -> float:
+        return self.catchup_base_s + self.catchup_per_token_s * max(0, tokens)
+
+    def prefill_s(self, prompt_len: int) -> float:
+        return self.prefill_base_s + self.prefill_per_token_s * prompt_len
+
+    def with_load_ratio(self, ratio: float, reference: str) -> CostModel:
+        """The same runtime with storage `ratio` x one `reference` iteration per draft load
+        (the sweeps' knob); drafts keep their size ratios to the reference."""
+        base = self.load_s[reference]
+        it = self.mean_iteration_s or self.spec_s[reference]
+        scale = ratio * it / base if base > 0 else 0.0
+        return CostModel(**{**asdict(self), "load_s": {d: s * scale
+                                                       for d, s in self.load_s.items()}})
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> CostModel:
+        return cls(**dict(raw))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> CostModel:
+        return cls.from_json(json.loads(path.read_text()))
+
+
+def _mean(xs: Sequence[float], default: float = 0.0) -> float:
+    return statistics.fmean(xs) if xs else default
+
+
+def _median(xs: Sequence[float], default: float = 0.0) -> float:
+    return statistics.median(xs) if xs else default
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares y = a + b x (b clamped >= 0: costs never fall with more tokens)."""
+    if len(xs) < 2 or len(set(xs)) < 2:
+        return (_mean(ys), 0.0)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+    return my - b * mx, b
+
+
+def _waits_between(waits: Sequence[tuple[float, float]], a: float, b: float) -> float:
+    return sum(sec for t, sec in waits if a <= t < b)
+
+
+def load_windows(events: Sequence[Sequence[Any]]) -> list[tuple[float, float]]:
+    """When the loader was busy: loads are served one at a time in issue order, each for
+    the seconds it reported (cancelled loads are left out: they stop within a chunk)."""
+    issued = [(ev[0], ev[2], ev[3]) for ev in events if ev[1] == "load"]
+    landed = {}
+    for ev in events:
+        if ev[1] == "loaded" and len(ev) > 4:
+            landed.setdefault((ev[2], ev[3]), []).append(float(ev[4]))
+    out, free = [], 0.0
+    for t, draft, slot in issued:
+        secs = landed.get((draft, slot))
+        if not secs:
+            continue
+        start = max(t, free)
+        free = start + secs.pop(0)
+        out.append((start, free))
+    return out
+
+
+def _busy(windows: Sequence[tuple[float, float]], a: float, b: float) -> bool:
+    return any(s < b and a < e for s, e in windows)
+
+
+def fit(runs: Iterable[Mapping[str, Any]], N: int, catchup: Sequence[tuple[int, float]],
+        predict_s: float, drafts: Sequence[str], arch: Mapping[str, str] | None = None
+        ) -> CostModel:
+    """Fit from traced Done stats (`stats` with "trace") plus two direct measurements:
+    `catchup` = (tokens, seconds) prefill timings of a draft, `predict_s` = the predictor's
+    measured round trip. Drafts of one architecture (`arch`: draft -> key; default: all
+    alike) share one iteration cost: which policy happened to run a draft, and where in a
+    request, would otherwise leak into its cost."""
+    spec: list[tuple[str, float, float]] = []  # (draft, context tokens, seconds), loader idle
+    with_pred: list[tuple[str, float, float]] = []  # the same in predictor-driven runs
+    during_load: list[tuple[str, float, float]] = []  # no predictor, loader busy
+    target: list[tuple[float, float]] = []
+    loads: dict[str, list[float]] = {d: [] for d in drafts}
+    sched: list[float] = []
+    inner: list[float] = []
+    snaps: list[float] = []
+    binds: list[tuple[float, float]] = []  # (event time, bind seconds) of one run
+    bind_all: list[float] = []
+    traced_catch: list[tuple[float, float]] = []  # (missing tokens, seconds) from the runtime
+    pre: list[float] = []
+    post: list[float] = []
+    prefill_x: list[float] = []
+    prefill_y: list[float] = []
+    n_runs = 0
+    for st in runs:
+        n_runs += 1
+        tr, t = st["trace"], st["time"]
+        its = tr["iterations"]  # [t, draft, accepted, duration, desired, catchup, emitted]
+        waits = [(ev[0], float(ev[4])) for ev in tr["loads"] if ev[1] == "wait"]
+        binds = [(ev[0], float(ev[5])) for ev in tr["loads"] if ev[1] == "loaded" and len(ev) > 5]
+        bind_all += [b for _, b in binds]
+        for ev in tr["loads"]:
+            if ev[1] == "loaded" and len(ev) > 4 and ev[2] in loads:
+                loads[ev[2]].append(float(ev[4]))
+        uses_predictor = tr["initial_prediction"] > 0
+        busy = load_windows(tr["loads"])
+        ctx = float(st["prompt_tokens"])
+        for t0, d, _a, dur, _des, catch, *rest in its:
+            if catch > 0 and len(rest) > 1 and rest[1] > 0:
+                traced_catch.append((float(rest[1]), catch))
+            loading = _busy(busy, t0, t0 + dur)
+            if d is None:
+                if not uses_predictor and not loading:
+                    target.append((ctx, dur))
+            elif d in loads:
+                sample = (d, ctx, dur - catch)
+                if loading:
+                    if not uses_predictor:
+                        during_load.append(sample)
+                else:
+                    (with_pred if uses_predictor else spec).append(sample)
+            ctx += rest[0] if rest else 1
+        if not its:
+            continue
+        prev_end = tr["loop_start"]
+        for i, it in enumerate(its):
+            gap = it[0] - prev_end - _waits_between(waits, prev_end, it[0]) \
+                - _waits_between(binds, prev_end, it[0])
+            (sched if i % N == 0 else inner).append(gap)
+            prev_end = it[0] + it[3]
+        pre.append(tr["loop_start"] - t["prefill"] - tr["initial_prediction"])
+        post.append(t["e2e"] - prev_end)
+        prefill_x.append(float(st["prompt_tokens"]))
+        prefill_y.append(t["prefill"])
+        n_snap = (len(its) - 1) // N
+        if tr["initial_prediction"] > 0 and n_snap:
+            snaps.append(max(0.0, t["prediction"] - tr["initial_prediction"]) / n_snap)
+    # one line over context for every draft's iterations (same verify, same streaming), then
+    # each draft's mean offset from it
+    a_it, per_tok = linear_fit([c for _, c, _ in spec], [x for *_, x in spec])
+    group = {d: (arch or {}).get(d, "") for d in drafts}
+    spec_s = {}
+    for d in drafts:
+        res = [x - per_tok * c for dd, c, x in spec if group.get(dd) == group[d]]
+        spec_s[d] = _mean(res, a_it)
+    target_s = _mean([x - per_tok * c for c, x in target], 0.5 * a_it)
+    # >= 0: a predictor process never speeds the decoder up (negative values are noise)
+    ratios = [x / (spec_s[d] + per_tok * c) for d, c, x in with_pred]
+    slowdown = max(0.0, _mean(ratios) - 1) if ratios and spec else 0.0
+    during = [x / (spec_s[d] + per_tok * c) for d, c, x in during_load]
+    load_slowdown = max(0.0, _mean(during) - 1) if during and spec else 0.0
+    seen = [x for *_, x in spec]
+    seen_loads = [x for xs in loads.values() for x in xs]
+    # catch-up as the runtime paid it when there are enough traced switches, else the
+    # in-process prefill timings
+    points = traced_catch if len(traced_catch) >= 5 else [(float(n), t) for n, t in catchup]
+    a, b = linear_fit([n for n, _ in points], [t for _, t in points])
+    pa, pb = linear_fit(prefill_x, prefill_y)
+    return CostModel(
+        spec_s=spec_s, target_s=target_s, per_context_token_s=per_tok,
+        mean_iteration_s=_mean(seen),
+        catchup_base_s=a, catchup_per_token_s=b,
+        load_s={d: _median(xs, _median(seen_loads)) for d, xs in loads.items()},
+        predict_s=predict_s, snapshot_s=_median(snaps), sched_s=_mean(sched),
+        inner_s=_mean(inner), prefill_base_s=pa, prefill_per_token_s=pb,
+        pre_s=_mean(pre), post_s=_mean(post), predictor_slowdown=slowdown,
+        bind_s=_mean(bind_all), load_slowdown=load_slowdown,
+        source={"runs": n_runs,
+                "iterations": len(seen) + len(target) + len(with_pred) + len(during_load),
+                "iterations_during_loads": len(during_load),
+                "loads": len(seen_loads), "catchup_points": len(points),
+                "catchup_from": "traced switches" if points is traced_catch else "prefill timing"})

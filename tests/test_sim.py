@@ -1,0 +1,209 @@
+"""The replay simulator and the exact optimum: pure logic over synthetic tables."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from memspec.procs.decoder.oracle import dynamic_plan, static_plan
+from memspec.procs.decoder.policies import POLICY_NAMES, SchedView
+from memspec.sim.costmodel import CostModel, fit, linear_fit
+from memspec.sim.optimum import optimum
+from memspec.sim.simulate import SimConfig, SimRequest, simulate
+from memspec.zoo.tables import oracle_static, replay_static, step_accepted, table_from_correct
+
+DRAFTS = ("general", "code", "math", "law", "medical")
+
+
+def tables(seed: int, length: int = 96, good: str = "math") -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    out = {}
+    for d in DRAFTS:
+        p = 0.55 if d == good else 0.3
+        out[d] = table_from_correct([rng.random() < p for _ in range(length)], 4)
+    return out
+
+
+def cost(load: float = 0.25, **kw) -> CostModel:
+    base = dict(spec_s={d: 0.09 for d in DRAFTS}, target_s=0.04, catchup_base_s=0.003,
+                catchup_per_token_s=2e-5, load_s={d: load for d in DRAFTS}, predict_s=0.025,
+                snapshot_s=0.0003, sched_s=0.001, inner_s=0.0001)
+    base.update(kw)
+    return CostModel(**base)
+
+
+CFG = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4)
+
+
+def test_resident_static_draft_replays_the_tables_exactly():
+    tab = tables(1)
+    req = SimRequest("p", "math", 40, tab)
+    st = simulate("general-static", req, cost(), CFG, resident=["general"])
+    rep = replay_static(tab, "general", 4)
+    assert [r.accepted for r in st.records] == rep.accepted
+    assert sum(r.emitted for r in st.records) == len(tab["general"])
+    assert all(r.desired for r in st.records) and st.loads == 0
+    # one catch-up (first activation), then pure iteration cost
+    assert sum(1 for r in st.records if r.t_catchup > 0) == 1
+
+
+def test_cold_start_pays_the_load_in_fallback_then_runs_the_draft():
+    tab = tables(2)
+    st = simulate("general-static", SimRequest("p", "math", 40, tab), cost(load=0.1), CFG)
+    first = [r.draft for r in st.records[:4]]
+    assert first == [None] * 4 and not st.records[0].desired  # target alone while loading
+    assert st.records[4].draft == "general" and st.loads == 1
+
+
+def test_oracle_static_runs_the_best_single_draft():
+    tab = tables(3, good="law")
+    best, _ = oracle_static(tab, 4)
+    st = simulate("oracle-static", SimRequest("p", "law", 40, tab), cost(), CFG,
+                  resident=[best])
+    assert {r.draft for r in st.records} == {best}
+
+
+def test_memspec_follows_a_perfect_predictor_to_the_good_draft():
+    tab = tables(4, good="code")
+    req = SimRequest("p", "code", 40, tab,
+                     scores=lambda p: {d: 1.0 if d == "code" else 0.1 for d in DRAFTS})
+    s = simulate("memspec", req, cost(), CFG).summary()
+    assert s["drafts_used"].get("code", 0) > 0.8 * s["num_drafts"]
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_optimum_bounds_every_policy(seed):
+    tab = tables(seed, good=DRAFTS[seed % 5])
+    c = cost()
+    req = SimRequest("p", "x", 40, tab, scores=lambda p: {d: 1.0 / (1 + i)
+                                                          for i, d in enumerate(DRAFTS)})
+    opt = optimum(tab, c, CFG.K, CFG.N, CFG.gamma, prompt_len=40)
+    sd = optimum(tab, c, CFG.K, CFG.N, CFG.gamma, prompt_len=40, target_only=False)
+    assert sd.tokens_per_s <= opt.tokens_per_s * (1 + 1e-9)
+    for name in POLICY_NAMES:
+        st = simulate(name, req, c, CFG)
+        steady = st.summary()["tokens_per_s_steady"]
+        assert steady <= opt.tokens_per_s * (1 + 1e-9), name
+        if name != "target-only":  # the others run a draft whenever one is resident
+            assert steady <= sd.tokens_per_s * (1 + 1e-9), name
+
+
+def _brute_force(tab, c, N, gamma):
+    """K = 1, loads instant relative to nothing: try every per-interval draft sequence where
+    a draft runs only if it was chosen (loaded) one interval earlier or is the current one."""
+    n = len(next(iter(tab.values())))
+    best = float("inf")
+    options = (*tab, None)
+
+    def go(pos, res, t, depth):
+        nonlocal best
+        if pos >= n:
+            best = min(best, t)
+            return
+        if t >= best:
+            return
+        for run, nxt_res in itertools.product(options, tab):
+            if run is not None and run != res:
+                continue
+            p, dt = pos, 0.0
+            for _ in range(N):
+                if p >= n:
+                    break
+                if run is None:
+                    p, dt = p + 1, dt + c.target_s
+                else:
+                    p, dt = min(p + step_accepted(tab[run], p, gamma) + 1, n), dt + c.spec_s[run]
+            # a load issued now lands within the interval when load_s <= dt
+            land = nxt_res if (nxt_res == res or c.load_s[nxt_res] <= dt) else res
+            go(p, land, t + dt, depth + 1)
+
+    go(0, None, 0.0, 0)
+    return best
+
+
+def test_optimum_matches_brute_force_on_a_small_case():
+    rng = random.Random(11)
+    tab = {d: table_from_correct([rng.random() < q for _ in range(14)], 3)
+           for d, q in (("a", 0.2), ("b", 0.7))}
+    c = CostModel(spec_s={"a": 0.1, "b": 0.1}, target_s=0.05, catchup_base_s=0.0,
+                  catchup_per_token_s=0.0, load_s={"a": 0.05, "b": 0.05}, predict_s=0.0,
+                  snapshot_s=0.0, sched_s=0.0)
+    opt = optimum(tab, c, K=1, N=2, gamma=3)
+    brute = _brute_force(tab, c, 2, 3)
+    # the DP may also idle for a load (never worse), so it is at most the brute force
+    assert opt.time_s <= brute + 1e-9
+    assert opt.time_s >= 0.0 and opt.time_s > 0.6 * brute
+
+
+def test_oracle_plans():
+    tab = tables(8, good="medical")
+    best, _ = oracle_static(tab, 4)
+    view = SchedView(0, DRAFTS, "general", 2, frozenset(), frozenset(), frozenset(), None, None)
+    assert static_plan(tab, 4)(view) == best
+    pos = {"p": 0}
+    plan = dynamic_plan(tab, 4, 4, lambda: pos["p"])
+    scores = plan(view)
+    top = max(scores, key=scores.get)
+    assert scores[top] >= max(scores.values())
+    pos["p"] = len(tab["general"])
+    assert plan(view) is None
+
+
+def test_costmodel_fit_from_a_trace():
+    its = []
+    t = 0.5
+    for i in range(12):
+        d = None if i < 4 else "code"
+        dur = 0.04 if d is None else 0.09
+        catch = 0.01 if i == 4 else 0.0
+        its.append([t, d, 1, dur + catch, d is not None, catch, 2])
+        t += dur + catch + (0.002 if (i + 1) % 4 == 0 else 0.0001)
+    run = {"trace": {"iterations": its, "loads": [[0.25, "load", "code", 0],
+                                                  [0.7, "loaded", "code", 0, 0.2]],
+                     "loop_start": 0.49, "initial_prediction": 0.0},
+           "time": {"prefill": 0.3, "prediction": 0.0, "load_wait": 0.0, "e2e": t + 0.01},
+           "prompt_tokens": 50}
+    c = fit([run], 4, [(16, 0.002), (64, 0.005)], 0.025, ["general", "code"])
+    assert c.spec_s["code"] == pytest.approx(0.09)
+    assert c.target_s == pytest.approx(0.04)
+    assert c.load_s["code"] == pytest.approx(0.2)
+    assert c.sched_s == pytest.approx((0.01 + 0.002 + 0.002) / 3, rel=1e-6)
+    assert linear_fit([16, 64], [0.002, 0.005]) == pytest.approx((0.001, 6.25e-5))
+
+
+def test_fit_separates_load_interference_and_bind_cost():
+    """Iterations overlapping a load are slower; binding a landed draft costs the decoder."""
+    its, t = [], 0.1
+    for i in range(16):
+        slow = 4 <= i < 8  # the loader streams during these
+        dur = 0.11 if slow else 0.10
+        its.append([t, "general", 0, dur, True, 0.0, 1, 0])
+        t += dur + (0.0105 if i == 7 else 0.0005)  # a bind lands in the gap after i = 7
+    run = {"trace": {"iterations": its, "loads": [
+        [its[4][0], "load", "code", 1], [its[8][0] - 0.001, "loaded", "code", 1,
+                                          its[7][0] + its[7][3] - its[4][0], 0.01]],
+        "loop_start": 0.0995, "initial_prediction": 0.0},
+        "time": {"prefill": 0.05, "prediction": 0.0, "load_wait": 0.0, "e2e": t},
+        "prompt_tokens": 20}
+    c = fit([run], 4, [(8, 0.001), (64, 0.002)], 0.02, ["general", "code"])
+    assert c.load_slowdown == pytest.approx(0.1, abs=0.02)
+    assert c.bind_s == pytest.approx(0.01)
+    assert c.sched_s == pytest.approx(0.0005, abs=1e-4)  # the bind is not a scheduling cost
+
+
+def test_predictor_answers_the_newest_snapshot_only():
+    """A slow predictor must not build a backlog: later snapshots replace waiting ones."""
+    tab = tables(9)
+    slow = cost(predict_s=1.0)
+    seen: list[int] = []
+
+    def scores(p: int) -> dict[str, float]:
+        seen.append(p)
+        return {d: 1.0 for d in DRAFTS}
+
+    st = simulate("memspec", SimRequest("p", "x", 40, tab, scores), slow, CFG)
+    assert st.summary()["generated_tokens"] == len(tab["general"])
+    # decisions see rankings at most ~two predictor latencies old, never the whole queue
+    assert len(set(seen)) >= 2
