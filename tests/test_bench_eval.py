@@ -92,7 +92,7 @@ def test_sweep_rows_and_report(tmp_path):
     assert "## Must hold" in text and "![breakdown](plots/breakdown.png)" in text
     got = {label: ok for label, _v, _op, _b, ok in checks(result)}
     assert got["memspec fallback share (non-preferred resident draft)"] is True  # 0.05 < 0.055
-    assert got["simulator vs real, max |rel. error|"] is False  # not measured: not met
+    assert got["simulator vs real, max relative error"] is False  # not measured: not met
 
 
 def test_pinned_pool_keeps_every_path(tmp_path):
