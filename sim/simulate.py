@@ -82,8 +82,7 @@ class _Loader:
                     self.free_at = t
                 self.queue.remove(ld)
                 break
-        self.queue_done_before(t)
-        self._plan(t)
+        self._plan(t)  # landed loads were drained just before this decision
 
     def queue_done_before(self, t: float) -> list[str]:
         done = [ld for ld in self.queue if ld.done <= t]
@@ -234,5 +233,4 @@ def build_policy(name: str, req: SimRequest, cfg: SimConfig, position: Callable[
                  ucb_c: float = 2.0) -> Policy:
     """The runtime's policy object, with an oracle plan over this request's tables."""
     plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position)
-    return make_policy(name, ucb_c=ucb_c, oracle_plan=plan) if plan else \
-        make_policy(name, ucb_c=ucb_c)
+    return make_policy(name, ucb_c=ucb_c, oracle_plan=plan)

@@ -24,7 +24,7 @@ import torch
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
-from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
+from memspec.common.paths import PACKAGE_ROOT
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.models import eos_token_ids, load_causal_lm, load_tokenizer
@@ -73,11 +73,10 @@ def heldout_prompts(domains: Sequence[str], per_domain: int,
 
 
 def traces_path(pool: PoolConfig) -> Path:
-    """Cached trajectories belong to one target: a non-default target gets its own file."""
-    traces = memspec_home() / "traces"
-    if pool.target.resolve() == default_target_dir().resolve():
-        return traces / "heldout.jsonl"
-    return traces / f"heldout-{pool.target.name}.jsonl"
+    """The held-out trajectories `memspec trace` also reads and writes."""
+    from memspec.zoo.tablestore import trajectories_path
+
+    return trajectories_path(pool, "heldout")
 
 
 # --------------------------------------------------------------------------- tables

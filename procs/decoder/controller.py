@@ -269,8 +269,7 @@ class Controller:
                              self.pool.gamma, self.pool.N,
                              lambda: len(where["s"].generated) if "s" in where else 0)
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
-        policy: Policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan) if plan \
-            else make_policy(policy_name, ucb_c=ucb_c)
+        policy: Policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
         if self.cold_start:
             for d in list(self.table.resident | self.table.loading):
