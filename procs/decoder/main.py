@@ -38,12 +38,7 @@ from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import configure, recv, send
 from memspec.procs.decoder.controller import Controller, _log, draft_files
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.models import (
-    encode_prompt,
-    eos_token_ids,
-    load_causal_lm,
-    load_tokenizer,
-)
+from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 
 HEARTBEAT_S = 0.5
@@ -133,10 +128,8 @@ def run(args: argparse.Namespace) -> int:
     requests.bind(args.endpoint)
     channels = SocketChannels(ctx, args.loader, args.predictor, args.control, requests)
     t0 = time.perf_counter()
-    tokenizer = load_tokenizer(pool.target)
     device = args.device
-    target = load_causal_lm(pool.target, "target", device=device)
-    engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma)
+    engine, tokenizer, dtype = open_engine(pool, device)
     files = draft_files(pool)
     capacity = max((f.layout.data_size for f in files.values()), default=0)
     k = pool.K
@@ -175,10 +168,10 @@ def run(args: argparse.Namespace) -> int:
 
     ctl.on_slots_changed = push_status
     send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info={
-        "load_s": time.perf_counter() - t0, "K": k, "transport": transport,
+        "load_s": time.perf_counter() - t0, "K": k, "transport": transport, "dtype": dtype,
         "slot_bytes": capacity, "bandwidth_bytes_s": bandwidth,
         "handles": [m.handle for m in mems]}))
-    _log(f"ready: K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
+    _log(f"ready: target in {dtype}, K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
          f"{time.perf_counter() - t0:.1f}s")
     stop = False
 

@@ -1,0 +1,373 @@
+// The lean Llama-family forward for CPUs, as one C++ call per forward.
+//
+// Why C++: at batch 1 a decode step on a CPU is a pass over the weights (the matmuls,
+// done by PyTorch's own dense / int8 / int4 kernels) plus ~50 small operators per layer
+// (norms, rotary, cache writes, attention, SiLU). From Python each of those costs a few
+// microseconds of dispatch; over 30 layers that is as much time as the weights. Here the
+// small operators are plain loops over fp32, and each query row is computed alone with a
+// fixed order of operations, so a token's logits do not depend on how many tokens were
+// batched with it (a verify of gamma+1 tokens agrees bit for bit with single steps).
+//
+// Layout: residual stream fp32 [T, hidden]; matmul inputs/outputs in the activation dtype
+// (bf16 on CPUs with native bf16, else fp32); KV caches [kv_heads, capacity, head_dim] per
+// layer in the activation dtype; rotary in the half-split layout of HF Llama.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t KB = 16;  // keys per K-cache block (one AVX-512 register of fp32)
+
+struct Lin {
+  int64_t kind = 0;  // 0 dense (at::linear), 1 int8 per-channel, 2 int4 group-wise
+  at::Tensor w, aux, bias;
+  int64_t group = 0;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
+    if (kind == 0) {
+      y = bias.defined() ? at::linear(x, w, bias) : at::linear(x, w);
+      return y;
+    }
+    y = kind == 1 ? at::_weight_int8pack_mm(x, w, aux)
+                  : at::_weight_int4pack_mm_for_cpu(x, w, group, aux);
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
+};
+
+Lin make_lin(const py::tuple& t) {
+  Lin l;
+  l.kind = t[0].cast<int64_t>();
+  l.w = t[1].cast<at::Tensor>();
+  if (!t[2].is_none()) l.aux = t[2].cast<at::Tensor>();
+  if (!t[3].is_none()) l.bias = t[3].cast<at::Tensor>();
+  l.group = t[4].cast<int64_t>();
+  return l;
+}
+
+struct Layer {
+  at::Tensor ln1, ln2;  // fp32
+  std::vector<Lin> qkv, gate_up;
+  Lin o, down;
+};
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+// exp for softmax and SiLU: range reduction to 2^k * e^r and a degree-6 polynomial (relative
+// error ~2e-7), written so the compiler vectorises it; libm's expf is a scalar call, and
+// with ~250k of them per decode step it would cost more than the attention arithmetic.
+inline float fexp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// out[r, :] = act(x[r, :] * rsqrt(mean(x^2) + eps) * w)
+template <typename S>
+void rmsnorm(const float* x, const float* w, S* out, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    S* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<S>(xr[i] * inv * w[i]);
+  }
+}
+
+class Model {
+ public:
+  Model(py::tuple dims, at::Tensor embed, py::object embed_scale, py::list layers,
+        at::Tensor norm, py::tuple head, double rope_theta, std::string act_dtype)
+      : embed_(embed), norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
+    hidden_ = dims[0].cast<int64_t>();
+    heads_ = dims[1].cast<int64_t>();
+    kvh_ = dims[2].cast<int64_t>();
+    hd_ = dims[3].cast<int64_t>();
+    inter_ = dims[4].cast<int64_t>();
+    eps_ = dims[5].cast<double>();
+    if (!embed_scale.is_none()) embed_scale_ = embed_scale.cast<at::Tensor>().to(at::kFloat);
+    act_ = act_dtype == "bfloat16" ? at::kBFloat16 : act_dtype == "float16" ? at::kHalf
+                                                                         : at::kFloat;
+    for (auto item : layers) {
+      auto t = item.cast<py::tuple>();
+      Layer L;
+      L.ln1 = t[0].cast<at::Tensor>().to(at::kFloat).contiguous();
+      L.ln2 = t[1].cast<at::Tensor>().to(at::kFloat).contiguous();
+      for (auto q : t[2].cast<py::list>()) L.qkv.push_back(make_lin(q.cast<py::tuple>()));
+      L.o = make_lin(t[3].cast<py::tuple>());
+      for (auto q : t[4].cast<py::list>()) L.gate_up.push_back(make_lin(q.cast<py::tuple>()));
+      L.down = make_lin(t[5].cast<py::tuple>());
+      layers_.push_back(std::move(L));
+    }
+    const int64_t half = hd_ / 2;
+    inv_freq_.resize(half);
+    for (int64_t i = 0; i < half; ++i)
+      inv_freq_[i] = static_cast<float>(1.0 / std::pow(rope_theta, static_cast<double>(i) / half));
+  }
+
+  // logits [T or 1, vocab] (activation dtype) and the residual stream after each layer in
+  // `capture` (fp32 [T, hidden]), for ids [T] at positions pos..pos+T-1.
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
+      const at::Tensor& ids, int64_t pos, const std::vector<at::Tensor>& kc,
+      const std::vector<at::Tensor>& vc, bool last_only, const std::vector<int64_t>& capture) {
+    at::NoGradGuard no_grad;
+    const int64_t T = ids.numel();
+    TORCH_CHECK(static_cast<int64_t>(kc.size()) == static_cast<int64_t>(layers_.size()),
+                "one K cache per layer");
+    TORCH_CHECK(pos + T <= vc[0].size(1), "context exceeds the KV cache");
+    TORCH_CHECK(vc[0].size(1) % KB == 0, "KV cache capacity must be a multiple of 16");
+    auto opts = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor x = embed(ids);  // fp32 [T, hidden]
+    std::vector<float> cosv(T * (hd_ / 2)), sinv(T * (hd_ / 2));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < hd_ / 2; ++i) {
+        const float a = static_cast<float>(pos + t) * inv_freq_[i];
+        cosv[t * (hd_ / 2) + i] = std::cos(a);
+        sinv[t * (hd_ / 2) + i] = std::sin(a);
+      }
+    at::Tensor h = at::empty({T, hidden_}, opts.dtype(act_));
+    at::Tensor q = at::empty({T, heads_ * hd_}, opts);
+    at::Tensor att = at::empty({T, heads_ * hd_}, opts.dtype(act_));
+    at::Tensor mid = at::empty({T, inter_}, opts.dtype(act_));
+    std::vector<at::Tensor> captured;
+    size_t next_cap = 0;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& L = layers_[li];
+      norm_into(x, L.ln1, h);
+      at::Tensor qkv = project(L.qkv, h);
+      rope_and_cache(qkv, q, kc[li], vc[li], pos, T, cosv, sinv);
+      attend(q, kc[li], vc[li], att, pos, T);
+      add_into(x, L.o(att));
+      norm_into(x, L.ln2, h);
+      at::Tensor gu = project(L.gate_up, h);
+      silu_mul(gu, mid, T);
+      add_into(x, L.down(mid));
+      while (next_cap < capture.size() && capture[next_cap] == static_cast<int64_t>(li)) {
+        captured.push_back(x.clone());
+        ++next_cap;
+      }
+    }
+    at::Tensor xs = last_only ? x.slice(0, T - 1, T).contiguous() : x;
+    at::Tensor hn = at::empty({xs.size(0), hidden_}, opts.dtype(act_));
+    norm_into(xs, norm_, hn);
+    return {head_(hn), captured};
+  }
+
+  // final norm + LM head over given residual rows (fp32 [R, hidden]); used by draft heads
+  at::Tensor logits(const at::Tensor& x) {
+    at::NoGradGuard no_grad;
+    at::Tensor xs = x.to(at::kFloat).contiguous();
+    at::Tensor hn = at::empty({xs.size(0), hidden_}, xs.options().dtype(act_));
+    norm_into(xs, norm_, hn);
+    return head_(hn);
+  }
+
+ private:
+  at::Tensor embed(const at::Tensor& ids) {
+    at::Tensor rows = embed_.index_select(0, ids).to(at::kFloat);
+    if (embed_scale_.defined()) rows.mul_(embed_scale_.index_select(0, ids).unsqueeze(1));
+    return rows.contiguous();
+  }
+
+  at::Tensor project(const std::vector<Lin>& lins, const at::Tensor& h) {
+    if (lins.size() == 1) return lins[0](h).contiguous();
+    std::vector<at::Tensor> parts;
+    for (const auto& l : lins) parts.push_back(l(h));
+    return at::cat(parts, 1);
+  }
+
+  void norm_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "rmsnorm", [&] {
+      rmsnorm<scalar_t>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                        x.size(0), hidden_, static_cast<float>(eps_));
+    });
+  }
+
+  void add_into(at::Tensor& x, const at::Tensor& y) {
+    at::Tensor yc = y.contiguous();
+    float* xp = x.data_ptr<float>();
+    const int64_t n = x.numel();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, yc.scalar_type(), "add", [&] {
+      const scalar_t* yp = yc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < n; ++i) xp[i] += f32(yp[i]);
+    });
+  }
+
+  void silu_mul(const at::Tensor& gu, at::Tensor& out, int64_t T) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu", [&] {
+      const scalar_t* g = gu.data_ptr<scalar_t>();
+      scalar_t* o = out.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        const scalar_t* gr = g + t * 2 * inter_;
+        const scalar_t* ur = gr + inter_;
+        scalar_t* orow = o + t * inter_;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < inter_; ++i) {
+          const float a = f32(gr[i]);
+          orow[i] = static_cast<scalar_t>(a / (1.f + fexp(-a)) * f32(ur[i]));
+        }
+      }
+    });
+  }
+
+  // q (fp32, rotated, pre-scaled by 1/sqrt(hd)) out of the fused projection; rotated k and
+  // v written into the fp32 caches at positions pos..pos+T-1.
+  void rope_and_cache(const at::Tensor& qkv, at::Tensor& q, const at::Tensor& kc,
+                      const at::Tensor& vc, int64_t pos, int64_t T,
+                      const std::vector<float>& cosv, const std::vector<float>& sinv) {
+    const int64_t half = hd_ / 2, nq = heads_ * hd_, nk = kvh_ * hd_, width = qkv.size(1);
+    const int64_t cap = vc.size(1);
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
+    float* qp = q.data_ptr<float>();
+    float* kp = kc.data_ptr<float>();  // [kvh, cap / KB, hd, KB]
+    float* vp = vc.data_ptr<float>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope", [&] {
+      const scalar_t* src = qkv.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        const float* c = cosv.data() + t * half;
+        const float* s = sinv.data() + t * half;
+        const scalar_t* row = src + t * width;
+        for (int64_t h = 0; h < heads_; ++h) {
+          const scalar_t* x = row + h * hd_;
+          float* o = qp + t * nq + h * hd_;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+            o[i] = (x1 * c[i] - x2 * s[i]) * scale;
+            o[i + half] = (x2 * c[i] + x1 * s[i]) * scale;
+          }
+        }
+        for (int64_t h = 0; h < kvh_; ++h) {
+          const scalar_t* x = row + nq + h * hd_;
+          const scalar_t* v = row + nq + nk + h * hd_;
+          const int64_t l = pos + t;  // lane l % KB of key block l / KB
+          float* ko = kp + ((h * (cap / KB) + l / KB) * hd_) * KB + l % KB;
+          float* vo = vp + (h * cap + l) * hd_;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+            ko[i * KB] = x1 * c[i] - x2 * s[i];
+            ko[(i + half) * KB] = x2 * c[i] + x1 * s[i];
+          }
+          for (int64_t i = 0; i < hd_; ++i) vo[i] = f32(v[i]);
+        }
+      }
+    });
+  }
+
+  // Causal GQA attention over fp32 caches: K is stored in blocks of KB keys, each block
+  // [hd, KB] contiguous, so scores for KB consecutive keys are KB lanes of one FMA chain
+  // over 4 KB read in order (a plain [hd, capacity] layout strides by the capacity and
+  // thrashes L1), and V row-major
+  // so the weighted sum is a broadcast FMA; neither needs a horizontal reduction. Every
+  // query of a KV head's group (all T rows) reuses each key block while it is in L1, and
+  // each query's own arithmetic (dot products in d order, its softmax, its sum in key
+  // order) is the same whatever T is.
+  void attend(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
+              int64_t pos, int64_t T) {
+    const int64_t g = heads_ / kvh_, cap = vc.size(1), hd = hd_, nq = heads_ * hd_;
+    const int64_t rows = T * g, n_max = pos + T, n_pad = (n_max + KB - 1) / KB * KB;
+    const float* qp = q.data_ptr<float>();
+    const float* kp = kc.data_ptr<float>();
+    const float* vp = vc.data_ptr<float>();
+    std::vector<float> sc(rows * n_pad), acc(rows * hd);
+    std::vector<const float*> qr(rows);
+    std::vector<int64_t> lim(rows);
+    for (int64_t j = 0; j < kvh_; ++j) {
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < g; ++i) {
+          qr[t * g + i] = qp + t * nq + (j * g + i) * hd;
+          lim[t * g + i] = pos + t + 1;
+        }
+      const float* kb = kp + j * cap * hd;  // [cap / KB, hd, KB]
+      const float* vb = vp + j * cap * hd;  // [cap, hd]
+      for (int64_t l0 = 0; l0 < n_pad; l0 += KB) {
+        const float* blk = kb + l0 * hd;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (l0 >= lim[r]) continue;
+          const float* qv = qr[r];
+          float s[KB] = {0.f};
+          for (int64_t d = 0; d < hd; ++d) {
+            const float qd = qv[d];
+            const float* k = blk + d * KB;
+#pragma omp simd
+            for (int64_t i = 0; i < KB; ++i) s[i] += qd * k[i];
+          }
+          std::copy(s, s + KB, sc.data() + r * n_pad + l0);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = sc.data() + r * n_pad;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < lim[r]; ++l) mx = sr[l] > mx ? sr[l] : mx;
+        const int64_t n = lim[r];
+#pragma omp simd
+        for (int64_t l = 0; l < n; ++l) sr[l] = fexp(sr[l] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t l = 0; l < n; ++l) sum += sr[l];
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t l = 0; l < n; ++l) sr[l] *= inv;
+        std::fill(acc.begin() + r * hd, acc.begin() + (r + 1) * hd, 0.f);
+      }
+      for (int64_t l = 0; l < n_max; ++l) {
+        const float* vr = vb + l * hd;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (l >= lim[r]) continue;
+          const float p = sc[r * n_pad + l];
+          float* a = acc.data() + r * hd;
+#pragma omp simd
+          for (int64_t d = 0; d < hd; ++d) a[d] += p * vr[d];
+        }
+      }
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "att", [&] {
+        scalar_t* op = out.data_ptr<scalar_t>();
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = 0; i < g; ++i) {
+            const float* a = acc.data() + (t * g + i) * hd;
+            scalar_t* o = op + t * nq + (j * g + i) * hd;
+            for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<scalar_t>(a[d]);
+          }
+      });
+    }
+  }
+
+  int64_t hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0;
+  double eps_ = 1e-6;
+  at::ScalarType act_ = at::kFloat;
+  at::Tensor embed_, embed_scale_, norm_;
+  Lin head_;
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Model>(m, "Model")
+      .def(py::init<py::tuple, at::Tensor, py::object, py::list, at::Tensor, py::tuple, double,
+                    std::string>())
+      .def("forward", &Model::forward)
+      .def("logits", &Model::logits);
+}

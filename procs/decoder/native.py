@@ -1,0 +1,115 @@
+"""The lean forward's CPU fast path: one C++ call per forward (csrc/lean_cpu.cpp).
+
+Built once with PyTorch's extension builder (g++ and ninja; `bash launch/setup.sh` does it)
+into ``$MEMSPEC_HOME/build``; later processes load the cached build in well under a second.
+Where it cannot be built (no compiler), the pure-PyTorch lean forward runs instead: same
+results up to rounding, more Python overhead per step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memspec.common.paths import memspec_home
+from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
+from memspec.procs.decoder.linear import DenseLinear, Int4Linear, Int8Linear, Linear
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "lean_cpu.cpp"
+_EXT: Any = None
+_TRIED = False
+_ACT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def extension(build: bool = True, verbose: bool = False) -> Any:
+    """The compiled module, or None when disabled (MEMSPEC_NATIVE=0) or not buildable."""
+    global _EXT, _TRIED
+    if _TRIED or os.environ.get("MEMSPEC_NATIVE", "1") == "0":
+        return _EXT
+    _TRIED = True
+    from torch.utils.cpp_extension import load
+
+    out = memspec_home() / "build" / f"lean_cpu-torch{torch.__version__.replace('+', '_')}"
+    if not build and not any(out.glob("*.so")):
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        _EXT = load(name="memspec_lean_cpu", sources=[str(SOURCE)], build_directory=str(out),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=verbose)
+    except Exception as exc:  # no compiler, no ninja, headers missing: fall back, say why
+        print(f"[memspec] native CPU forward unavailable ({type(exc).__name__}: "
+              f"{str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ''}); "
+              "using the PyTorch path", file=sys.stderr, flush=True)
+        _EXT = None
+    else:
+        spent = time.perf_counter() - t0
+        if spent > 5:
+            print(f"[memspec] built the native CPU forward in {spent:.0f}s (cached in {out})",
+                  file=sys.stderr, flush=True)
+    return _EXT
+
+
+def _lin(layer: Linear) -> tuple:
+    if isinstance(layer, Int8Linear):
+        return (1, layer.q, layer.scale, layer.bias, 0)
+    if isinstance(layer, Int4Linear):
+        return (2, layer.packed, layer.scales_zeros, layer.bias, 32)
+    assert isinstance(layer, DenseLinear)
+    return (0, layer.weight, None, layer.bias, 0)
+
+
+class NativeLM:
+    """Same interface and weights as a :class:`LeanLM`, forward in one C++ call."""
+
+    def __init__(self, lean: LeanLM, ext: Any) -> None:
+        a = lean.arch
+        self.lean, self.arch, self.vocab = lean, a, lean.vocab
+        self.device, self.act_dtype = lean.device, lean.act_dtype
+        layers = [(L.ln1, L.ln2, [_lin(p) for p in L.qkv], _lin(L.o),
+                   [_lin(p) for p in L.gate_up], _lin(L.down)) for L in lean.layers]
+        self.model = ext.Model((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.eps),
+                               lean.embed_w, lean.embed_scale, layers, lean.norm,
+                               _lin(lean.lm_head), a.rope_theta, _ACT_NAMES[lean.act_dtype])
+        self._views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._cache: KVCache | None = None
+
+    cache_dtype = torch.float32  # the C++ attention reads fp32 keys and values
+    k_blocked = True
+
+    def new_cache(self, capacity: int) -> KVCache:
+        if self._cache is None or self._cache.capacity < capacity:
+            self._cache = alloc_cache(self.arch, capacity, self.cache_dtype, self.device, True)
+        return self._cache
+
+    def _layer_views(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self._views is None or self._views[0] != id(cache.k):
+            self._views = (id(cache.k), list(cache.k.unbind(0)), list(cache.v.unbind(0)))
+        return self._views[1], self._views[2]
+
+    def forward(self, ids: torch.Tensor, pos: int, cache: KVCache,
+                last_only: bool = False) -> torch.Tensor:
+        k, v = self._layer_views(cache)
+        logits, _ = self.model.forward(ids, pos, k, v, last_only, [])
+        return logits
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.lean.weight_bytes
+
+
+def accelerate(lean: LeanLM) -> LeanLM | NativeLM:
+    """The native forward for a CPU model when the extension is available."""
+    if lean.device.type != "cpu":
+        return lean
+    ext = extension()
+    return NativeLM(lean, ext) if ext is not None else lean
+
+
+if __name__ == "__main__":  # `python -m memspec.procs.decoder.native`: build it now
+    sys.exit(0 if extension(verbose="-v" in sys.argv) is not None else 1)
