@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from memspec.common.errors import ModelError
-from memspec.procs.decoder.linear import DenseLinear, Linear, make_linear
+from memspec.procs.decoder.linear import GROUP, DenseLinear, Int8Linear, Linear, make_linear
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -154,7 +154,7 @@ class LeanLM:
                  embed_scale: torch.Tensor | None = None) -> None:
         self.arch, self.embed_w, self.layers = arch, embed, layers
         self.norm, self.lm_head, self.act_dtype = norm, lm_head, act_dtype
-        self.embed_scale = embed_scale  # int8 embedding rows: per-row scale
+        self.embed_scale = embed_scale  # int8 embedding rows: a scale per 32 values
         self.device = embed.device
         self.vocab = arch.vocab
         self._rope_len = 0
@@ -217,8 +217,8 @@ class LeanLM:
         # rounding moves the argmax most (GGUF files store it as Q8_0 for that reason)
         lm_head = make_linear(head_w, "int8" if fmt == "int4" else fmt, act_dtype)
         embed_scale = None
-        if arch.tie and hasattr(lm_head, "q") and hasattr(lm_head, "scale"):
-            embed, embed_scale = lm_head.q, lm_head.scale  # int8 rows serve both ends
+        if arch.tie and isinstance(lm_head, Int8Linear):
+            embed, embed_scale = lm_head.q, lm_head.d  # int8 rows serve both ends
         elif arch.tie and isinstance(lm_head, DenseLinear):
             embed = lm_head.weight
         else:
@@ -252,8 +252,9 @@ class LeanLM:
     # ---- forward ------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_w[ids]
-        if self.embed_scale is not None:
-            return x.to(self.act_dtype) * self.embed_scale[ids, None]
+        if self.embed_scale is not None:  # Q8_0 rows: one scale per 32 values
+            T, h = x.shape
+            x = (x.float().view(T, -1, GROUP) * self.embed_scale[ids][..., None]).view(T, h)
         return x.to(self.act_dtype)
 
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache,

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from memspec.common.errors import ModelError
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.lean import LeanLM
+from memspec.procs.decoder.native import accelerate
 from memspec.procs.decoder.precision import resolve_dtype
 from memspec.procs.decoder.runners import (
     FLOAT_DTYPES,
@@ -92,7 +93,7 @@ def build_target(model_dir: Path, dtype: str, device: str | torch.device = "cpu"
         raise ModelError(f"dtype {dtype} has CPU kernels only", "use bfloat16 on this device")
     act = act_dtype or (FLOAT_DTYPES.get(dtype) or default_act_dtype(device))
     weights = {k: v.to(device) for k, v in load_state_dict(model_dir).items()}
-    return LeanLM.from_weights(arch, weights, dtype, act, fuse=True)
+    return accelerate(LeanLM.from_weights(arch, weights, dtype, act, fuse=True))
 
 
 def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = None):

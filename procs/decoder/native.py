@@ -20,9 +20,11 @@ from memspec.common.paths import memspec_home
 from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
 from memspec.procs.decoder.linear import DenseLinear, Int4Linear, Int8Linear, Linear
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "lean_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp"]
 _EXT: Any = None
 _TRIED = False
+DENSE_PAD_ROWS = 8  # decode calls (a step, a verify of up to 8 tokens) as 8 rows: lossless
 _ACT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -40,8 +42,9 @@ def extension(build: bool = True, verbose: bool = False) -> Any:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        _EXT = load(name="memspec_lean_cpu", sources=[str(SOURCE)], build_directory=str(out),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=verbose)
+        _EXT = load(name="memspec_lean_cpu", sources=[str(p) for p in SOURCES], build_directory=str(out),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=verbose)
     except Exception as exc:  # no compiler, no ninja, headers missing: fall back, say why
         print(f"[memspec] native CPU forward unavailable ({type(exc).__name__}: "
               f"{str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ''}); "
@@ -55,13 +58,22 @@ def extension(build: bool = True, verbose: bool = False) -> Any:
     return _EXT
 
 
-def _lin(layer: Linear) -> tuple:
-    if isinstance(layer, Int8Linear):
-        return (1, layer.q, layer.scale, layer.bias, 0)
+def _lin(layer: Linear, vnni: bool) -> tuple:
+    """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights."""
+    if isinstance(layer, (Int4Linear, Int8Linear)):
+        n, k = layer.q.shape
+        vnni = vnni and n % 16 == 0 and k % 32 == 0  # the kernels' tile and block sizes
     if isinstance(layer, Int4Linear):
-        return (2, layer.packed, layer.scales_zeros, layer.bias, 32)
+        if vnni:
+            return (3, layer.q, layer.d, layer.m, layer.bias)
+        packed, sz = layer._torch_pack()
+        return (2, packed, sz, None, layer.bias)
+    if isinstance(layer, Int8Linear):
+        if vnni:
+            return (4, layer.q, layer.d, None, layer.bias)
+        return (0, layer.dequantize().to(layer.act_dtype), None, None, layer.bias)
     assert isinstance(layer, DenseLinear)
-    return (0, layer.weight, None, layer.bias, 0)
+    return (0, layer.weight, None, None, layer.bias)
 
 
 class NativeLM:
@@ -70,12 +82,25 @@ class NativeLM:
     def __init__(self, lean: LeanLM, ext: Any) -> None:
         a = lean.arch
         self.lean, self.arch, self.vocab = lean, a, lean.vocab
-        self.device, self.act_dtype = lean.device, lean.act_dtype
-        layers = [(L.ln1, L.ln2, [_lin(p) for p in L.qkv], _lin(L.o),
-                   [_lin(p) for p in L.gate_up], _lin(L.down)) for L in lean.layers]
+        self.device = lean.device
+        vnni = bool(ext.qgemm_available())
+        quantised = isinstance(lean.lm_head, (Int4Linear, Int8Linear))
+        # the VNNI kernels take fp32 rows (they quantise them per block themselves)
+        act = torch.float32 if vnni and quantised else lean.act_dtype
+
+        def lin(p: Linear) -> tuple:
+            return _lin(p, vnni)
+
+        layers = [(L.ln1, L.ln2, [lin(p) for p in L.qkv], lin(L.o),
+                   [lin(p) for p in L.gate_up], lin(L.down)) for L in lean.layers]
         self.model = ext.Model((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.eps),
                                lean.embed_w, lean.embed_scale, layers, lean.norm,
-                               _lin(lean.lm_head), a.rope_theta, _ACT_NAMES[lean.act_dtype])
+                               lin(lean.lm_head), a.rope_theta, _ACT_NAMES[act])
+        self.act_dtype = act
+        self.model.set_pad_rows(DENSE_PAD_ROWS)
+        self._weight_bytes = lean.weight_bytes
+        if quantised:  # the C++ side holds its own packed copy of every projection
+            lean.layers, lean.lm_head = [], None
         self._views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._cache: KVCache | None = None
 
@@ -100,7 +125,7 @@ class NativeLM:
 
     @property
     def weight_bytes(self) -> int:
-        return self.lean.weight_bytes
+        return self._weight_bytes
 
 
 def accelerate(lean: LeanLM) -> LeanLM | NativeLM:

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
 from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
+from memspec.procs.decoder.native import NativeLM, accelerate
 from memspec.procs.decoder.runners import HFRunner, Runner, lean_arch
 
 META_PREFIX = "memspec."  # tensors in a draft file that are ours, not the model's
@@ -47,7 +48,7 @@ class SlotBuffer:
         self.draft: str | None = None
         self._kv: KVCache | None = None
 
-    def kv_cache(self, model: LeanLM, capacity: int) -> KVCache:
+    def kv_cache(self, model: LeanLM | NativeLM, capacity: int) -> KVCache:
         """The static KV cache of the draft this slot holds: allocated once, reused by every
         later draft of the same shape (a rollback or a new request is a length change)."""
         a = model.arch
@@ -98,7 +99,7 @@ class BoundDraft:
     weights: dict[str, torch.Tensor] | None = None
 
     def new_cache(self, capacity: int) -> Any:
-        if isinstance(self.runner, LeanLM):
+        if isinstance(self.runner, (LeanLM, NativeLM)):
             return self.slot.kv_cache(self.runner, capacity)
         return self.runner.new_cache(capacity)
 
@@ -177,7 +178,7 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         if lean.vocab != weights["model.embed_tokens.weight"].shape[0]:
             raise ModelError(f"draft '{name}' weights do not match its config (vocab)",
                              "rebuild the draft's model.safetensors from its config")
-        runner: Runner = lean
+        runner: Runner = accelerate(lean)
     else:
         runner = HFRunner(_hf_module(name, config, weights, slot.data.device))
     to_target = views.get(ID_MAP_KEY)

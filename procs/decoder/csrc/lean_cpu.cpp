@@ -14,6 +14,8 @@
 
 #include <torch/extension.h>
 
+#include "qgemm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,30 +28,52 @@ namespace {
 constexpr int64_t KB = 16;  // keys per K-cache block (one AVX-512 register of fp32)
 
 struct Lin {
-  int64_t kind = 0;  // 0 dense (at::linear), 1 int8 per-channel, 2 int4 group-wise
+  int64_t kind = 0;  // 0 dense, 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (VNNI, qgemm.h)
   at::Tensor w, aux, bias;
-  int64_t group = 0;
+  memspec::PackedQ4 q4;
+  memspec::PackedQ8 q8;
+
+  int64_t pad_rows = 0;  // dense: run up to this many rows as exactly this many (see below)
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
-    if (kind == 0) {
-      y = bias.defined() ? at::linear(x, w, bias) : at::linear(x, w);
-      return y;
+    switch (kind) {
+      case 0: return dense(x);
+      case 2: y = at::_weight_int4pack_mm_for_cpu(x, w, memspec::QGROUP, aux); break;
+      case 3: y = memspec::gemm_q4(x, q4); break;
+      case 4: y = memspec::gemm_q8(x, q8); break;
+      default: TORCH_CHECK(false, "unknown weight format ", kind);
     }
-    y = kind == 1 ? at::_weight_int8pack_mm(x, w, aux)
-                  : at::_weight_int4pack_mm_for_cpu(x, w, group, aux);
-    if (bias.defined()) y.add_(bias);
+    if (bias.defined()) y.add_(bias.to(y.scalar_type()));
     return y;
+  }
+
+  // Dense BLAS kernels pick their blocking by the number of rows, so a row's result can
+  // differ between a 1-row step and a 5-row verify; padded to a fixed row count, the same
+  // kernel runs for both and every row comes out the same bit for bit.
+  at::Tensor dense(const at::Tensor& x) const {
+    const int64_t M = x.size(0);
+    if (pad_rows <= M) return bias.defined() ? at::linear(x, w, bias) : at::linear(x, w);
+    at::Tensor xp = at::zeros({pad_rows, x.size(1)}, x.options());
+    xp.slice(0, 0, M).copy_(x);
+    at::Tensor y = bias.defined() ? at::linear(xp, w, bias) : at::linear(xp, w);
+    return y.slice(0, 0, M);
   }
 };
 
 Lin make_lin(const py::tuple& t) {
   Lin l;
   l.kind = t[0].cast<int64_t>();
-  l.w = t[1].cast<at::Tensor>();
-  if (!t[2].is_none()) l.aux = t[2].cast<at::Tensor>();
-  if (!t[3].is_none()) l.bias = t[3].cast<at::Tensor>();
-  l.group = t[4].cast<int64_t>();
+  auto tensor = [&](int i) { return t[i].is_none() ? at::Tensor() : t[i].cast<at::Tensor>(); };
+  if (!t[4].is_none()) l.bias = t[4].cast<at::Tensor>();
+  if (l.kind == 3) {
+    l.q4 = memspec::pack_q4(tensor(1), tensor(2), tensor(3));
+  } else if (l.kind == 4) {
+    l.q8 = memspec::pack_q8(tensor(1), tensor(2));
+  } else {
+    l.w = tensor(1);
+    l.aux = tensor(2);
+  }
   return l;
 }
 
@@ -175,6 +199,15 @@ class Model {
     return {head_(hn), captured};
   }
 
+  void set_pad_rows(int64_t n) {
+    for (auto& L : layers_) {
+      for (auto& l : L.qkv) l.pad_rows = n;
+      for (auto& l : L.gate_up) l.pad_rows = n;
+      L.o.pad_rows = L.down.pad_rows = n;
+    }
+    head_.pad_rows = n;
+  }
+
   // final norm + LM head over given residual rows (fp32 [R, hidden]); used by draft heads
   at::Tensor logits(const at::Tensor& x) {
     at::NoGradGuard no_grad;
@@ -187,7 +220,11 @@ class Model {
  private:
   at::Tensor embed(const at::Tensor& ids) {
     at::Tensor rows = embed_.index_select(0, ids).to(at::kFloat);
-    if (embed_scale_.defined()) rows.mul_(embed_scale_.index_select(0, ids).unsqueeze(1));
+    if (embed_scale_.defined()) {  // Q8_0 rows: one scale per 32 values
+      const int64_t T = rows.size(0);
+      rows = (rows.view({T, -1, memspec::QGROUP}) *
+              embed_scale_.index_select(0, ids).unsqueeze(2)).view({T, hidden_});
+    }
     return rows.contiguous();
   }
 
@@ -369,5 +406,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::tuple, at::Tensor, py::object, py::list, at::Tensor, py::tuple, double,
                     std::string>())
       .def("forward", &Model::forward)
+      .def("set_pad_rows", &Model::set_pad_rows)
       .def("logits", &Model::logits);
+  m.def("qgemm_available", &memspec::qgemm_available);
+  // one linear layer on its own: the bare-matmul floor in `memspec bench engine`
+  py::class_<Lin>(m, "Linear")
+      .def(py::init([](py::tuple t) { return make_lin(t); }))
+      .def("__call__", [](const Lin& l, const at::Tensor& x) {
+        at::NoGradGuard no_grad;
+        return l(x);
+      });
 }
