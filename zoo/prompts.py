@@ -58,11 +58,6 @@ def load_prompts(split: str, domains: Sequence[str] | None = None,
     return rows
 
 
-def row_domains(row: dict) -> list[str]:
-    """The domains a row's answer covers: its own, or for mixed rows the ones it crosses."""
-    return list(row.get("domains") or [row["domain"]])
-
-
 def row_sources(row: dict) -> list[str]:
     """Every source a row draws on (mixed rows list several)."""
     src = row["source"]
