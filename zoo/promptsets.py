@@ -231,7 +231,8 @@ def select_prompts(domain: str, docs: Sequence[Doc], n: int, seen: set[str],
 
 def interleave(groups: Sequence[Sequence[Any]]) -> list[Any]:
     """Merge lists evenly (each item at its fractional position), so any prefix is mixed."""
-    keyed = [((i + 0.5) / len(g), j, item) for j, g in enumerate(groups) for i, item in enumerate(g)]
+    keyed = [((i + 0.5) / len(g), j, item)
+             for j, g in enumerate(groups) for i, item in enumerate(g)]
     return [item for *_, item in sorted(keyed, key=lambda x: x[:2])]
 
 
