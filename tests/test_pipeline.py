@@ -21,6 +21,7 @@ from memspec.common.messages import Done, Error, Message, Submit, Tokens
 from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT
 from memspec.common.sockets import configure
 from memspec.launch.supervisor import Supervisor
+from memspec.zoo.prompts import load_prompts
 
 pytestmark = pytest.mark.slow
 BASE_POOL = Path(os.environ.get("MEMSPEC_TEST_POOL", DEFAULT_POOL))  # to try another pool
@@ -36,11 +37,7 @@ def _ready_pool() -> None:
 
 
 def first_prompts() -> dict[str, str]:
-    out = {}
-    for d in DOMAINS:
-        line = (PACKAGE_ROOT / "prompts" / f"{d}.jsonl").read_text().splitlines()[0]
-        out[d] = json.loads(line)["prompt"]
-    return out
+    return {p["domain"]: p["prompt"] for p in load_prompts("dev", DOMAINS, 1)}
 
 
 def write_pool(tmp: Path, **pool_fields) -> Path:
@@ -336,12 +333,11 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
     pool = load_pool(pool_path)
     tok = load_tokenizer(pool.target)
     target = load_causal_lm(pool.target, "target")
-    prompts = [dict(json.loads((PACKAGE_ROOT / "prompts" / f"{d}.jsonl").read_text()
-                               .splitlines()[0]), domain=d) for d in DOMAINS]
+    prompts = load_prompts("dev", DOMAINS, 1)
     trajs = build_trajectories(target, tok, pool.target, prompts,
-                               trajectories_path(pool, "heldout"), max_new_tokens=MAX_NEW,
+                               trajectories_path(pool, "dev"), max_new_tokens=MAX_NEW,
                                progress=False)
-    build_tables(pool, trajs, int(target.get_output_embeddings().weight.shape[0]), "heldout",
+    build_tables(pool, trajs, int(target.get_output_embeddings().weight.shape[0]), "dev",
                  pool_fingerprint(pool))
     del target
     s = Supervisor(str(pool_path), cold_start=True)

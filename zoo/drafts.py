@@ -37,7 +37,8 @@ from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
 from memspec.procs.decoder.models import encode_prompt, load_causal_lm, load_tokenizer
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
 from memspec.zoo.corpora import DOMAINS, load_corpus
-from memspec.zoo.trajectories import build_trajectories, read_prompts
+from memspec.zoo.prompts import load_prompts
+from memspec.zoo.trajectories import build_trajectories
 
 DRAFT_NAMES: tuple[str, ...] = ("general", "code", "math", "law", "medical")
 DOMAIN_DRAFTS: tuple[str, ...] = DRAFT_NAMES[1:]
@@ -133,7 +134,7 @@ def train_traces_path() -> Path:
 
 
 def dev_traces_path() -> Path:
-    return memspec_home() / "traces" / "heldout_dev.jsonl"
+    return memspec_home() / "traces" / "dev.jsonl"  # the file `memspec trace` fills for dev
 
 
 def log(step: str, msg: str) -> None:
@@ -178,9 +179,8 @@ def ensure_trajectories(prompts: list[dict], out: Path, target_dir: Path,
 
 
 def dev_prompts(per_domain: int = DEV_PROMPTS_PER_DOMAIN) -> list[dict]:
-    """The first prompts of each held-out set (the eval's ``--prompts-per-domain`` order)."""
-    return [p for d in DOMAINS
-            for p in read_prompts(PACKAGE_ROOT / "prompts" / f"{d}.jsonl")[:per_domain]]
+    """The first dev prompts of each domain: drafts are chosen on dev, never on test."""
+    return load_prompts("dev", DOMAINS, per_domain)
 
 
 # --------------------------------------------------------------------------- tokenised corpora
@@ -542,8 +542,8 @@ def write_card(name: str, rec: dict, data: dict, size: int, vocab: int, arch: Dr
         row = report["mean_acceptance_length"].get(name, {})
         gen = report["mean_acceptance_length"].get("general", {})
         acc = "\n".join(f"| {d} | {row[d]:.3f} | {gen.get(d, float('nan')):.3f} |" for d in row)
-        acc = ("\n## Measured acceptance (held-out, teacher-forced replay, greedy, gamma=4)\n\n"
-               f"Held-out prompts per domain (first of each set): {report.get('prompts')}; "
+        acc = ("\n## Measured acceptance (dev split, teacher-forced replay, greedy, gamma=4)\n\n"
+               f"Dev prompts per domain (first of each domain): {report.get('prompts')}; "
                "target greedy "
                "trajectories of at most 128 new tokens. Mean acceptance length "
                "(1 + accepted / iterations):\n\n| domain | this draft | general draft |\n"
@@ -639,10 +639,7 @@ def train_one(plan: TrainPlan, arch: DraftArch, batches: Batches, vocab: np.ndar
 
 def train_prompts(per_domain: int | None = None) -> list[dict]:
     """``prompts/train.jsonl``, optionally only the first ``per_domain`` of each domain."""
-    rows = read_prompts(PACKAGE_ROOT / "prompts" / "train.jsonl")
-    if per_domain is None:
-        return rows
-    return [p for d in DOMAINS for p in [r for r in rows if r["domain"] == d][:per_domain]]
+    return load_prompts("train", None if per_domain is None else DOMAINS, per_domain)
 
 
 def build_drafts(names: Sequence[str] | None = None, minutes: float | None = None,
@@ -653,7 +650,7 @@ def build_drafts(names: Sequence[str] | None = None, minutes: float | None = Non
 
     ``train_per_domain`` limits distillation to the first prompts of each domain (a CPU
     session that cannot afford all 500 target trajectories); ``new_traces=False`` trains on
-    the train trajectories already on disk and generates none (held-out dev ones are always
+    the train trajectories already on disk and generates none (dev ones are always
     completed: the acceptance check needs them).
     """
     if not torch.cuda.is_available():
@@ -694,9 +691,8 @@ def build_drafts(names: Sequence[str] | None = None, minutes: float | None = Non
         log("c" if name == "general" else "d", f"training {name} "
             f"({time.perf_counter() - t0:.0f}s elapsed)")
         train_one(plans[name], arch, batches, vocab, target_dir)
-    log("e", "held-out dev acceptance")
-    dev = ensure_trajectories(dev_prompts(), dev_traces_path(), target_dir,
-                              also=[memspec_home() / "traces" / "heldout.jsonl"])
+    log("e", "dev acceptance")
+    dev = ensure_trajectories(dev_prompts(), dev_traces_path(), target_dir)
     present = [n for n in DRAFT_NAMES if (drafts_dir() / n / "model.safetensors").is_file()]
     report = measure_acceptance(present, dev)
     (work_dir() / "acceptance.json").write_text(json.dumps(report, indent=2))

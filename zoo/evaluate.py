@@ -24,11 +24,11 @@ import torch
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
-from memspec.common.paths import PACKAGE_ROOT
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.models import eos_token_ids, load_causal_lm, load_tokenizer
 from memspec.procs.decoder.slots import BoundDraft, SlotBuffer, draft_weights_file, load_into_slot
+from memspec.zoo.prompts import load_prompts
 from memspec.zoo.tables import (
     acceptance_table,
     capped_engine_accepts,
@@ -38,9 +38,9 @@ from memspec.zoo.tables import (
     pooled,
     replay_static,
 )
-from memspec.zoo.trajectories import build_trajectories, read_prompts
+from memspec.zoo.trajectories import build_trajectories
 
-PROMPTS_DIR = PACKAGE_ROOT / "prompts"
+EVAL_SPLITS = ("dev", "test", "mixed")  # train prompts are the drafts' own data
 MAX_NEW_TOKENS = 128
 ENGINE_CHECK_PER_DOMAIN = 2
 LOAD_REPEATS = 3
@@ -60,23 +60,23 @@ def pool_domains(pool: PoolConfig) -> list[str]:
     return list(dict.fromkeys(d.domain for d in pool.drafts))
 
 
-def heldout_prompts(domains: Sequence[str], per_domain: int,
-                    prompts_dir: Path = PROMPTS_DIR) -> list[dict]:
-    rows: list[dict] = []
-    for dom in domains:
-        path = prompts_dir / f"{dom}.jsonl"
-        if not path.is_file():
-            raise ConfigError(f"no held-out prompts for domain '{dom}' ({path})",
-                              "set the draft's domain to one of the prompts/*.jsonl names")
-        rows += [dict(p, domain=p.get("domain") or dom) for p in read_prompts(path)[:per_domain]]
-    return rows
+def split_prompts(split: str, domains: Sequence[str], per_domain: int) -> list[dict]:
+    """The first ``per_domain`` prompts of each domain of an evaluation split.
+
+    test is for final figures only (`zoo eval --split test`, `memspec bench`); anything
+    chosen by looking at the numbers is chosen on dev.
+    """
+    if split not in EVAL_SPLITS:
+        raise ConfigError(f"'{split}' is not an evaluation split",
+                          f"use --split {' | '.join(EVAL_SPLITS)}")
+    return load_prompts(split, domains, per_domain)
 
 
-def traces_path(pool: PoolConfig) -> Path:
-    """The held-out trajectories `memspec trace` also reads and writes."""
+def traces_path(pool: PoolConfig, split: str) -> Path:
+    """The split's trajectories, the file `memspec trace` also reads and writes."""
     from memspec.zoo.tablestore import trajectories_path
 
-    return trajectories_path(pool, "heldout")
+    return trajectories_path(pool, split)
 
 
 # --------------------------------------------------------------------------- tables
@@ -227,7 +227,8 @@ def evaluate(pool: PoolConfig, target: torch.nn.Module, eos: Sequence[int],
              ) -> dict[str, Any]:
     """Everything but the trajectories: tables, oracles, exactness, load and iteration cost."""
     vocab = int(target.get_output_embeddings().weight.shape[0])
-    domains = pool_domains(pool)
+    # the prompts' domains: a pool's domains, or "mixed" for the mixed workload
+    domains = list(dict.fromkeys(t["domain"] for t in trajs))
     tables = all_tables(pool, trajs, vocab)
     report = acceptance_report(tables, trajs, pool.general, domains, pool.gamma, pool.N)
     picked = [i for dom in domains
@@ -265,8 +266,8 @@ def format_report(r: dict[str, Any]) -> str:
     """The JSON object as a readable table."""
     doms, lines = r["domains"], []
     head = f"{'':>16}" + "".join(f"{d:>10}" for d in doms)
-    lines.append(f"mean acceptance length (gamma={r['gamma']}, {r['prompts_per_domain']} "
-                 f"prompts/domain, {r['max_new_tokens']} new tokens)")
+    lines.append(f"mean acceptance length ({r.get('split', 'dev')} split, gamma={r['gamma']}, "
+                 f"{r['prompts_per_domain']} prompts/domain, {r['max_new_tokens']} new tokens)")
     lines.append(head)
     for d in r["drafts"]:
         lines.append(f"{d:>16}" + "".join(f"{r['mean_acceptance_length'][d][x]:>10.3f}"
@@ -299,15 +300,17 @@ def main_eval(args) -> int:
     if not pool.drafts:
         raise ConfigError("the pool has no drafts to evaluate", "add [[drafts]] sections")
     per_domain = int(getattr(args, "prompts_per_domain", 20) or 20)
+    split = getattr(args, "split", None) or "dev"
+    prompts = split_prompts(split, pool_domains(pool), per_domain)
     tok = load_tokenizer(pool.target)
     target = load_causal_lm(pool.target, "target")
-    prompts = heldout_prompts(pool_domains(pool), per_domain)
-    out = traces_path(pool)
+    out = traces_path(pool, split)
     _log(f"trajectories: {len(prompts)} prompts -> {out}")
     trajs = build_trajectories(target, tok, pool.target, prompts, out,
                                max_new_tokens=MAX_NEW_TOKENS)
     report = evaluate(pool, target, eos_token_ids(pool.target, tok), trajs)
     report["prompts_per_domain"] = per_domain
+    report["split"] = split
     report["wall_s"] = time.perf_counter() - t0
     if getattr(args, "json", False):
         print(json.dumps(report))

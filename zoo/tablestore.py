@@ -20,7 +20,7 @@ from memspec.common.errors import ConfigError
 from memspec.common.paths import default_target_dir, memspec_home
 
 FORMAT = "memspec-tables/1"
-SETS = ("train", "heldout", "predictor")  # see memspec.zoo.trace for what each holds
+SETS = ("train", "dev", "test", "mixed")  # the prompt splits, see memspec.zoo.prompts
 
 
 def file_sha256(path: Path) -> str:
@@ -99,7 +99,7 @@ def write_tables(path: Path, tt: TraceTables) -> None:
     os.replace(tmp, path)
 
 
-def load_pool_tables(pool: PoolConfig, which: str = "heldout",
+def load_pool_tables(pool: PoolConfig, which: str,
                      fingerprint: Mapping[str, str] | None = None) -> TraceTables:
     """Tables for this pool or a one-line error saying how to make them."""
     if which.split("-L")[0] not in SETS:

@@ -1,10 +1,11 @@
-"""`memspec trace`: greedy trajectories and per-draft acceptance tables for both prompt sets.
+"""`memspec trace`: greedy trajectories and per-draft acceptance tables per prompt split.
 
-The training set (prompts/train.jsonl) feeds the predictor's labels; the held-out set (the
-first ``--heldout-per-domain`` prompts of each prompts/<domain>.jsonl) feeds the oracle
-policies, the simulator and `memspec bench`. Both steps resume: finished trajectories and
-tables for unchanged drafts are kept. A sample of the tables is checked against the real
-engine, one prompt per domain per draft, because every later number depends on them.
+train and dev (prompts/train.jsonl, dev.jsonl) feed the predictor's labels and every
+tuning choice; test and mixed feed the oracle policies, the simulator and `memspec bench`.
+``--per-domain N`` traces only the first N prompts of each domain (mixed: N in all).
+Both steps resume: finished trajectories and tables for unchanged drafts are kept. A
+sample of the tables is checked against the real engine, one prompt per domain per draft,
+because every later number depends on them.
 """
 
 from __future__ import annotations
@@ -27,35 +28,19 @@ from memspec.zoo.tablestore import (
     write_tables,
 )
 
-HELDOUT_PER_DOMAIN = 20
 MAX_NEW_TOKENS = 128
-# The predictor learns from prompts neither the drafts (distilled on prompts/train.jsonl
-# responses, which makes those labels ~99% "the domain draft") nor any evaluation sees:
-# held-out prompts 50..89 of each domain. Evaluations use at most the first 50.
-PREDICTOR_SLICE = (50, 90)
-EVAL_MAX_PER_DOMAIN = PREDICTOR_SLICE[0]
 
 
 def _log(msg: str) -> None:
     print(f"[trace] {msg}", file=sys.stderr, flush=True)
 
 
-def prompt_set(pool: PoolConfig, which: str, per_domain: int) -> list[dict]:
-    from memspec.zoo.evaluate import PROMPTS_DIR, heldout_prompts, pool_domains
-    from memspec.zoo.trajectories import read_prompts
+def prompt_set(pool: PoolConfig, which: str, per_domain: int | None = None) -> list[dict]:
+    """The pool's domains' prompts of one split (``per_domain``: only the first N of each)."""
+    from memspec.zoo.evaluate import pool_domains
+    from memspec.zoo.prompts import load_prompts
 
-    domains = pool_domains(pool)
-    if which == "heldout":
-        if per_domain > EVAL_MAX_PER_DOMAIN:
-            raise ConfigError(f"{per_domain} held-out prompts per domain would reach the "
-                              f"predictor's training prompts (from #{EVAL_MAX_PER_DOMAIN + 1})",
-                              f"use at most {EVAL_MAX_PER_DOMAIN}")
-        return heldout_prompts(domains, per_domain)
-    if which == "predictor":
-        a, b = PREDICTOR_SLICE
-        rows = heldout_prompts(domains, b)
-        return [p for d in domains for p in [r for r in rows if r["domain"] == d][a:b]]
-    return [p for p in read_prompts(PROMPTS_DIR / "train.jsonl") if p.get("domain") in domains]
+    return load_prompts(which, pool_domains(pool), per_domain or None)
 
 
 def build_tables(pool: PoolConfig, trajs: Sequence[dict], vocab: int, which: str,
@@ -105,7 +90,7 @@ def check_sample(pool: PoolConfig, target, eos: Sequence[int], trajs: Sequence[d
     return total
 
 
-def run_trace(pool: PoolConfig, heldout_per_domain: int = HELDOUT_PER_DOMAIN,
+def run_trace(pool: PoolConfig, per_domain: int | None = None,
               sets: Sequence[str] = SETS, check_per_domain: int = 1,
               max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
     from memspec.procs.decoder.models import eos_token_ids, load_causal_lm, load_tokenizer
@@ -122,7 +107,7 @@ def run_trace(pool: PoolConfig, heldout_per_domain: int = HELDOUT_PER_DOMAIN,
     for base in sets:
         # longer traces (output-length sweeps) live beside the default ones
         which = base if max_new_tokens == MAX_NEW_TOKENS else f"{base}-L{max_new_tokens}"
-        prompts = prompt_set(pool, base, heldout_per_domain)
+        prompts = prompt_set(pool, base, per_domain)
         out = trajectories_path(pool, which)
         _log(f"{which}: trajectories for {len(prompts)} prompts -> {out}")
         trajs = build_trajectories(target, tok, pool.target, prompts, out,
@@ -131,7 +116,7 @@ def run_trace(pool: PoolConfig, heldout_per_domain: int = HELDOUT_PER_DOMAIN,
         entry: dict[str, Any] = {"trajectories": len(trajs),
                                  "tokens": sum(len(t["tokens"]) for t in trajs),
                                  "tables": str(tables_path(pool, which))}
-        if base == "heldout" and check_per_domain > 0:
+        if base == ("dev" if "dev" in sets else "test") and check_per_domain > 0:
             entry["table_vs_engine"] = check_sample(
                 pool, target, eos_token_ids(pool.target, tok), trajs, tt, vocab,
                 check_per_domain)
@@ -146,7 +131,6 @@ def main_trace(args) -> int:
     for s in sets:
         if s not in SETS:
             raise ConfigError(f"unknown prompt set '{s}'", f"use --sets {','.join(SETS)}")
-    report = run_trace(pool, args.heldout_per_domain, sets, args.check_per_domain,
-                       args.max_new_tokens)
+    report = run_trace(pool, args.per_domain, sets, args.check_per_domain, args.max_new_tokens)
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
