@@ -58,7 +58,7 @@ def extension(build: bool = True, verbose: bool = False) -> Any:
     return _EXT
 
 
-def _lin(layer: Linear, vnni: bool) -> tuple:
+def _lin(layer: Linear, vnni: bool, bf16: bool = False) -> tuple:
     """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights."""
     if isinstance(layer, (Int4Linear, Int8Linear)):
         n, k = layer.q.shape
@@ -73,7 +73,10 @@ def _lin(layer: Linear, vnni: bool) -> tuple:
             return (4, layer.q, layer.d, None, layer.bias)
         return (0, layer.dequantize().to(layer.act_dtype), None, None, layer.bias)
     assert isinstance(layer, DenseLinear)
-    return (0, layer.weight, None, None, layer.bias)
+    w = layer.weight
+    if bf16 and w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[1] % 32 == 0:
+        return (5, w, None, None, layer.bias)
+    return (0, w, None, None, layer.bias)
 
 
 class NativeLM:
@@ -83,13 +86,14 @@ class NativeLM:
         a = lean.arch
         self.lean, self.arch, self.vocab = lean, a, lean.vocab
         self.device = lean.device
-        vnni = bool(ext.qgemm_available())
+        vnni, bf16 = bool(ext.qgemm_available()), bool(ext.bf16_available())
         quantised = isinstance(lean.lm_head, (Int4Linear, Int8Linear))
-        # the VNNI kernels take fp32 rows (they quantise them per block themselves)
-        act = torch.float32 if vnni and quantised else lean.act_dtype
+        # the VNNI and BF16 kernels take fp32 rows (they round them themselves)
+        act = torch.float32 if (vnni and quantised) or (bf16 and lean.act_dtype ==
+                                                         torch.bfloat16) else lean.act_dtype
 
         def lin(p: Linear) -> tuple:
-            return _lin(p, vnni)
+            return _lin(p, vnni, bf16)
 
         layers = [(L.ln1, L.ln2, [lin(p) for p in L.qkv], lin(L.o),
                    [lin(p) for p in L.gate_up], lin(L.down)) for L in lean.layers]

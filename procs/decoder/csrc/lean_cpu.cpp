@@ -28,7 +28,8 @@ namespace {
 constexpr int64_t KB = 16;  // keys per K-cache block (one AVX-512 register of fp32)
 
 struct Lin {
-  int64_t kind = 0;  // 0 dense, 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (VNNI, qgemm.h)
+  int64_t kind = 0;
+  // 0 dense (BLAS), 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (VNNI), 5 bf16 (AVX-512 BF16)
   at::Tensor w, aux, bias;
   memspec::PackedQ4 q4;
   memspec::PackedQ8 q8;
@@ -42,6 +43,7 @@ struct Lin {
       case 2: y = at::_weight_int4pack_mm_for_cpu(x, w, memspec::QGROUP, aux); break;
       case 3: y = memspec::gemm_q4(x, q4); break;
       case 4: y = memspec::gemm_q8(x, q8); break;
+      case 5: y = memspec::gemm_bf16(x, w); break;
       default: TORCH_CHECK(false, "unknown weight format ", kind);
     }
     if (bias.defined()) y.add_(bias.to(y.scalar_type()));
@@ -409,6 +411,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_pad_rows", &Model::set_pad_rows)
       .def("logits", &Model::logits);
   m.def("qgemm_available", &memspec::qgemm_available);
+  m.def("bf16_available", &memspec::bf16_available);
   // one linear layer on its own: the bare-matmul floor in `memspec bench engine`
   py::class_<Lin>(m, "Linear")
       .def(py::init([](py::tuple t) { return make_lin(t); }))

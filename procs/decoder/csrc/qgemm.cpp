@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MEMSPEC_QGEMM 1
 #else
 #define MEMSPEC_QGEMM 0
@@ -18,6 +20,14 @@
 namespace memspec {
 
 bool qgemm_available() { return MEMSPEC_QGEMM == 1; }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define MEMSPEC_BF16 1
+#else
+#define MEMSPEC_BF16 0
+#endif
+
+bool bf16_available() { return MEMSPEC_BF16 == 1; }
 
 PackedQ4 pack_q4(const at::Tensor& q_in, const at::Tensor& d_in, const at::Tensor& m_in) {
   at::Tensor q = q_in.to(at::kByte).contiguous();
@@ -243,6 +253,40 @@ at::Tensor gemm_q8(const at::Tensor& x_in, const PackedQ8& w) {
   });
 #else
   TORCH_CHECK(false, "q8 kernels need AVX-512 VNNI");
+#endif
+  return y;
+}
+
+at::Tensor gemm_bf16(const at::Tensor& x_in, const at::Tensor& w) {
+  at::Tensor x = x_in.to(at::kBFloat16).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) == K &&
+                  K % 32 == 0, "bf16 gemm: weights must be contiguous bf16 [N, K], K % 32 == 0");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if MEMSPEC_BF16
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < M; r0 += QMAXROWS) {
+    const int64_t rows = std::min<int64_t>(QMAXROWS, M - r0);
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        __m512 acc[QMAXROWS];
+        for (int64_t mi = 0; mi < rows; ++mi) acc[mi] = _mm512_setzero_ps();
+        const uint16_t* wr = wp + n * K;
+        for (int64_t k = 0; k < K; k += 32) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+          for (int64_t mi = 0; mi < rows; ++mi) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + (r0 + mi) * K + k);
+            acc[mi] = _mm512_dpbf16_ps(acc[mi], xv, wv);
+          }
+        }
+        for (int64_t mi = 0; mi < rows; ++mi) yp[(r0 + mi) * N + n] = _mm512_reduce_add_ps(acc[mi]);
+      }
+    });
+  }
+#else
+  TORCH_CHECK(false, "bf16 gemm needs AVX-512 BF16");
 #endif
   return y;
 }
