@@ -15,12 +15,15 @@ from memspec.procs.decoder.models import build_target, load_causal_lm
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
 
 PROMPTS = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7]]
-# float32: the eager HF path; the others: the lean forward over static caches
-DTYPES = ["float32", "bfloat16", "int8", "int4"]
+# float32: the eager HF path; the others: the lean forward over static caches, as the C++
+# forward ("fast", on CPUs) and as plain PyTorch
+DTYPES = ["float32", "bfloat16", "int8", "int4", "bfloat16-torch", "int8-torch", "int4-torch"]
 
 
 def engine_with(tiny_dir, names, gamma=4, eos=(), dtype="float32"):
-    eng = SpecEngine(build_target(tiny_dir / "target", dtype), eos, gamma=gamma)
+    fmt, _, path = dtype.partition("-")
+    target = build_target(tiny_dir / "target", fmt, fast=path != "torch")
+    eng = SpecEngine(target, eos, gamma=gamma)
     for name in names:
         eng.add_draft(load_into_slot(name, tiny_dir / name, SlotBuffer(1 << 20), TINY_VOCAB))
     return eng

@@ -160,7 +160,7 @@ class Session:
     def _pick(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
             return int(logits.argmax().item())
-        return sample(warp(logits, self.params), self.gen)
+        return sample(warp(logits.cpu(), self.params), self.gen)
 
     @torch.inference_mode()
     def step(self, draft: str | None, desired: bool = True) -> IterationRecord:
@@ -216,9 +216,9 @@ class Session:
             row = logits[-1] if to_target is not None else logits[-1, :eng.vocab]
             if self.params.greedy:
                 d_idx = row.argmax().view(1)
-            else:
-                q_sub = warp(row, self.params)
-                d_idx = torch.multinomial(q_sub, 1, generator=self.gen)
+            else:  # sampling runs on the CPU generator: seeded runs repeat on any device
+                q_sub = warp(row.cpu(), self.params)
+                d_idx = torch.multinomial(q_sub, 1, generator=self.gen).to(self._dev)
                 qs.append(self._to_target_space(q_sub, to_target))
             props.append(d_idx)
             if i < g - 1:
@@ -257,5 +257,5 @@ class Session:
             k = min(V, q_sub.numel())
             q[:k] = q_sub[:k]
         else:
-            q[to_target] = q_sub
+            q[to_target.to(q.device)] = q_sub
         return q

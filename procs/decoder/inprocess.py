@@ -56,8 +56,8 @@ def slot_capacity(pool: PoolConfig) -> int:
 
 
 def build_local(pool: PoolConfig, device: str = "cpu", with_drafts: bool = True,
-                dtype: str | None = None) -> LocalRuntime:
-    engine, tokenizer, dtype = open_engine(pool, device, dtype)
+                dtype: str | None = None, fast: bool = True) -> LocalRuntime:
+    engine, tokenizer, dtype = open_engine(pool, device, dtype, fast)
     slots: list[SlotBuffer] = []
     if with_drafts and pool.drafts:
         cap = slot_capacity(pool)

@@ -261,22 +261,37 @@ class LeanLM:
                 last_only: bool = False) -> torch.Tensor:
         """Logits [T, V] (or [1, V]) for ``ids`` [T] at positions pos..pos+T-1; K/V of those
         positions are written into ``cache``, attention reads positions [0, pos + T)."""
-        a = self.arch
         T = ids.numel()
         end = pos + T
         if end > cache.capacity:
             raise ModelError(f"context of {end} tokens exceeds the KV cache's {cache.capacity}",
                              "raise max_context in the pool or shorten the request")
         cos_t, sin_t = self._tables(end)
-        cos, sin = cos_t[pos:end], sin_t[pos:end]
         bias = None
         if T > 1:  # query pos+i sees keys [0, pos+i]: an additive -inf bias on the rest
-            q_pos = torch.arange(pos, end, device=self.device)[:, None]
-            hidden = torch.arange(end, device=self.device)[None, :] > q_pos
-            bias = torch.zeros(hidden.shape, dtype=self.act_dtype, device=self.device)
-            bias = bias.masked_fill_(hidden, float("-inf"))
+            bias = self.causal_bias(torch.arange(pos, end, device=self.device), end)
+        x = self.layers_forward(self.embed(ids), pos, cache, cos_t[pos:end], sin_t[pos:end],
+                                bias, end)
+        return self.head(x[-1:] if last_only else x)
+
+    def causal_bias(self, positions: torch.Tensor, keys: int) -> torch.Tensor:
+        """Additive attention bias [T, keys]: 0 where key <= the query's position, else -inf."""
+        hidden = torch.arange(keys, device=self.device)[None, :] > positions[:, None]
+        bias = torch.zeros(hidden.shape, dtype=self.act_dtype, device=self.device)
+        return bias.masked_fill_(hidden, float("-inf"))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(F.rms_norm(x, (self.arch.hidden,), self.norm, self.arch.eps))
+
+    def layers_forward(self, x: torch.Tensor, at: int | torch.Tensor, cache: KVCache,
+                       cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor | None,
+                       keys: int) -> torch.Tensor:
+        """The decoder layers over ``x`` [T, hidden]. ``at``: the first position (K/V are
+        written into a slice) or a tensor of T positions (written with ``index_copy_``, so
+        a CUDA graph can replay it at any position); attention reads keys [0, keys)."""
+        a = self.arch
+        T = x.shape[0]
         nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        x = self.embed(ids)
         for i, L in enumerate(self.layers):
             h = F.rms_norm(x, (a.hidden,), L.ln1, a.eps)
             if len(L.qkv) == 1:
@@ -284,20 +299,23 @@ class LeanLM:
             else:
                 q, k, v = (proj(h) for proj in L.qkv)
             q = _rope(q.view(T, a.heads, a.head_dim), cos, sin)
-            k = _rope(k.view(T, a.kv_heads, a.head_dim), cos, sin)
+            k = _rope(k.view(T, a.kv_heads, a.head_dim), cos, sin).transpose(0, 1)
+            v = v.view(T, a.kv_heads, a.head_dim).transpose(0, 1)
             kc, vc = cache.k[i], cache.v[i]
-            kc[:, pos:end] = k.transpose(0, 1)
-            vc[:, pos:end] = v.view(T, a.kv_heads, a.head_dim).transpose(0, 1)
-            x = x + L.o(_attend(q, kc[:, :end], vc[:, :end], bias))
+            if isinstance(at, int):
+                kc[:, at:at + T] = k
+                vc[:, at:at + T] = v
+            else:
+                kc.index_copy_(1, at, k)
+                vc.index_copy_(1, at, v)
+            x = x + L.o(_attend(q, kc[:, :keys], vc[:, :keys], bias))
             h = F.rms_norm(x, (a.hidden,), L.ln2, a.eps)
             if len(L.gate_up) == 1:
                 g, u = L.gate_up[0](h).chunk(2, dim=-1)
             else:
                 g, u = (proj(h) for proj in L.gate_up)
             x = x + L.down(F.silu(g) * u)
-        if last_only:
-            x = x[-1:]
-        return self.lm_head(F.rms_norm(x, (a.hidden,), self.norm, a.eps))
+        return x
 
     @property
     def weight_bytes(self) -> int:

@@ -133,7 +133,8 @@ class NativeLM:
 
 
 def accelerate(lean: LeanLM) -> LeanLM | NativeLM:
-    """The native forward for a CPU model when the extension is available."""
+    """The native forward for a CPU model when the extension is available (runners.py
+    picks this or CUDA graphs by device)."""
     if lean.device.type != "cpu":
         return lean
     ext = extension()

@@ -18,7 +18,9 @@ import torch
 from transformers import DynamicCache
 
 from memspec.common.errors import ModelError
-from memspec.procs.decoder.lean import Arch, UnsupportedArch
+from memspec.procs.decoder.cudagraph import GraphLM
+from memspec.procs.decoder.lean import Arch, LeanLM, UnsupportedArch
+from memspec.procs.decoder.native import accelerate as native_accelerate
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOW_BIT = ("int8", "int4")
@@ -109,6 +111,16 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
             raise ModelError(f"cannot read {f} ({str(exc)[:120]})",
                              "rebuild or re-copy the weight file") from None
     return out
+
+
+def accelerate(lean: LeanLM, enabled: bool = True) -> Runner:
+    """The fastest forward for the model's device: the C++ forward on CPUs (when it can be
+    built), CUDA graphs on GPUs; ``enabled=False`` keeps the plain PyTorch forward."""
+    if not enabled:
+        return lean
+    if lean.device.type == "cuda":
+        return GraphLM(lean)
+    return native_accelerate(lean)
 
 
 def default_act_dtype(device: torch.device) -> torch.dtype:

@@ -17,9 +17,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
+from memspec.procs.decoder.cudagraph import GraphLM
 from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
-from memspec.procs.decoder.native import NativeLM, accelerate
-from memspec.procs.decoder.runners import HFRunner, Runner, lean_arch
+from memspec.procs.decoder.native import NativeLM
+from memspec.procs.decoder.runners import HFRunner, Runner, accelerate, lean_arch
 
 META_PREFIX = "memspec."  # tensors in a draft file that are ours, not the model's
 ID_MAP_KEY = "memspec.draft_to_target"  # draft vocab index -> target token id
@@ -48,7 +49,7 @@ class SlotBuffer:
         self.draft: str | None = None
         self._kv: KVCache | None = None
 
-    def kv_cache(self, model: LeanLM | NativeLM, capacity: int) -> KVCache:
+    def kv_cache(self, model: LeanLM | NativeLM | GraphLM, capacity: int) -> KVCache:
         """The static KV cache of the draft this slot holds: allocated once, reused by every
         later draft of the same shape (a rollback or a new request is a length change)."""
         a = model.arch
@@ -99,7 +100,7 @@ class BoundDraft:
     weights: dict[str, torch.Tensor] | None = None
 
     def new_cache(self, capacity: int) -> Any:
-        if isinstance(self.runner, (LeanLM, NativeLM)):
+        if isinstance(self.runner, (LeanLM, NativeLM, GraphLM)):
             return self.slot.kv_cache(self.runner, capacity)
         return self.runner.new_cache(capacity)
 
