@@ -80,6 +80,7 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     k_blocked: bool = False
+    feat: torch.Tensor | None = None  # [capacity, layers * hidden]: features for draft heads
 
     @property
     def capacity(self) -> int:
@@ -87,14 +88,16 @@ class KVCache:
 
 
 def alloc_cache(arch: Arch, capacity: int, dtype: torch.dtype, device: torch.device,
-                k_blocked: bool = False) -> KVCache:
+                k_blocked: bool = False, feature_layers: int = 0) -> KVCache:
     if k_blocked:
         capacity = -(-capacity // 16) * 16
     shape = (arch.layers, arch.kv_heads, capacity, arch.head_dim)
     kshape = (arch.layers, arch.kv_heads, capacity // 16, arch.head_dim, 16) if k_blocked \
         else shape
+    feat = torch.zeros(capacity, feature_layers * arch.hidden, device=device) \
+        if feature_layers else None
     return KVCache(torch.zeros(kshape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device), k_blocked)
+                   torch.zeros(shape, dtype=dtype, device=device), k_blocked, feat)
 
 
 @dataclass
@@ -234,12 +237,15 @@ class LeanLM:
     # ---- caches -------------------------------------------------------------------------
     cache_dtype: torch.dtype | None = None  # None: the activation dtype
     k_blocked = False
+    # layers whose outputs the cache keeps per position (draft heads read them); set before
+    # the first new_cache()
+    feature_layers: list[int] = []
 
     def new_cache(self, capacity: int) -> KVCache:
         """A zeroed cache of ``capacity`` positions; reused while it is large enough."""
         if self._cache is None or self._cache.capacity < capacity:
             self._cache = alloc_cache(self.arch, capacity, self.cache_dtype or self.act_dtype,
-                                      self.device, self.k_blocked)
+                                      self.device, self.k_blocked, len(self.feature_layers))
         return self._cache
 
     def _tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +321,13 @@ class LeanLM:
             else:
                 g, u = (proj(h) for proj in L.gate_up)
             x = x + L.down(F.silu(g) * u)
+            if cache.feat is not None and i in self.feature_layers:
+                j = self.feature_layers.index(i)
+                rows = cache.feat[:, j * a.hidden:(j + 1) * a.hidden]
+                if isinstance(at, int):
+                    rows[at:at + T] = x.float()
+                else:
+                    rows.index_copy_(0, at, x.float())
         return x
 
     @property

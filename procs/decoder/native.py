@@ -113,7 +113,8 @@ class NativeLM:
 
     def new_cache(self, capacity: int) -> KVCache:
         if self._cache is None or self._cache.capacity < capacity:
-            self._cache = alloc_cache(self.arch, capacity, self.cache_dtype, self.device, True)
+            self._cache = alloc_cache(self.arch, capacity, self.cache_dtype, self.device, True,
+                                      len(self.lean.feature_layers))
         return self._cache
 
     def _layer_views(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -124,8 +125,8 @@ class NativeLM:
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache,
                 last_only: bool = False) -> torch.Tensor:
         k, v = self._layer_views(cache)
-        logits, _ = self.model.forward(ids, pos, k, v, last_only, [])
-        return logits
+        return self.model.forward(ids, pos, k, v, last_only, self.lean.feature_layers,
+                                  cache.feat)
 
     @property
     def weight_bytes(self) -> int:

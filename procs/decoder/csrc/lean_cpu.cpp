@@ -153,11 +153,12 @@ class Model {
       inv_freq_[i] = static_cast<float>(1.0 / std::pow(rope_theta, static_cast<double>(i) / half));
   }
 
-  // logits [T or 1, vocab] (activation dtype) and the residual stream after each layer in
-  // `capture` (fp32 [T, hidden]), for ids [T] at positions pos..pos+T-1.
-  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
-      const at::Tensor& ids, int64_t pos, const std::vector<at::Tensor>& kc,
-      const std::vector<at::Tensor>& vc, bool last_only, const std::vector<int64_t>& capture) {
+  // logits [T or 1, vocab] for ids [T] at positions pos..pos+T-1. With `feat` defined
+  // ([capacity, capture.size() * hidden] fp32), the residual stream after each layer in
+  // `capture` is written to rows pos..pos+T-1: the features draft heads read.
+  at::Tensor forward(const at::Tensor& ids, int64_t pos, const std::vector<at::Tensor>& kc,
+                     const std::vector<at::Tensor>& vc, bool last_only,
+                     const std::vector<int64_t>& capture, const c10::optional<at::Tensor>& feat) {
     at::NoGradGuard no_grad;
     const int64_t T = ids.numel();
     TORCH_CHECK(static_cast<int64_t>(kc.size()) == static_cast<int64_t>(layers_.size()),
@@ -177,7 +178,7 @@ class Model {
     at::Tensor q = at::empty({T, heads_ * hd_}, opts);
     at::Tensor att = at::empty({T, heads_ * hd_}, opts.dtype(act_));
     at::Tensor mid = at::empty({T, inter_}, opts.dtype(act_));
-    std::vector<at::Tensor> captured;
+    const bool want_feat = feat.has_value() && feat->defined() && !capture.empty();
     size_t next_cap = 0;
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
@@ -190,15 +191,17 @@ class Model {
       at::Tensor gu = project(L.gate_up, h);
       silu_mul(gu, mid, T);
       add_into(x, L.down(mid));
-      while (next_cap < capture.size() && capture[next_cap] == static_cast<int64_t>(li)) {
-        captured.push_back(x.clone());
+      while (want_feat && next_cap < capture.size() &&
+             capture[next_cap] == static_cast<int64_t>(li)) {
+        feat->slice(0, pos, pos + T).slice(1, next_cap * hidden_, (next_cap + 1) * hidden_)
+            .copy_(x);
         ++next_cap;
       }
     }
     at::Tensor xs = last_only ? x.slice(0, T - 1, T).contiguous() : x;
     at::Tensor hn = at::empty({xs.size(0), hidden_}, opts.dtype(act_));
     norm_into(xs, norm_, hn);
-    return {head_(hn), captured};
+    return head_(hn);
   }
 
   void set_pad_rows(int64_t n) {
