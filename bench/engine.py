@@ -29,7 +29,7 @@ from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.inprocess import LocalRuntime, build_local, run_request
 from memspec.procs.decoder.linear import make_linear
 from memspec.procs.decoder.models import encode_prompt
-from memspec.procs.decoder.native import _lin, extension
+from memspec.procs.decoder.native import extension, linear_spec
 from memspec.procs.decoder.precision import resolve_dtype
 from memspec.procs.decoder.runners import load_state_dict, read_config
 from memspec.zoo.prompts import load_prompts
@@ -68,8 +68,9 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
     for w, fmt in [(m, dtype) for m in mats] + [(head, "int8" if dtype == "int4" else dtype)]:
         lin = make_linear(w, fmt, act)
         x_dtype = act
-        if ext is not None and fmt in ("int4", "int8"):
-            lin, x_dtype = ext.Linear(_lin(lin, bool(ext.qgemm_available()))), torch.float32
+        if ext is not None and fmt in ("int4", "int8", "bfloat16"):
+            spec = linear_spec(lin, bool(ext.qgemm_available()), bool(ext.bf16_available()))
+            lin, x_dtype = ext.Linear(spec), torch.float32
         plan.append((lin, torch.randn(rows, w.shape[1]).to(x_dtype)))
     del weights, mats
 

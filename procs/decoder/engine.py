@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memspec.common.errors import RequestError
+from memspec.common.errors import ModelError, RequestError
 from memspec.common.metrics import IterationRecord, RunStats
 from memspec.procs.decoder.acceptance import (
     SamplingParams,
@@ -32,11 +32,20 @@ from memspec.procs.decoder.acceptance import (
     speculative_accept,
     warp,
 )
-from memspec.procs.decoder.runners import Runner, as_runner
+from memspec.procs.decoder.head import HEAD_KIND, TargetParts
+from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
 from memspec.procs.decoder.slots import BoundDraft
 
 TokenCallback = Callable[[list[int]], None]
 DEFAULT_MAX_CONTEXT = 2048
+
+
+class _Proposer:
+    """The draft's latest logits and how to advance it by one proposal."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self.next: Callable[[torch.Tensor, int], None] = lambda d_idx, pos: None
 
 
 @dataclass
@@ -62,8 +71,31 @@ class SpecEngine:
             getattr(self.target, "arch", None), "max_pos", None) or max_context
         self.max_len = min(int(limit), int(max_context))
         self.drafts: dict[str, BoundDraft] = {}
+        self._parts: TargetParts | None = None
+
+    @property
+    def target_parts(self) -> TargetParts:
+        """What head drafts read from the target (built on first use)."""
+        if self._parts is None:
+            self._parts = TargetParts(self.target)
+        return self._parts
+
+    def use_features(self, layers: tuple[int, ...] | list[int]) -> None:
+        """Keep the target's residual stream after ``layers`` per position (head drafts'
+        input). Every head of a pool must read the same layers."""
+        layers = list(layers)
+        current = list(getattr(getattr(self.target, "lean", self.target), "feature_layers",
+                               []) or [])
+        if current == layers:
+            return
+        if current:
+            raise ModelError(f"head drafts read different target layers ({current} vs "
+                             f"{layers})", "train every head of a pool on the same layers")
+        set_feature_layers(self.target, layers)
 
     def add_draft(self, draft: BoundDraft) -> None:
+        if draft.kind == HEAD_KIND:
+            self.use_features(draft.runner.arch.feature_layers)
         self.drafts[draft.name] = draft
 
     def remove_draft(self, name: str) -> None:
@@ -198,22 +230,18 @@ class Session:
     def _spec_step(self, name: str, t0: float) -> IterationRecord:
         eng, g = self.engine, self.engine.gamma
         bound = eng.drafts[name]
-        runner = bound.runner
         dc = self._draft_cache(bound)
-        to_draft, to_target = bound.to_draft, bound.to_target
+        to_target = bound.to_target
         L = len(self.tokens)
         n_missing = L - dc.length
-        missing = self._tok[dc.length:L]
-        if to_draft is not None:
-            missing = to_draft[missing]
-        logits = runner.forward(missing, dc.length, dc.cache, last_only=True)
-        dc.length = L
-        self._sync()
+        head = bound.kind == HEAD_KIND
+        draft = self._head_proposals(bound, dc, L) if head else \
+            self._model_proposals(bound, dc, L)
         t_catch = time.perf_counter()
         props: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(g):
-            row = logits[-1] if to_target is not None else logits[-1, :eng.vocab]
+            row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
             if self.params.greedy:
                 d_idx = row.argmax().view(1)
             else:  # sampling runs on the CPU generator: seeded runs repeat on any device
@@ -222,7 +250,7 @@ class Session:
                 qs.append(self._to_target_space(q_sub, to_target))
             props.append(d_idx)
             if i < g - 1:
-                logits = runner.forward(d_idx, L + i, dc.cache)
+                draft.next(d_idx, L + i)
         prop = torch.cat(props)
         if to_target is not None:
             prop = to_target[prop]
@@ -238,7 +266,9 @@ class Session:
             proposals = prop.tolist()
             n, nxt = speculative_accept(prop.cpu(), torch.stack(qs).cpu(), p, self.gen)
         emitted = self._commit(proposals[:n] + [nxt])
-        dc.length = min(L + min(n, g - 1), len(self.tokens) - 1)
+        # a head keeps only positions it saw with the target's features (re-run the accepted
+        # ones next time, as EAGLE does); a model draft keeps its accepted proposals
+        dc.length = L if head else min(L + min(n, g - 1), len(self.tokens) - 1)
         self._sync()
         t1 = time.perf_counter()
         switched = name != self._last_draft
@@ -247,6 +277,52 @@ class Session:
                                t_draft=(t_draft_end - t0) - catch,
                                t_verify=t1 - t_draft_end, t_catchup=catch,
                                catchup_tokens=n_missing if switched else 0)
+
+    def _model_proposals(self, bound: BoundDraft, dc: _DraftCache, L: int) -> _Proposer:
+        """An independent draft model: catch up on committed tokens, then self-feed."""
+        missing = self._tok[dc.length:L]
+        if bound.to_draft is not None:
+            missing = bound.to_draft[missing]
+        runner = bound.runner
+        out = _Proposer(runner.forward(missing, dc.length, dc.cache, last_only=True))
+        dc.length = L
+        self._sync()
+
+        def nxt(d_idx: torch.Tensor, pos: int) -> None:
+            out.logits = runner.forward(d_idx, pos, dc.cache)
+
+        out.next = nxt
+        return out
+
+    def _head_proposals(self, bound: BoundDraft, dc: _DraftCache, L: int) -> _Proposer:
+        """A head: committed tokens with the target's features of the positions before them,
+        then its own outputs in place of features for its proposals."""
+        head = bound.runner
+        start = dc.length
+        feats = self._tfeat(start - 1, L - 1)
+        logits, hidden = head.teacher(self._tok[start:L], start, dc.cache, feats)
+        out = _Proposer(logits)
+        dc.length = L
+        self._sync()
+        state = {"hidden": hidden}
+
+        def nxt(d_idx: torch.Tensor, pos: int) -> None:
+            out.logits, state["hidden"] = head.step(bound.to_target[d_idx], pos, dc.cache,
+                                                    state["hidden"])
+
+        out.next = nxt
+        return out
+
+    def _tfeat(self, first: int, end: int) -> torch.Tensor:
+        """The target's feature rows for positions first..end-1 (position -1: zeros)."""
+        feat = getattr(self._tcache, "feat", None)
+        if feat is None:
+            raise RequestError("a head draft needs the target's features",
+                               "run the target in a lean dtype (not float32) with heads")
+        rows = feat[max(first, 0):end]
+        if first < 0:
+            rows = torch.cat([torch.zeros_like(feat[:1]), rows])
+        return rows
 
     def _to_target_space(self, q_sub: torch.Tensor, to_target: torch.Tensor | None) -> torch.Tensor:
         V = self.engine.vocab

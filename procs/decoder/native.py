@@ -58,7 +58,7 @@ def extension(build: bool = True, verbose: bool = False) -> Any:
     return _EXT
 
 
-def _lin(layer: Linear, vnni: bool, bf16: bool = False) -> tuple:
+def linear_spec(layer: Linear, vnni: bool, bf16: bool = False) -> tuple:
     """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights."""
     if isinstance(layer, (Int4Linear, Int8Linear)):
         n, k = layer.q.shape
@@ -93,7 +93,7 @@ class NativeLM:
                                                          torch.bfloat16) else lean.act_dtype
 
         def lin(p: Linear) -> tuple:
-            return _lin(p, vnni, bf16)
+            return linear_spec(p, vnni, bf16)
 
         layers = [(L.ln1, L.ln2, [lin(p) for p in L.qkv], lin(L.o),
                    [lin(p) for p in L.gate_up], lin(L.down)) for L in lean.layers]
@@ -103,8 +103,8 @@ class NativeLM:
         self.act_dtype = act
         self.model.set_pad_rows(DENSE_PAD_ROWS)
         self._weight_bytes = lean.weight_bytes
-        if quantised:  # the C++ side holds its own packed copy of every projection
-            lean.layers, lean.lm_head = [], None
+        if quantised:  # the C++ side holds its own packed copy of every projection (the
+            lean.layers = []  # LM head stays: draft heads read its rows)
         self._views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._cache: KVCache | None = None
 

@@ -52,6 +52,8 @@ def forward_with_cache(model: torch.nn.Module, ids: torch.Tensor, cache: Dynamic
 class HFRunner:
     """Any HF causal LM (eager, ``DynamicCache``): the reference path and the fallback."""
 
+    feature_layers: list[int] = []
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -59,7 +61,11 @@ class HFRunner:
         self.max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
     def new_cache(self, capacity: int) -> DynamicCache:
-        return DynamicCache()
+        cache = DynamicCache()
+        hidden = int(self.model.config.hidden_size)
+        cache.feat = torch.zeros(capacity, len(self.feature_layers) * hidden,
+                                 device=self.device) if self.feature_layers else None
+        return cache
 
     def forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache,
                 last_only: bool = False) -> torch.Tensor:
@@ -68,8 +74,29 @@ class HFRunner:
             cache.crop(pos - held)  # negative: tokens to remove (transformers 4 and 5)
         elif held < pos:
             raise RuntimeError(f"KV cache holds {held} tokens, forward starts at {pos}")
-        kw = {"logits_to_keep": 1} if last_only else {}
-        return forward_with_cache(self.model, ids.view(1, -1), cache, **kw).logits[0]
+        feat = getattr(cache, "feat", None)
+        kw: dict = {"logits_to_keep": 1} if last_only else {}
+        if feat is not None:
+            kw["output_hidden_states"] = True
+        out = forward_with_cache(self.model, ids.view(1, -1), cache, **kw)
+        if feat is not None:
+            T, h = ids.numel(), int(self.model.config.hidden_size)
+            for j, layer in enumerate(self.feature_layers):
+                feat[pos:pos + T, j * h:(j + 1) * h] = out.hidden_states[layer + 1][0].float()
+        return out.logits[0]
+
+
+def set_feature_layers(runner: Runner, layers: list[int]) -> None:
+    """Make the runner's caches keep features of ``layers`` (caches made before are dropped
+    so the next one has room for them)."""
+    lean = getattr(runner, "lean", runner)
+    lean.feature_layers = list(layers)
+    if hasattr(lean, "_cache"):
+        lean._cache = None
+    if hasattr(runner, "_cache"):
+        runner._cache = None
+    if hasattr(runner, "_graphs"):
+        runner._graphs.clear()
 
 
 def as_runner(model: Runner | torch.nn.Module) -> Runner:

@@ -18,6 +18,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
 from memspec.procs.decoder.cudagraph import GraphLM
+from memspec.procs.decoder.head import (
+    HEAD_KIND,
+    HeadRunner,
+    TargetParts,
+    is_head,
+    read_head_config,
+)
 from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
 from memspec.procs.decoder.native import NativeLM
 from memspec.procs.decoder.runners import HFRunner, Runner, accelerate, lean_arch
@@ -49,10 +56,11 @@ class SlotBuffer:
         self.draft: str | None = None
         self._kv: KVCache | None = None
 
-    def kv_cache(self, model: LeanLM | NativeLM | GraphLM, capacity: int) -> KVCache:
+    def kv_cache(self, model: LeanLM | NativeLM | GraphLM | HeadRunner, capacity: int
+                 ) -> KVCache:
         """The static KV cache of the draft this slot holds: allocated once, reused by every
         later draft of the same shape (a rollback or a new request is a length change)."""
-        a = model.arch
+        a = getattr(model, "cache_arch", model.arch)
         dtype = model.cache_dtype or model.act_dtype
         kv = self._kv
         if kv is None or kv.v.shape[:2] + kv.v.shape[3:] != (a.layers, a.kv_heads, a.head_dim) \
@@ -99,8 +107,12 @@ class BoundDraft:
     config: Any = None
     weights: dict[str, torch.Tensor] | None = None
 
+    @property
+    def kind(self) -> str:
+        return HEAD_KIND if isinstance(self.runner, HeadRunner) else "model"
+
     def new_cache(self, capacity: int) -> Any:
-        if isinstance(self.runner, (LeanLM, NativeLM, GraphLM)):
+        if isinstance(self.runner, (LeanLM, NativeLM, GraphLM, HeadRunner)):
             return self.slot.kv_cache(self.runner, capacity)
         return self.runner.new_cache(capacity)
 
@@ -167,25 +179,42 @@ def _lean_runner(name: str, config: Any, weights: dict[str, torch.Tensor]) -> Le
 
 
 def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | None = None,
-               config=None, target_vocab: int | None = None) -> BoundDraft:
-    """Point a draft's forward at the slot's bytes: views, never copies."""
+               config=None, target_vocab: int | None = None,
+               parts: TargetParts | None = None) -> BoundDraft:
+    """Point a draft's forward at the slot's bytes: views, never copies. A head draft also
+    needs ``parts``: what it reads from the resident target."""
     model_dir = Path(model_dir)
     layout = layout or read_layout(draft_weights_file(model_dir))
-    config = config or AutoConfig.from_pretrained(model_dir)
     views = views_into(slot.data, layout)
     weights = {k: v for k, v in views.items() if not k.startswith(META_PREFIX)}
+    to_target = views.get(ID_MAP_KEY)
+    if to_target is not None:
+        to_target = to_target.to(torch.long)
+        if target_vocab is not None and int(to_target.max()) >= target_vocab:
+            raise ModelError(f"draft '{name}' maps to token ids beyond the target's "
+                             f"vocabulary of {target_vocab}", "rebuild it for this target")
+    if is_head(model_dir):
+        arch, config = read_head_config(model_dir)
+        if parts is None:
+            raise ModelError(f"draft '{name}' is a head and needs the target to run",
+                             "bind it through an engine (SpecEngine.target_parts)")
+        if to_target is None or to_target.numel() != arch.vocab:
+            raise ModelError(f"head '{name}' has no draft-vocabulary id map of {arch.vocab}",
+                             "rebuild the head with `memspec zoo drafts`")
+        runner: Runner = HeadRunner(name, arch, weights, parts, to_target)
+        return BoundDraft(name, runner, slot, slot.generation, to_target, None, config,
+                          weights)
+    config = config or AutoConfig.from_pretrained(model_dir)
     lean = _lean_runner(name, config, weights)
     if lean is not None:
         if lean.vocab != weights["model.embed_tokens.weight"].shape[0]:
             raise ModelError(f"draft '{name}' weights do not match its config (vocab)",
                              "rebuild the draft's model.safetensors from its config")
-        runner: Runner = accelerate(lean)
+        runner = accelerate(lean)
     else:
         runner = HFRunner(_hf_module(name, config, weights, slot.data.device))
-    to_target = views.get(ID_MAP_KEY)
     to_draft = None
     if to_target is not None:
-        to_target = to_target.to(torch.long)
         vocab = max(target_vocab or 0, int(to_target.max()) + 1)
         to_draft = torch.zeros(max(vocab, 1), dtype=torch.long, device=to_target.device)
         to_draft[to_target] = torch.arange(to_target.numel(), device=to_target.device)
@@ -193,9 +222,10 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
 
 
 def load_into_slot(name: str, model_dir: Path, slot: SlotBuffer,
-                   target_vocab: int | None = None) -> BoundDraft:
+                   target_vocab: int | None = None, parts: TargetParts | None = None
+                   ) -> BoundDraft:
     """In-process load: copy the file into the slot, then bind (engine tests, `generate`)."""
     layout = read_layout(draft_weights_file(model_dir))
     slot.fill_from_file(layout)
     slot.draft = name
-    return bind_draft(name, model_dir, slot, layout, target_vocab=target_vocab)
+    return bind_draft(name, model_dir, slot, layout, target_vocab=target_vocab, parts=parts)

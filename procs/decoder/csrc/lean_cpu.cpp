@@ -110,127 +110,82 @@ inline float fexp(float x) {
 
 // out[r, :] = act(x[r, :] * rsqrt(mean(x^2) + eps) * w)
 template <typename S>
-void rmsnorm(const float* x, const float* w, S* out, int64_t rows, int64_t n, float eps) {
+void rmsnorm(const float* x, const float* w, S* out, int64_t rows, int64_t n, float eps,
+             int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    S* o = out + r * n;
+    S* o = out + r * out_stride;
     for (int64_t i = 0; i < n; ++i) o[i] = static_cast<S>(xr[i] * inv * w[i]);
   }
 }
 
-class Model {
+// Dimensions and the per-layer kernels shared by the target model and draft heads.
+class Core {
  public:
-  Model(py::tuple dims, at::Tensor embed, py::object embed_scale, py::list layers,
-        at::Tensor norm, py::tuple head, double rope_theta, std::string act_dtype)
-      : embed_(embed), norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
+  Core(py::tuple dims, double rope_theta, const std::string& act_dtype) {
     hidden_ = dims[0].cast<int64_t>();
     heads_ = dims[1].cast<int64_t>();
     kvh_ = dims[2].cast<int64_t>();
     hd_ = dims[3].cast<int64_t>();
     inter_ = dims[4].cast<int64_t>();
     eps_ = dims[5].cast<double>();
-    if (!embed_scale.is_none()) embed_scale_ = embed_scale.cast<at::Tensor>().to(at::kFloat);
     act_ = act_dtype == "bfloat16" ? at::kBFloat16 : act_dtype == "float16" ? at::kHalf
                                                                          : at::kFloat;
-    for (auto item : layers) {
-      auto t = item.cast<py::tuple>();
-      Layer L;
-      L.ln1 = t[0].cast<at::Tensor>().to(at::kFloat).contiguous();
-      L.ln2 = t[1].cast<at::Tensor>().to(at::kFloat).contiguous();
-      for (auto q : t[2].cast<py::list>()) L.qkv.push_back(make_lin(q.cast<py::tuple>()));
-      L.o = make_lin(t[3].cast<py::tuple>());
-      for (auto q : t[4].cast<py::list>()) L.gate_up.push_back(make_lin(q.cast<py::tuple>()));
-      L.down = make_lin(t[5].cast<py::tuple>());
-      layers_.push_back(std::move(L));
-    }
     const int64_t half = hd_ / 2;
     inv_freq_.resize(half);
     for (int64_t i = 0; i < half; ++i)
       inv_freq_[i] = static_cast<float>(1.0 / std::pow(rope_theta, static_cast<double>(i) / half));
   }
 
-  // logits [T or 1, vocab] for ids [T] at positions pos..pos+T-1. With `feat` defined
-  // ([capacity, capture.size() * hidden] fp32), the residual stream after each layer in
-  // `capture` is written to rows pos..pos+T-1: the features draft heads read.
-  at::Tensor forward(const at::Tensor& ids, int64_t pos, const std::vector<at::Tensor>& kc,
-                     const std::vector<at::Tensor>& vc, bool last_only,
-                     const std::vector<int64_t>& capture, const c10::optional<at::Tensor>& feat) {
-    at::NoGradGuard no_grad;
-    const int64_t T = ids.numel();
-    TORCH_CHECK(static_cast<int64_t>(kc.size()) == static_cast<int64_t>(layers_.size()),
-                "one K cache per layer");
-    TORCH_CHECK(pos + T <= vc[0].size(1), "context exceeds the KV cache");
-    TORCH_CHECK(vc[0].size(1) % KB == 0, "KV cache capacity must be a multiple of 16");
-    auto opts = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor x = embed(ids);  // fp32 [T, hidden]
-    std::vector<float> cosv(T * (hd_ / 2)), sinv(T * (hd_ / 2));
+ protected:
+  void check_cache(const at::Tensor& vc, int64_t pos, int64_t T) {
+    TORCH_CHECK(pos + T <= vc.size(1), "context exceeds the KV cache");
+    TORCH_CHECK(vc.size(1) % KB == 0, "KV cache capacity must be a multiple of 16");
+  }
+
+  void rope_tables(int64_t pos, int64_t T, std::vector<float>& cosv, std::vector<float>& sinv) {
+    const int64_t half = hd_ / 2;
+    cosv.resize(T * half);
+    sinv.resize(T * half);
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < hd_ / 2; ++i) {
+      for (int64_t i = 0; i < half; ++i) {
         const float a = static_cast<float>(pos + t) * inv_freq_[i];
-        cosv[t * (hd_ / 2) + i] = std::cos(a);
-        sinv[t * (hd_ / 2) + i] = std::sin(a);
+        cosv[t * half + i] = std::cos(a);
+        sinv[t * half + i] = std::sin(a);
       }
-    at::Tensor h = at::empty({T, hidden_}, opts.dtype(act_));
+  }
+
+  // One decoder layer after its input norm: attention over the cache (K/V of positions
+  // pos.. written), residual into x (fp32 [T, hidden]), then the MLP block.
+  void layer_body(at::Tensor& x, const at::Tensor& a_in, const std::vector<Lin>& qkv_lins,
+                  const Lin& o, const at::Tensor& ln2, const std::vector<Lin>& gate_up,
+                  const Lin& down, const at::Tensor& kc, const at::Tensor& vc, int64_t pos,
+                  const std::vector<float>& cosv, const std::vector<float>& sinv) {
+    const int64_t T = x.size(0);
+    auto opts = at::TensorOptions().dtype(at::kFloat);
     at::Tensor q = at::empty({T, heads_ * hd_}, opts);
     at::Tensor att = at::empty({T, heads_ * hd_}, opts.dtype(act_));
+    at::Tensor h = at::empty({T, hidden_}, opts.dtype(act_));
     at::Tensor mid = at::empty({T, inter_}, opts.dtype(act_));
-    const bool want_feat = feat.has_value() && feat->defined() && !capture.empty();
-    size_t next_cap = 0;
-    for (size_t li = 0; li < layers_.size(); ++li) {
-      const Layer& L = layers_[li];
-      norm_into(x, L.ln1, h);
-      at::Tensor qkv = project(L.qkv, h);
-      rope_and_cache(qkv, q, kc[li], vc[li], pos, T, cosv, sinv);
-      attend(q, kc[li], vc[li], att, pos, T);
-      add_into(x, L.o(att));
-      norm_into(x, L.ln2, h);
-      at::Tensor gu = project(L.gate_up, h);
-      silu_mul(gu, mid, T);
-      add_into(x, L.down(mid));
-      while (want_feat && next_cap < capture.size() &&
-             capture[next_cap] == static_cast<int64_t>(li)) {
-        feat->slice(0, pos, pos + T).slice(1, next_cap * hidden_, (next_cap + 1) * hidden_)
-            .copy_(x);
-        ++next_cap;
-      }
-    }
-    at::Tensor xs = last_only ? x.slice(0, T - 1, T).contiguous() : x;
-    at::Tensor hn = at::empty({xs.size(0), hidden_}, opts.dtype(act_));
-    norm_into(xs, norm_, hn);
-    return head_(hn);
+    at::Tensor qkv = project(qkv_lins, a_in);
+    rope_and_cache(qkv, q, kc, vc, pos, T, cosv, sinv);
+    attend(q, kc, vc, att, pos, T);
+    add_into(x, o(att));
+    norm_into(x, ln2, h);
+    at::Tensor gu = project(gate_up, h);
+    silu_mul(gu, mid, T);
+    add_into(x, down(mid));
   }
 
-  void set_pad_rows(int64_t n) {
-    for (auto& L : layers_) {
-      for (auto& l : L.qkv) l.pad_rows = n;
-      for (auto& l : L.gate_up) l.pad_rows = n;
-      L.o.pad_rows = L.down.pad_rows = n;
-    }
-    head_.pad_rows = n;
-  }
-
-  // final norm + LM head over given residual rows (fp32 [R, hidden]); used by draft heads
-  at::Tensor logits(const at::Tensor& x) {
-    at::NoGradGuard no_grad;
-    at::Tensor xs = x.to(at::kFloat).contiguous();
-    at::Tensor hn = at::empty({xs.size(0), hidden_}, xs.options().dtype(act_));
-    norm_into(xs, norm_, hn);
-    return head_(hn);
-  }
-
- private:
-  at::Tensor embed(const at::Tensor& ids) {
-    at::Tensor rows = embed_.index_select(0, ids).to(at::kFloat);
-    if (embed_scale_.defined()) {  // Q8_0 rows: one scale per 32 values
-      const int64_t T = rows.size(0);
-      rows = (rows.view({T, -1, memspec::QGROUP}) *
-              embed_scale_.index_select(0, ids).unsqueeze(2)).view({T, hidden_});
-    }
-    return rows.contiguous();
+  // final norm + an LM head over residual rows (fp32)
+  at::Tensor head_logits(const at::Tensor& x, const at::Tensor& norm, const Lin& lm) {
+    at::Tensor hn = at::empty({x.size(0), hidden_}, x.options().dtype(act_));
+    norm_into(x, norm, hn);
+    return lm(hn);
   }
 
   at::Tensor project(const std::vector<Lin>& lins, const at::Tensor& h) {
@@ -240,10 +195,12 @@ class Model {
     return at::cat(parts, 1);
   }
 
+  // rows of x (fp32 [R, hidden]) normalised into out (activation dtype), whose rows may be
+  // wider than hidden (a draft head writes two halves of one input row)
   void norm_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "rmsnorm", [&] {
       rmsnorm<scalar_t>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<scalar_t>(),
-                        x.size(0), hidden_, static_cast<float>(eps_));
+                        x.size(0), hidden_, static_cast<float>(eps_), out.stride(0));
     });
   }
 
@@ -398,10 +355,139 @@ class Model {
   int64_t hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0;
   double eps_ = 1e-6;
   at::ScalarType act_ = at::kFloat;
+  std::vector<float> inv_freq_;
+};
+
+class Model : public Core {
+ public:
+  Model(py::tuple dims, at::Tensor embed, py::object embed_scale, py::list layers,
+        at::Tensor norm, py::tuple head, double rope_theta, std::string act_dtype)
+      : Core(dims, rope_theta, act_dtype), embed_(embed),
+        norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
+    if (!embed_scale.is_none()) embed_scale_ = embed_scale.cast<at::Tensor>().to(at::kFloat);
+    for (auto item : layers) {
+      auto t = item.cast<py::tuple>();
+      Layer L;
+      L.ln1 = t[0].cast<at::Tensor>().to(at::kFloat).contiguous();
+      L.ln2 = t[1].cast<at::Tensor>().to(at::kFloat).contiguous();
+      for (auto q : t[2].cast<py::list>()) L.qkv.push_back(make_lin(q.cast<py::tuple>()));
+      L.o = make_lin(t[3].cast<py::tuple>());
+      for (auto q : t[4].cast<py::list>()) L.gate_up.push_back(make_lin(q.cast<py::tuple>()));
+      L.down = make_lin(t[5].cast<py::tuple>());
+      layers_.push_back(std::move(L));
+    }
+  }
+
+  // logits [T or 1, vocab] for ids [T] at positions pos..pos+T-1. With `feat` defined
+  // ([capacity, capture.size() * hidden] fp32), the residual stream after each layer in
+  // `capture` is written to rows pos..pos+T-1: the features draft heads read.
+  at::Tensor forward(const at::Tensor& ids, int64_t pos, const std::vector<at::Tensor>& kc,
+                     const std::vector<at::Tensor>& vc, bool last_only,
+                     const std::vector<int64_t>& capture, const c10::optional<at::Tensor>& feat) {
+    at::NoGradGuard no_grad;
+    const int64_t T = ids.numel();
+    TORCH_CHECK(kc.size() == layers_.size() && vc.size() == layers_.size(),
+                "one K and one V cache per layer");
+    check_cache(vc[0], pos, T);
+    at::Tensor x = embed(ids);  // fp32 [T, hidden]
+    std::vector<float> cosv, sinv;
+    rope_tables(pos, T, cosv, sinv);
+    at::Tensor h = at::empty({T, hidden_}, x.options().dtype(act_));
+    const bool want_feat = feat.has_value() && feat->defined() && !capture.empty();
+    size_t next_cap = 0;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& L = layers_[li];
+      norm_into(x, L.ln1, h);
+      layer_body(x, h, L.qkv, L.o, L.ln2, L.gate_up, L.down, kc[li], vc[li], pos, cosv, sinv);
+      while (want_feat && next_cap < capture.size() &&
+             capture[next_cap] == static_cast<int64_t>(li)) {
+        feat->slice(0, pos, pos + T).slice(1, next_cap * hidden_, (next_cap + 1) * hidden_)
+            .copy_(x);
+        ++next_cap;
+      }
+    }
+    return head_logits(last_only ? x.slice(0, T - 1, T).contiguous() : x, norm_, head_);
+  }
+
+  void set_pad_rows(int64_t n) {
+    for (auto& L : layers_) {
+      for (auto& l : L.qkv) l.pad_rows = n;
+      for (auto& l : L.gate_up) l.pad_rows = n;
+      L.o.pad_rows = L.down.pad_rows = n;
+    }
+    head_.pad_rows = n;
+  }
+
+  // token embeddings as fp32 rows (a draft head's token input)
+  at::Tensor embed(const at::Tensor& ids) {
+    at::NoGradGuard no_grad;
+    at::Tensor rows = embed_.index_select(0, ids).to(at::kFloat);
+    if (embed_scale_.defined()) {  // Q8_0 rows: one scale per 32 values
+      const int64_t T = rows.size(0);
+      rows = (rows.view({T, -1, memspec::QGROUP}) *
+              embed_scale_.index_select(0, ids).unsqueeze(2)).view({T, hidden_});
+    }
+    return rows.contiguous();
+  }
+
+ private:
   at::Tensor embed_, embed_scale_, norm_;
   Lin head_;
   std::vector<Layer> layers_;
-  std::vector<float> inv_freq_;
+};
+
+// An EAGLE-style draft head: one decoder layer over [norm(token embedding); norm(g)], where g
+// is fc(target features) for positions the target has seen and the head's own previous
+// output for its own proposals; the residual runs on g; logits come from the target's
+// final norm and the target's LM-head rows of the draft vocabulary.
+class Head : public Core {
+ public:
+  Head(py::tuple dims, py::tuple fc, at::Tensor norm_e, at::Tensor norm_g, py::list qkv,
+       py::tuple o, at::Tensor ln2, py::list gate_up, py::tuple down, at::Tensor final_norm,
+       py::tuple lm, double rope_theta, std::string act_dtype)
+      : Core(dims, rope_theta, act_dtype), fc_(make_lin(fc)),
+        norm_e_(norm_e.to(at::kFloat).contiguous()), norm_g_(norm_g.to(at::kFloat).contiguous()),
+        o_(make_lin(o)), ln2_(ln2.to(at::kFloat).contiguous()), down_(make_lin(down)),
+        final_norm_(final_norm.to(at::kFloat).contiguous()), lm_(make_lin(lm)) {
+    for (auto q : qkv) qkv_.push_back(make_lin(q.cast<py::tuple>()));
+    for (auto q : gate_up) gate_up_.push_back(make_lin(q.cast<py::tuple>()));
+  }
+
+  at::Tensor fc(const at::Tensor& feats) {
+    at::NoGradGuard no_grad;
+    return fc_(feats.to(at::kFloat).contiguous()).to(at::kFloat).contiguous();
+  }
+
+  // emb, g: fp32 [T, hidden] for positions pos..pos+T-1 -> (logits of the last row or all
+  // rows, the layer's output rows: the g of the next proposal)
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& emb, const at::Tensor& g,
+                                             int64_t pos, const at::Tensor& kc,
+                                             const at::Tensor& vc, bool last_only) {
+    at::NoGradGuard no_grad;
+    const int64_t T = emb.size(0);
+    check_cache(vc, pos, T);
+    std::vector<float> cosv, sinv;
+    rope_tables(pos, T, cosv, sinv);
+    at::Tensor e32 = emb.to(at::kFloat).contiguous();
+    at::Tensor x = g.to(at::kFloat).contiguous().clone();
+    at::Tensor a_in = at::empty({T, 2 * hidden_}, x.options().dtype(act_));
+    at::Tensor left = a_in.slice(1, 0, hidden_), right = a_in.slice(1, hidden_, 2 * hidden_);
+    norm_into(e32, norm_e_, left);
+    norm_into(x, norm_g_, right);
+    layer_body(x, a_in, qkv_, o_, ln2_, gate_up_, down_, kc, vc, pos, cosv, sinv);
+    at::Tensor rows = last_only ? x.slice(0, T - 1, T).contiguous() : x;
+    return {head_logits(rows, final_norm_, lm_), rows};
+  }
+
+ private:
+  Lin fc_;
+  at::Tensor norm_e_, norm_g_;
+  std::vector<Lin> qkv_, gate_up_;
+  Lin o_;
+  at::Tensor ln2_;
+  Lin down_;
+  at::Tensor final_norm_;
+  Lin lm_;
 };
 
 }  // namespace
@@ -412,7 +498,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::string>())
       .def("forward", &Model::forward)
       .def("set_pad_rows", &Model::set_pad_rows)
-      .def("logits", &Model::logits);
+      .def("embed", &Model::embed);
+  py::class_<Head>(m, "Head")
+      .def(py::init<py::tuple, py::tuple, at::Tensor, at::Tensor, py::list, py::tuple, at::Tensor,
+                    py::list, py::tuple, at::Tensor, py::tuple, double, std::string>())
+      .def("fc", &Head::fc)
+      .def("forward", &Head::forward);
   m.def("qgemm_available", &memspec::qgemm_available);
   m.def("bf16_available", &memspec::bf16_available);
   // one linear layer on its own: the bare-matmul floor in `memspec bench engine`
