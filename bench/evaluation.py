@@ -239,8 +239,21 @@ def headroom(reqs: Sequence[SimRequest], gamma: int, general: str) -> dict[str, 
     return out
 
 
+def read_cost_model(path: Path) -> CostModel:
+    """A cost model from a JSON file: a `memspec bench --json` result (its "cost_model"),
+    the bench's cached costmodel.json (its "cost"), or a bare CostModel object."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        body = raw.get("cost_model") or raw.get("cost") or raw
+        return CostModel.from_json(body)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"cannot read a cost model from {path} ({type(exc).__name__}: {exc})",
+                          "pass a `memspec bench --json` file, e.g. docs/bench.json") from None
+
+
 def run(pool_path: str | None, per_domain: int, real_per_domain: int, max_new: int,
-        recalibrate: bool = False, sweeps: bool = True) -> dict[str, Any]:
+        recalibrate: bool = False, sweeps: bool = True,
+        cost_model: Path | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     pool = replace(load_pool(pool_path), max_new_tokens=max_new)
     home = memspec_home() / "bench"
@@ -256,8 +269,10 @@ def run(pool_path: str | None, per_domain: int, real_per_domain: int, max_new: i
     # edge-emulated bandwidth: the first calibration's, pinned in pool-pinned.toml
     pinned = home / "pool-pinned.toml"
     real_pool = str(pinned) if pinned.is_file() else pool_path
-    cost = None
-    if cost_path.is_file() and not recalibrate:
+    cost = read_cost_model(cost_model) if cost_model else None
+    if cost is not None:
+        _log(f"cost model from {cost_model} (no calibration)")
+    elif cost_path.is_file() and not recalibrate:
         cached = json.loads(cost_path.read_text())
         if cached.get("fingerprint") == fp and cached.get("storage") == pool.storage:
             cost = CostModel.from_json(cached["cost"])
@@ -407,7 +422,8 @@ def validate(pool: PoolConfig, pool_path: str | None, reqs: Sequence[SimRequest]
 
 def main_bench(args) -> int:
     result = run(getattr(args, "pool", None), args.prompts_per_domain, args.real_per_domain,
-                 args.max_new_tokens or 128, args.recalibrate, not args.no_sweeps)
+                 args.max_new_tokens or 128, args.recalibrate, not args.no_sweeps,
+                 Path(args.cost_model) if args.cost_model else None)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -163,7 +163,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.pipeline import main_bench_pipeline
 
         return main_bench_pipeline(args)
-    raise MemspecError(f"unknown benchmark '{args.what}'", "use engine or pipeline")
+    if args.what == "messages":
+        from memspec.bench.messages import main_bench_messages
+
+        return main_bench_messages(args)
+    raise MemspecError(f"unknown benchmark '{args.what}'", "use engine, pipeline or messages")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -243,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_predictor)
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline"],
+    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline", "messages"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
@@ -257,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: prompts per domain run for real per policy (0: skip)")
     b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
     b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
+    b.add_argument("--cost-model", default=None,
+                   help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
+                        "instead of measuring it; reproduces a committed run's figures")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
     b.set_defaults(func=cmd_bench)
     return ap
