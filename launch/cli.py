@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from memspec.common.errors import MemspecError
+from memspec.common.metrics import as_json
 
 
 def _add_pool(p: argparse.ArgumentParser) -> None:
@@ -78,7 +79,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     done = submit(args.endpoint, args.prompt, None if args.json else show, **kw)
     if args.json:
-        print(json.dumps({"text": done.text, "token_ids": done.token_ids, "stats": done.stats}))
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids,
+                          "stats": as_json(done.stats)}))
     else:
         print()
     return 0
@@ -89,14 +91,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     st = status(args.endpoint)
     if args.json:
-        print(json.dumps({"procs": st.procs, "slots": st.slots}))
+        print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots)}))
     else:
         for name, p in st.procs.items():
-            print(f"{name:<10} pid {p.get('pid')}  state {p.get('state')}  "
-                  f"restarts {p.get('restarts')}  rss {p.get('rss_mb', 0):.0f} MB")
+            print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
+                  f"rss {p.rss_mb:.0f} MB")
         for slot in st.slots:
-            print(f"slot {slot['slot']}: {slot['state']:<8} {slot.get('draft') or '-'} "
-                  f"(generation {slot['generation']})")
+            print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
+                  f"(generation {slot.generation})")
     return 0
 
 
@@ -177,7 +179,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_predictor(args: argparse.Namespace) -> int:
-    from memspec.procs.predictor.train_head import main as train_main
+    from memspec.zoo.train_predictor import main as train_main
 
     return train_main(args.rest)
 

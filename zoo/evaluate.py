@@ -24,20 +24,15 @@ import torch
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
+from memspec.common.metrics import gmean
 from memspec.common.paths import PACKAGE_ROOT
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.models import eos_token_ids, load_causal_lm, load_tokenizer
+from memspec.procs.decoder.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.decoder.slots import BoundDraft, SlotBuffer, draft_weights_file, load_into_slot
-from memspec.zoo.tables import (
-    acceptance_table,
-    capped_engine_accepts,
-    gmean,
-    oracle_dynamic,
-    oracle_static,
-    pooled,
-    replay_static,
-)
+from memspec.zoo.tables import acceptance_table, capped_engine_accepts
+from memspec.zoo.tablestore import trajectories_path
 from memspec.zoo.trajectories import build_trajectories, read_prompts
 
 PROMPTS_DIR = PACKAGE_ROOT / "prompts"
@@ -74,8 +69,6 @@ def heldout_prompts(domains: Sequence[str], per_domain: int,
 
 def traces_path(pool: PoolConfig) -> Path:
     """The held-out trajectories `memspec trace` also reads and writes."""
-    from memspec.zoo.tablestore import trajectories_path
-
     return trajectories_path(pool, "heldout")
 
 
