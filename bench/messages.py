@@ -1,8 +1,9 @@
 """`memspec bench messages`: encode + decode time of every message type, one by one.
 
 Each message is built as the runtime builds it (a Done carries a real 64-iteration
-summary), encoded to frames and decoded by the receiving socket's decoder, many times;
-the figure is the median over repeats of the mean microseconds per round trip.
+summary, a traced Done its whole trace), encoded to frames and decoded by the receiving
+socket's codec, many times; the figure is the median over repeats of the mean
+microseconds per round trip.
 """
 
 from __future__ import annotations
@@ -11,10 +12,19 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 from memspec.common.messages import (
+    CLIENT_REQUESTS,
+    CONTROL,
+    DECODER_REPLIES,
+    DECODER_REQUESTS,
+    LOADER_REPLIES,
+    LOADER_REQUESTS,
+    PREDICTOR_REPLIES,
+    PREDICTOR_REQUESTS,
     Cancel,
+    Codec,
+    DecoderInfo,
     Done,
     Error,
     Heartbeat,
@@ -23,43 +33,50 @@ from memspec.common.messages import (
     LoadFailed,
     Message,
     PeerRestarted,
+    ProcStatus,
     Ranking,
     Ready,
     Shutdown,
+    SlotStatus,
     Snapshot,
     Status,
     StatusRequest,
     Submit,
     Tokens,
-    decode,
     encode,
 )
-from memspec.common.metrics import IterationRecord, RunStats
+from memspec.common.metrics import IterationRecord, LoadEvent, RunStats, Summary, Trace
 
 DRAFTS = ["general", "code", "math", "law", "medical"]
 
 
-def _stats(iterations: int = 64) -> dict[str, Any]:
+def _stats(iterations: int = 64, traced: bool = False) -> Summary:
     st = RunStats(prompt_tokens=40)
     for i in range(iterations):
         st.records.append(IterationRecord(DRAFTS[i % 2], 4, i % 5, 1 + i % 5, 0.01 * i,
                                           t_draft=0.004, t_verify=0.006))
-    out = st.summary()
-    out.update(policy="memspec", quarantined={}, resident_at_end=["general", "code"])
+    out = st.report()
+    out.policy, out.resident_at_end = "memspec", ["general", "code"]
+    if traced:
+        loads = [LoadEvent(0.1 * i, "loaded", DRAFTS[i % 5], i % 2, 0.4, 0.001)
+                 for i in range(8)]
+        out.trace = Trace(st.records, loads, 0.05, 0.02)
     return out
 
 
-def samples() -> dict[str, Message]:
-    slots = [{"slot": i, "generation": 3 + i, "state": "resident", "draft": d}
-             for i, d in enumerate(DRAFTS[:2])]
-    procs = {n: {"pid": 1000 + i, "restarts": 0, "state": "ready", "rss_mb": 512.5,
-                 "shared_mb": 12.0} for i, n in enumerate(("loader", "predictor", "decoder"))}
-    return {
+def samples() -> dict[str, tuple[Message, Codec]]:
+    """Each message type, and the codec of the socket that receives it."""
+    slots = [SlotStatus(i, 3 + i, "resident", d) for i, d in enumerate(DRAFTS[:2])]
+    procs = {n: ProcStatus(1000 + i, "ready", 0, 512.5, 12.0)
+             for i, n in enumerate(("loader", "predictor", "decoder"))}
+    msgs: dict[str, Message] = {
         "Submit": Submit(req_id="a1b2c3d4e5f6", prompt="Write a Python function that "
                          "returns the factorial of n." * 4, max_new_tokens=128),
         "Tokens": Tokens(req_id="a1b2c3d4e5f6", ids=[1, 2, 3], text=" the"),
         "Done": Done(req_id="a1b2c3d4e5f6", text="word " * 128, token_ids=list(range(128)),
                      stats=_stats()),
+        "Done+trace": Done(req_id="a1b2c3d4e5f6", text="word " * 128,
+                           token_ids=list(range(128)), stats=_stats(traced=True)),
         "Error": Error(req_id="a1b2c3d4e5f6", message="policy 'x' is unknown"),
         "Snapshot": Snapshot(req_id="a1b2c3d4e5f6", seq=7, prompt="Explain the ruling. " * 10,
                              recent_ids=list(range(1000, 1032))),
@@ -74,19 +91,25 @@ def samples() -> dict[str, Message]:
                          checksum="ab" * 32),
         "LoadFailed": LoadFailed(slot=1, generation=12, draft="code", reason="cancelled"),
         "Heartbeat": Heartbeat(proc="decoder", pid=1234, state="busy"),
-        "Ready": Ready(proc="decoder", pid=1234, info={
-            "load_s": 3.2, "K": 2, "transport": "shm", "slot_bytes": 7_400_000,
-            "bandwidth_bytes_s": 3.1e6, "handles": ["memspec-ab-slot0", "memspec-ab-slot1"]}),
+        "Ready": Ready(proc="decoder", pid=1234, info=DecoderInfo(
+            load_s=3.2, K=2, transport="shm", slot_bytes=7_400_000, bandwidth_bytes_s=3.1e6,
+            handles=["memspec-ab-slot0", "memspec-ab-slot1"])),
         "Status": Status(procs=procs, slots=slots),
         "StatusRequest": StatusRequest(),
         "Shutdown": Shutdown(reason="bench"),
         "PeerRestarted": PeerRestarted(proc="loader", pid=4321),
     }
+    codecs = {"Submit": CLIENT_REQUESTS, "StatusRequest": CLIENT_REQUESTS,
+              "Shutdown": DECODER_REQUESTS, "PeerRestarted": DECODER_REQUESTS,
+              "Snapshot": PREDICTOR_REQUESTS, "Ranking": PREDICTOR_REPLIES,
+              "Load": LOADER_REQUESTS, "Cancel": LOADER_REQUESTS, "Loaded": LOADER_REPLIES,
+              "LoadFailed": LOADER_REPLIES, "Heartbeat": CONTROL, "Ready": CONTROL}
+    return {name: (m, codecs.get(name, DECODER_REPLIES)) for name, m in msgs.items()}
 
 
-def _round_trip(msg: Message) -> Callable[[], object]:
+def _round_trip(msg: Message, codec: Codec) -> Callable[[], object]:
     def go() -> object:
-        return decode(encode(msg))
+        return codec.decode(encode(msg))
 
     return go
 
@@ -112,9 +135,10 @@ def time_per_call(fn: Callable[[], object], budget_s: float = 0.2, repeats: int 
 
 def measure(budget_s: float = 0.2) -> dict[str, dict[str, float]]:
     out = {}
-    for name, msg in samples().items():
+    for name, (msg, codec) in samples().items():
         size = sum(len(f) for f in encode(msg))
-        out[name] = {"us": time_per_call(_round_trip(msg), budget_s) * 1e6, "bytes": size}
+        out[name] = {"us": time_per_call(_round_trip(msg, codec), budget_s) * 1e6,
+                     "bytes": size}
     return out
 
 

@@ -265,8 +265,9 @@ def type_name(msg: Message) -> str:
     return type(msg).__name__
 
 
-# What each socket receives (ARCHITECTURE: decoder DEALERs to loader and predictor, the
-# decoder's ROUTER for the supervisor, the supervisor's client ROUTER and control PULL).
+# What each socket receives (docs/DESIGN.md draws them): the loader's and predictor's
+# ROUTERs, the decoder's DEALERs to them, the decoder's ROUTER for the supervisor, the
+# supervisor's DEALER to it, its client ROUTER and control PULL, and the client's DEALER.
 LOADER_REQUESTS: Codec[Load | Cancel] = Codec("loader", Load, Cancel)
 LOADER_REPLIES: Codec[Loaded | LoadFailed | Error] = Codec(
     "loader-reply", Loaded, LoadFailed, Error)

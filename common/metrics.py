@@ -1,4 +1,4 @@
-"""Per-iteration records and the run metrics of ARCHITECTURE.md §6 (vLLM names where they exist).
+"""Per-iteration records and the run metrics (vLLM's names where they exist).
 
 Pure bookkeeping: the engine, the multi-process runtime and the replay simulator all
 produce :class:`IterationRecord` lists and summarise them the same way. The summary is a
@@ -75,7 +75,7 @@ class TimeBreakdown(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Summary(msgspec.Struct, forbid_unknown_fields=True):
-    """The §6 metrics of one request under their public names (Done.stats)."""
+    """The metrics of one request under their public names (Done.stats)."""
 
     generated_tokens: int
     prompt_tokens: int
@@ -115,7 +115,7 @@ class RunStats:
     prompt_tokens: int = 0
 
     def report(self) -> Summary:
-        """The §6 metrics, typed."""
+        """The metrics, typed."""
         recs = self.records
         drafted = [r for r in recs if r.draft is not None]
         num_drafts = len(drafted)
@@ -123,7 +123,7 @@ class RunStats:
         num_accepted = sum(r.accepted for r in drafted)
         generated = sum(r.emitted for r in recs)
         t_desired = sum(r.duration for r in recs if r.desired)
-        # §6: fallback = a non-preferred *resident draft* runs while the preferred one loads;
+        # fallback = a non-preferred *resident draft* runs while the preferred one loads;
         # the target alone while nothing preferred is resident (cold start) is kept apart
         t_fallback = sum(r.duration for r in recs if not r.desired and r.draft is not None)
         t_target_fb = sum(r.duration for r in recs if not r.desired and r.draft is None)
@@ -160,7 +160,7 @@ class RunStats:
         )
 
     def summary(self) -> dict[str, Any]:
-        """The §6 metrics as plain JSON-ready data (`memspec generate --json`)."""
+        """The metrics as plain JSON-ready data (`memspec generate --json`)."""
         return as_json(self.report())
 
 

@@ -17,9 +17,10 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
@@ -30,6 +31,7 @@ from memspec.common.messages import (
     CONTROL,
     DECODER_REPLIES,
     Abort,
+    Codec,
     Done,
     Error,
     Heartbeat,
@@ -47,6 +49,7 @@ from memspec.common.slotmem import cleanup_shm
 from memspec.common.sockets import RejectLog, configure, endpoint, make_run_dir, recv, send
 
 PROCS = ("loader", "predictor", "decoder")
+M = TypeVar("M", bound=Message)
 HEARTBEAT_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 300.0
 Reply = Callable[[Message], None]
@@ -194,14 +197,21 @@ class Supervisor:
                 self._on_crash(p, "did not become ready")
 
     # ---- messages -------------------------------------------------------------------
+    def _queued(self, sock: zmq.Socket, codec: Codec[M], router: bool = False
+                ) -> Iterator[tuple[bytes | None, M | ProtocolError]]:
+        """Every message waiting on `sock` now, decoded by its codec; never blocks."""
+        while True:
+            try:
+                yield recv(sock, codec, router=router, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # a frame list without a routing identity cannot be answered
+
     def _poll_control(self, timeout_ms: int) -> None:
         if not self.control.poll(timeout_ms):
             return
-        while True:
-            try:
-                _, msg = recv(self.control, CONTROL, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for _, msg in self._queued(self.control, CONTROL):
             if isinstance(msg, ProtocolError):
                 self.rejected(f"control: {msg}")
             elif isinstance(msg, Ready) and msg.proc in self.procs:
@@ -228,11 +238,7 @@ class Supervisor:
                     pass
 
     def _poll_decoder(self) -> None:
-        while True:
-            try:
-                _, msg = recv(self.decoder, DECODER_REPLIES, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for _, msg in self._queued(self.decoder, DECODER_REPLIES):
             if isinstance(msg, ProtocolError):
                 self.rejected(f"decoder: {msg}")
                 continue
@@ -247,13 +253,7 @@ class Supervisor:
     def _poll_clients(self) -> None:
         if self.client is None:
             return
-        while True:
-            try:
-                ident, msg = recv(self.client, CLIENT_REQUESTS, router=True, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:
-                continue  # no routing identity: cannot be answered
+        for ident, msg in self._queued(self.client, CLIENT_REQUESTS, router=True):
 
             def reply(m: Message, ident: bytes | None = ident) -> None:
                 try:

@@ -128,7 +128,12 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
     assert all(p.state == "ready" for p in sup.procs.values()) and all(pids.values())
 
 
-def _wait_back(sup: Supervisor, name: str, old_pid: int, limit: float = 5.0) -> float:
+# A restarted process is back in ~2 s here; the bound is loose because the suite shares
+# two cores with whatever else runs (a timing bound must not make the suite flaky).
+BACK_S = 20.0
+
+
+def _wait_back(sup: Supervisor, name: str, old_pid: int) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < 60:
         sup.tick(20)
@@ -158,7 +163,7 @@ def test_kill_loader_mid_load_request_still_completes(tmp_path, reference):
         _wait_back(s, "loader", old)
         assert s.procs["loader"].restarts == 1
         back = s.procs["loader"].ready_at - killed[0]
-        assert back < 5.0, f"loader took {back:.1f}s to come back"
+        assert back < BACK_S, f"loader took {back:.1f}s to come back"
         # the re-issued load lands: a later request gets a draft resident
         again = run(s, prompt, "general-static", max_new_tokens=MAX_NEW)
         assert isinstance(again, Done) and again.token_ids == reference["code"]
@@ -180,7 +185,7 @@ def test_kill_predictor_during_request(sup, reference):
     assert isinstance(done, Done) and done.token_ids == reference["math"]
     _wait_back(sup, "predictor", old)
     t_back = sup.procs["predictor"].ready_at - killed[0]
-    assert t_back < 5.0, f"predictor took {t_back:.1f}s to come back"
+    assert t_back < BACK_S, f"predictor took {t_back:.1f}s to come back"
 
 
 def test_kill_decoder_errors_in_flight_and_serves_next(sup, reference):
