@@ -6,14 +6,19 @@ simulator never shaped its costs.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from memspec.bench.realruns import RealRequest, run_real
 from memspec.common.config import PoolConfig
+from memspec.procs.decoder.inprocess import slot_capacity
+from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 from memspec.sim.costmodel import CostModel, fit
 
 CATCHUP_TOKENS = (8, 32, 96, 192)
@@ -25,25 +30,19 @@ def _log(msg: str) -> None:
 
 def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
     """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does."""
-    import torch
-    from transformers import DynamicCache
-
-    from memspec.procs.decoder.engine import forward_with_cache
-    from memspec.procs.decoder.inprocess import slot_capacity
-    from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
-
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     spec = pool.general_draft
     bound = load_into_slot(spec.name, spec.path, SlotBuffer(slot_capacity(pool)))
+    cache = bound.new_cache(max(CATCHUP_TOKENS) + 16)
     out = []
     with torch.inference_mode():
         for n in CATCHUP_TOKENS:
-            ids = torch.randint(0, 1000, (1, n))
-            forward_with_cache(bound.model, ids, DynamicCache(), logits_to_keep=1)  # warm
+            ids = torch.randint(0, 1000, (n,))
+            bound.runner.forward(ids, 0, cache, last_only=True)  # warm
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                forward_with_cache(bound.model, ids, DynamicCache(), logits_to_keep=1)
+                bound.runner.forward(ids, 0, cache, last_only=True)
                 times.append(time.perf_counter() - t0)
             out.append((n, statistics.median(times)))
     _log("catch-up " + ", ".join(f"{n} tok {s * 1e3:.1f} ms" for n, s in out))
@@ -52,8 +51,6 @@ def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
 
 def draft_architectures(pool: PoolConfig) -> dict[str, str]:
     """Draft -> the config fields that set its compute (equal keys: equal iteration cost)."""
-    import json
-
     keys = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
             "num_attention_heads", "num_key_value_heads", "vocab_size", "torch_dtype", "dtype")
     out = {}
@@ -71,13 +68,13 @@ def calibrate(pool: PoolConfig, pool_path: str | None, prompts: Sequence[dict],
     reqs = [RealRequest(pol, p["id"], p["domain"], p["prompt"], max_new_tokens)
             for pol in policies for p in prompts]
     runs = run_real(reqs, out, pool_path)
-    stats = [r["stats"] for r in runs.values()]
-    initial = [s["trace"]["initial_prediction"] for s in stats
-               if s["trace"]["initial_prediction"] > 0]
+    stats = [r.stats for r in runs.values()]
+    initial = [s.trace.initial_prediction for s in stats
+               if s.trace is not None and s.trace.initial_prediction > 0]
     predict_s = statistics.median(initial) if initial else 0.0
     cost = fit(stats, pool.N, catchup_timings(pool), predict_s, [d.name for d in pool.drafts],
                draft_architectures(pool))
-    bw = [r["bandwidth_bytes_s"] for r in runs.values() if r.get("bandwidth_bytes_s")]
+    bw = [r.row["bandwidth_bytes_s"] for r in runs.values() if r.row.get("bandwidth_bytes_s")]
     cost.source.update(policies=list(policies), prompts=[p["id"] for p in prompts],
                        max_new_tokens=max_new_tokens,
                        bandwidth_bytes_s=statistics.median(bw) if bw else 0.0)

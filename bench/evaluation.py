@@ -18,21 +18,29 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from memspec.bench.calibrate import calibrate
+from memspec.bench.figures import draw_all
+from memspec.bench.realruns import RealRequest, pinned_pool, run_real
+from memspec.bench.report import summary_text, write_results
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
-from memspec.common.metrics import RunStats
+from memspec.common.metrics import RunStats, Summary, gmean
 from memspec.common.paths import memspec_home
+from memspec.procs.decoder.replay import oracle_dynamic, oracle_static, pooled, replay_static
+from memspec.procs.predictor.head import default_head_path, read_info
 from memspec.sim.costmodel import CostModel
 from memspec.sim.optimum import optimum
+from memspec.sim.scores import position_scores
 from memspec.sim.simulate import SimConfig, SimRequest, simulate
-from memspec.zoo.tables import gmean, pooled, replay_static
+from memspec.zoo.evaluate import pool_domains, split_prompts
 from memspec.zoo.tablestore import (
     load_pool_tables,
     pool_fingerprint,
     trajectories_path,
     trajectory_rows,
 )
+from memspec.zoo.trace import prompt_set
 
 POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only",
             "memspec", "oracle-dynamic")
@@ -55,8 +63,6 @@ def _log(msg: str) -> None:
 def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
                      which: str = "test") -> list[SimRequest]:
     """The first `per_domain` traced prompts of each domain of a split, with rankings."""
-    from memspec.zoo.evaluate import pool_domains, split_prompts
-
     tt = load_pool_tables(pool, which)
     prompts = split_prompts(which.split("-L")[0], pool_domains(pool), per_domain)
     rows = trajectory_rows(trajectories_path(pool, which), [p["id"] for p in prompts])
@@ -66,8 +72,6 @@ def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
                           f"run `memspec trace --per-domain {per_domain}`")
     ranked: dict[str, list[list[float]]] = {}
     if scores:
-        from memspec.sim.scores import position_scores
-
         ranked = position_scores(pool, [rows[p["id"]] for p in picked],
                                  {p["id"]: p["prompt"] for p in picked})
     names = [d.name for d in pool.drafts]
@@ -94,33 +98,24 @@ def sim_config(pool: PoolConfig, **kw: Any) -> SimConfig:
 # --------------------------------------------------------------------------- aggregation
 
 
-def _split_fallback(s: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A summary written before `target_fallback` existed: split it off from the trace."""
-    if "target_fallback" in s["time"] or "trace" not in s:
-        return s
-    tgt = sum(it[3] for it in s["trace"]["iterations"] if it[1] is None and not it[4])
-    return {**s, "time": {**s["time"], "fallback": s["time"]["fallback"] - tgt,
-                          "target_fallback": tgt}}
-
-
-def aggregate(stats: Sequence[RunStats | Mapping[str, Any]]) -> dict[str, Any]:
+def aggregate(stats: Sequence[RunStats | Summary]) -> dict[str, Any]:
     """Pooled tokens/s (total tokens over total time) and the time breakdown fractions."""
-    sums = [s.summary() if isinstance(s, RunStats) else _split_fallback(s) for s in stats]
-    tokens = sum(s["generated_tokens"] for s in sums)
-    decode = sum(s["time"]["decode"] for s in sums)
-    e2e = sum(s["time"]["e2e"] for s in sums)
-    drafts = sum(s["num_drafts"] for s in sums)
-    acc = sum(s["num_accepted_tokens"] for s in sums)
+    sums = [s.report() if isinstance(s, RunStats) else s for s in stats]
+    tokens = sum(s.generated_tokens for s in sums)
+    decode = sum(s.time.decode for s in sums)
+    e2e = sum(s.time.e2e for s in sums)
+    drafts = sum(s.num_drafts for s in sums)
+    acc = sum(s.num_accepted_tokens for s in sums)
     out = {"tokens": tokens, "decode_s": decode, "e2e_s": e2e,
            "steady": tokens / decode if decode else 0.0, "e2e": tokens / e2e if e2e else 0.0,
            "mean_acceptance_length": 1 + acc / drafts if drafts else 1.0,
-           "loads": sum(s["loads"] for s in sums)}
+           "loads": sum(s.loads for s in sums)}
     for k in TIME_KEYS:
-        out[f"{k}_frac"] = sum(s["time"][k] for s in sums) / decode if decode else 0.0
+        out[f"{k}_frac"] = sum(getattr(s.time, k) for s in sums) / decode if decode else 0.0
     return out
 
 
-def by_domain(reqs: Sequence[SimRequest], stats: Sequence[RunStats | Mapping[str, Any]]
+def by_domain(reqs: Sequence[SimRequest], stats: Sequence[RunStats | Summary]
               ) -> dict[str, dict[str, Any]]:
     doms = list(dict.fromkeys(r.domain for r in reqs))
     return {d: aggregate([s for r, s in zip(reqs, stats) if r.domain == d]) for d in doms}
@@ -225,8 +220,6 @@ def _frac(doms: Mapping[str, Mapping[str, Any]], key: str) -> float:
 
 def headroom(reqs: Sequence[SimRequest], gamma: int, general: str) -> dict[str, Any]:
     """Acceptance the pool offers at all (mean acceptance length), per domain."""
-    from memspec.zoo.tables import oracle_dynamic, oracle_static
-
     out: dict[str, Any] = {}
     for dom in dict.fromkeys(r.domain for r in reqs):
         rs = [r for r in reqs if r.domain == dom]
@@ -239,8 +232,21 @@ def headroom(reqs: Sequence[SimRequest], gamma: int, general: str) -> dict[str, 
     return out
 
 
+def read_cost_model(path: Path) -> CostModel:
+    """A cost model from a JSON file: a `memspec bench --json` result (its "cost_model"),
+    the bench's cached costmodel.json (its "cost"), or a bare CostModel object."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        body = raw.get("cost_model") or raw.get("cost") or raw
+        return CostModel.from_json(body)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"cannot read a cost model from {path} ({type(exc).__name__}: {exc})",
+                          "pass a `memspec bench --json` file, e.g. docs/bench.json") from None
+
+
 def run(pool_path: str | None, per_domain: int, real_per_domain: int, max_new: int,
-        recalibrate: bool = False, sweeps: bool = True) -> dict[str, Any]:
+        recalibrate: bool = False, sweeps: bool = True,
+        cost_model: Path | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     pool = replace(load_pool(pool_path), max_new_tokens=max_new)
     home = memspec_home() / "bench"
@@ -256,15 +262,14 @@ def run(pool_path: str | None, per_domain: int, real_per_domain: int, max_new: i
     # edge-emulated bandwidth: the first calibration's, pinned in pool-pinned.toml
     pinned = home / "pool-pinned.toml"
     real_pool = str(pinned) if pinned.is_file() else pool_path
-    cost = None
-    if cost_path.is_file() and not recalibrate:
+    cost = read_cost_model(cost_model) if cost_model else None
+    if cost is not None:
+        _log(f"cost model from {cost_model} (no calibration)")
+    elif cost_path.is_file() and not recalibrate:
         cached = json.loads(cost_path.read_text())
         if cached.get("fingerprint") == fp and cached.get("storage") == pool.storage:
             cost = CostModel.from_json(cached["cost"])
     if cost is None:
-        from memspec.bench.calibrate import calibrate
-        from memspec.zoo.trace import prompt_set
-
         train = prompt_set(pool, "train", 0)
         calib = [next(p for p in train if p["domain"] == d)
                  for d in dict.fromkeys(r.domain for r in reqs)]
@@ -306,8 +311,6 @@ def run(pool_path: str | None, per_domain: int, real_per_domain: int, max_new: i
     if sweeps:
         result["sweeps"] = sweep(best_c, sweep_variants(pool, per_domain, reqs, cfg, cost))
     if real_per_domain > 0:
-        from memspec.bench.realruns import pinned_pool
-
         bw = float(cost.source.get("bandwidth_bytes_s") or 0.0)
         if not pinned.is_file() and pool.storage == "edge-emulated" and bw > 0:
             real_pool = pinned_pool(pool_path, bw, pinned)
@@ -355,8 +358,6 @@ def sweep_variants(pool: PoolConfig, per_domain: int, reqs: Sequence[SimRequest]
 
 
 def predictor_metrics() -> dict[str, Any]:
-    from memspec.procs.predictor.head import default_head_path, read_info
-
     info = read_info(default_head_path())
     acc = info.get("heldout_accuracy", {})
     return {k: {"top1": v.get("top1"), "top2": v.get("top2"), "n": v.get("n")}
@@ -367,9 +368,6 @@ def validate(pool: PoolConfig, pool_path: str | None, reqs: Sequence[SimRequest]
              cost: CostModel, cfg: SimConfig, ucb: Mapping[str, float], per_domain: int,
              max_new: int) -> dict[str, Any]:
     """Real three-process runs vs the simulator on the same prompts, per policy."""
-    from memspec.bench.realruns import RealRequest, run_real
-    from memspec.zoo.evaluate import pool_domains, split_prompts
-
     prompts = {p["id"]: p for p in split_prompts("test", pool_domains(pool), per_domain)}
     sub = [r for r in reqs if r.prompt_id in prompts]
     real_reqs = [RealRequest(pol, r.prompt_id, r.domain, prompts[r.prompt_id]["prompt"],
@@ -379,8 +377,8 @@ def validate(pool: PoolConfig, pool_path: str | None, reqs: Sequence[SimRequest]
     out: dict[str, Any] = {"prompts": len(sub), "policies": {}, "token_mismatches": 0}
     errs, errs_e2e = [], []
     for pol in POLICIES:
-        real = [rows[q.key]["stats"] for q in real_reqs if q.policy == pol]
-        ids = [rows[q.key]["token_ids"] for q in real_reqs if q.policy == pol]
+        real = [rows[q.key].stats for q in real_reqs if q.policy == pol]
+        ids = [rows[q.key].token_ids for q in real_reqs if q.policy == pol]
         out["token_mismatches"] += sum(
             1 for q, t in zip([q for q in real_reqs if q.policy == pol], ids)
             if t[:len(trajs[q.prompt_id]["tokens"])] != trajs[q.prompt_id]["tokens"][:max_new])
@@ -407,21 +405,16 @@ def validate(pool: PoolConfig, pool_path: str | None, reqs: Sequence[SimRequest]
 
 def main_bench(args) -> int:
     result = run(getattr(args, "pool", None), args.prompts_per_domain, args.real_per_domain,
-                 args.max_new_tokens or 128, args.recalibrate, not args.no_sweeps)
+                 args.max_new_tokens or 128, args.recalibrate, not args.no_sweeps,
+                 Path(args.cost_model) if args.cost_model else None)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plots:
-        from memspec.bench.figures import draw_all
-
         for path in draw_all(result, Path(args.plots)):
             _log(f"wrote {path}")
     if args.results:
-        from memspec.bench.report import write_results
-
         write_results(result, Path(args.results), Path(args.plots) if args.plots else None)
-    from memspec.bench.report import summary_text
-
     print(summary_text(result))
     return 0
 

@@ -19,11 +19,9 @@ def _plt():
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 

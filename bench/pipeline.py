@@ -21,8 +21,10 @@ import zmq
 
 from memspec.common.config import load_pool
 from memspec.common.messages import (
+    LOADER_REPLIES,
+    PREDICTOR_REPLIES,
+    Codec,
     Done,
-    Error,
     Load,
     Loaded,
     LoadFailed,
@@ -53,15 +55,11 @@ def _prompts(n: int) -> list[str]:
 
 
 def _request(sup: Supervisor, prompt: str, policy: str, max_new: int) -> Done:
-    out: list[Message] = []
-    sup.submit(Submit(req_id=secrets.token_hex(4), prompt=prompt, policy=policy,
-                      max_new_tokens=max_new), lambda m: out.append(m)
-               if isinstance(m, (Done, Error)) else None)
-    while not out:
-        sup.tick(10)
-    if isinstance(out[0], Error):
-        raise RuntimeError(out[0].message)
-    return out[0]  # type: ignore[return-value]
+    msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=prompt, policy=policy,
+                         max_new_tokens=max_new))
+    if not isinstance(msg, Done):
+        raise RuntimeError(getattr(msg, "message", "no reply"))
+    return msg
 
 
 def _dealer(sup: Supervisor, name: str) -> zmq.Socket:
@@ -70,11 +68,12 @@ def _dealer(sup: Supervisor, name: str) -> zmq.Socket:
     return sock
 
 
-def _await(sup: Supervisor, sock: zmq.Socket, kinds: tuple[type, ...]) -> Message:
+def _await(sup: Supervisor, sock: zmq.Socket, codec: Codec, kinds: tuple[type, ...]
+           ) -> Message:
     while True:
         sup.tick(1)
         if sock.poll(1):
-            _, msg, _ = recv(sock)
+            _, msg = recv(sock, codec)
             if isinstance(msg, kinds):
                 return msg
 
@@ -86,7 +85,7 @@ def ranking_round_trip(sup: Supervisor, pool, prompts: list[str], n: int = 20) -
         t0 = time.perf_counter()
         send(sock, Snapshot(req_id=f"bench{i}", seq=0, prompt=prompts[i % len(prompts)],
                             recent_ids=list(range(100, 100 + pool.T))), flags=0)
-        msg = _await(sup, sock, (Ranking,))
+        msg = _await(sup, sock, PREDICTOR_REPLIES, (Ranking,))
         rtt.append(time.perf_counter() - t0)
         reported.append(msg.latency_s)  # type: ignore[attr-defined]
     sock.close()
@@ -112,7 +111,7 @@ def fill_vs_cold_read(sup: Supervisor, path: Path, reps: int = 3) -> dict:
             send(sock, Load(slot=0, generation=r + 1, draft="bench", path=str(path),
                             transport=mem.transport, handle=mem.handle, capacity=mem.capacity),
                  flags=0)
-            msg = _await(sup, sock, (Loaded, LoadFailed))
+            msg = _await(sup, sock, LOADER_REPLIES, (Loaded, LoadFailed))
             if isinstance(msg, LoadFailed):
                 raise RuntimeError(msg.reason)
             fills.append(layout.data_size / (time.perf_counter() - t0))
@@ -140,7 +139,7 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
         for i, p in enumerate(prompts):  # interleaved, so load drift hits both alike
             a = [run_request(rt, p, "general-static", max_new)["stats"]["tokens_per_s_steady"]
                  for _ in range(reps)]
-            b = [_request(sup, p, "general-static", max_new).stats["tokens_per_s_steady"]
+            b = [_request(sup, p, "general-static", max_new).stats.tokens_per_s_steady
                  for _ in range(reps)]
             inproc.append(statistics.median(a))
             multi.append(statistics.median(b))

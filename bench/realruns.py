@@ -9,6 +9,7 @@ max_new_tokens, ucb_c); a rerun only does what is missing.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import sys
 import time
@@ -17,8 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memspec.common.errors import MemspecError
-from memspec.common.messages import Done, Error, Message, Submit
+import msgspec
+
+from memspec.common.errors import ConfigError, MemspecError
+from memspec.common.files import read_jsonl
+from memspec.common.messages import Done, Error, Submit
+from memspec.common.metrics import Summary, as_json
+from memspec.common.paths import DEFAULT_POOL
+from memspec.launch.supervisor import Supervisor
 
 
 @dataclass(frozen=True)
@@ -39,37 +46,43 @@ def _log(msg: str) -> None:
     print(f"[real] {msg}", file=sys.stderr, flush=True)
 
 
-def read_results(path: Path) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    if not path.is_file():
-        return out
-    for line in path.read_text().splitlines():
+@dataclass
+class RealResult:
+    """One finished real run as cached (the JSONL row), with its typed summary."""
+
+    row: dict[str, Any]
+    stats: Summary
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.row["token_ids"]
+
+
+def read_results(path: Path) -> dict[str, RealResult]:
+    """Cached runs by key; a cache from before typed summaries is a one-line error."""
+    out = {}
+    for key, row in read_jsonl(path, "key").items():
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        out[row["key"]] = row
+            out[key] = RealResult(row, msgspec.convert(row["stats"], Summary))
+        except (msgspec.ValidationError, KeyError) as exc:
+            raise ConfigError(f"{path} holds a run this memspec cannot read ({exc})",
+                              "run `memspec bench --recalibrate` to measure again") from None
     return out
 
 
-def _one(sup, req: RealRequest) -> Done:
-    out: list[Message] = []
-    sup.submit(Submit(req_id=secrets.token_hex(4), prompt=req.prompt, policy=req.policy,
-                      max_new_tokens=req.max_new_tokens, trace=True, ucb_c=req.ucb_c),
-               lambda m: out.append(m) if isinstance(m, (Done, Error)) else None)
-    while not out:
-        sup.tick(10)
-    if isinstance(out[0], Error):
-        raise MemspecError(f"real run {req.key} failed: {out[0].message}",
+def _one(sup: Supervisor, req: RealRequest) -> Done:
+    msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=req.prompt, policy=req.policy,
+                         max_new_tokens=req.max_new_tokens, trace=True, ucb_c=req.ucb_c))
+    if not isinstance(msg, Done):
+        reason = msg.message if isinstance(msg, Error) else "no reply"
+        raise MemspecError(f"real run {req.key} failed: {reason}",
                            "see the decoder log under the run directory")
-    return out[0]  # type: ignore[return-value]
+    return msg
 
 
 def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None = None
-             ) -> dict[str, dict[str, Any]]:
+             ) -> dict[str, RealResult]:
     """Run whatever of `requests` is not in `out` yet; returns every result by key."""
-    from memspec.launch.supervisor import Supervisor
-
     done = read_results(out)
     todo = [r for r in requests if r.key not in done]
     if todo:
@@ -82,17 +95,18 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
             with out.open("a") as f:
                 for i, r in enumerate(todo):
                     msg = _one(sup, r)
+                    info = sup.procs["decoder"].info
                     row = {"key": r.key, "policy": r.policy, "id": r.prompt_id,
                            "domain": r.domain, "max_new_tokens": r.max_new_tokens,
-                           "ucb_c": r.ucb_c, "token_ids": msg.token_ids, "stats": msg.stats,
-                           "bandwidth_bytes_s": sup.procs["decoder"].info.get(
-                               "bandwidth_bytes_s")}
+                           "ucb_c": r.ucb_c, "token_ids": msg.token_ids,
+                           "stats": as_json(msg.stats),
+                           "bandwidth_bytes_s": getattr(info, "bandwidth_bytes_s", None)}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
-                    done[r.key] = row
+                    done[r.key] = RealResult(row, msg.stats)
                     el = time.perf_counter() - t0
                     _log(f"{i + 1}/{len(todo)} {r.policy} {r.prompt_id}: "
-                         f"{msg.stats['tokens_per_s_steady']:.1f} tok/s; "
+                         f"{msg.stats.tokens_per_s_steady:.1f} tok/s; "
                          f"eta {el / (i + 1) * (len(todo) - i - 1):.0f}s")
         finally:
             sup.shutdown()
@@ -102,10 +116,6 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
 def pinned_pool(pool_path: str | None, bandwidth_bytes_s: float, out: Path) -> str:
     """A copy of the pool with the edge-emulated bandwidth fixed (and relative paths made
     absolute), so every supervisor started for one benchmark loads drafts equally fast."""
-    import re
-
-    from memspec.common.paths import DEFAULT_POOL
-
     src = Path(pool_path) if pool_path else DEFAULT_POOL
     base = src.resolve().parent
 

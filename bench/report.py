@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.bench.figures import POLICY_ORDER
+from memspec.common.metrics import gmean
 
 MUST_HOLD = (  # (label, value path, op, bound)
     ("memspec / mab-async (GMEAN steady)", ("gmean", "memspec_over_mab_async"), ">=", 1.40),
@@ -64,8 +65,6 @@ def summary_text(r: dict[str, Any]) -> str:
 
 def analysis(r: dict[str, Any]) -> list[str]:
     """Plain statements computed from the result: what bounds each ratio here."""
-    from memspec.zoo.tables import gmean
-
     h = r["headroom_mean_acceptance_length"]
     g = r["gmean"]
     dyn = gmean([v["oracle_dynamic_unlimited"] / v["general"] for v in h.values()])

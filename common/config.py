@@ -15,7 +15,7 @@ from typing import Any
 import tomllib
 
 from memspec.common.errors import ConfigError
-from memspec.common.paths import DEFAULT_POOL, expand_path
+from memspec.common.paths import DEFAULT_POOL, TARGET_DIRNAME, default_target_dir, expand_path
 
 POLICIES = (
     "target-only",
@@ -214,8 +214,6 @@ def tokenizer_fingerprint(model_dir: Path) -> str | None:
 
 def check_paths(pool: PoolConfig) -> None:
     """Every model dir exists, has a config, and every draft speaks the target's tokenizer."""
-    from memspec.common.paths import TARGET_DIRNAME, default_target_dir
-
     if not (pool.target / "config.json").is_file():
         fix = ("run `memspec zoo target` to build it" if pool.target.name == TARGET_DIRNAME
                or pool.target == default_target_dir() else "point pool.target at an HF model dir")

@@ -1,135 +1,96 @@
-"""Every message on every socket: typed, versioned, msgpack on the wire, validated on receipt.
+"""Every message on every socket: typed msgspec structs, one tagged union per socket.
 
-A message is a multipart ZeroMQ frame list: ``[header, *raw]`` where ``header`` is a msgpack
-map ``{"v": PROTOCOL_VERSION, "type": name, **fields}`` and ``raw`` are optional byte
-frames for large arrays (described by the header, never pickled). :func:`decode` turns
-untrusted frames into a message object or raises :class:`ProtocolError` — receivers answer
-that with an :class:`Error` reply or a log line, never by dying.
+On the wire a message is one ZeroMQ frame: a protocol-version byte, then the msgpack
+array ``[type name, *fields]`` (positional, trailing defaults omitted). Each socket decodes
+with its own :class:`Codec`, which accepts only that socket's union, so decoding *is* the
+validation: a wrong type, a missing or extra field, a bad value or a message meant for
+another socket becomes a :class:`ProtocolError` with a readable reason, which receivers
+answer with an :class:`Error` reply or a log line, never by dying.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, get_type_hints
+from typing import Any, Generic, TypeVar
 
-import msgpack
+import msgspec
 
-PROTOCOL_VERSION = 1
+from memspec.common.metrics import Summary
+
+PROTOCOL_VERSION = 2  # 1: msgpack maps with a "v" key (before typed unions)
 MAX_FRAME_BYTES = 8 << 20  # a frame larger than this is rejected before msgpack sees it
-MAX_FRAMES = 4
+MAX_FRAMES = 1
 
 
 class ProtocolError(ValueError):
-    """Frames that are not a valid message of this protocol version."""
+    """Frames that are not a valid message of this protocol version for this socket."""
 
 
-_REGISTRY: dict[str, type[Message]] = {}
+class Message(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
+              forbid_unknown_fields=True, gc=False):
+    """Base of every message; the tag (first array element) is the class name."""
 
 
-@dataclass
-class Message:
-    TYPE: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        cls.TYPE = cls.__name__
-        _REGISTRY[cls.TYPE] = cls
-
-
-def _check(value: Any, hint: Any, name: str, mtype: str) -> Any:
-    """Check one field against its annotation (int, float, str, bool, list[...], dict, None)."""
-    origin = getattr(hint, "__origin__", None)
-    args = getattr(hint, "__args__", ())
-    if hint is Any:
-        return value
-    if args and type(None) in args:  # X | None
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check(value, inner[0], name, mtype)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{mtype}.{name} must be a number")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{mtype}.{name} must be an integer")
-        return value
-    if hint in (str, bool, bytes):
-        if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
-            raise ProtocolError(f"{mtype}.{name} must be {hint.__name__}")
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ProtocolError(f"{mtype}.{name} must be a list")
-        return [_check(v, args[0], f"{name}[]", mtype) for v in value] if args else list(value)
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{mtype}.{name} must be a map")
-        return value
-    raise ProtocolError(f"{mtype}.{name} has an unsupported type")
+# --- nested fields -----------------------------------------------------------------------
+class DecoderInfo(msgspec.Struct, tag="decoder", forbid_unknown_fields=True):
+    load_s: float
+    K: int
+    transport: str  # "shm" | "cuda-ipc"
+    slot_bytes: int
+    bandwidth_bytes_s: float  # edge-emulated pacing of every load (0: unpaced)
+    handles: list[str]
+    dtype: str = ""  # the target's precision (pool dtype, "auto" resolved)
 
 
-def encode(msg: Message, raw: list[bytes] | None = None) -> list[bytes]:
-    body = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
-    body.update({f.name: getattr(msg, f.name) for f in fields(msg)})
-    return [msgpack.packb(body, use_bin_type=True), *(raw or [])]
+class LoaderInfo(msgspec.Struct, tag="loader", forbid_unknown_fields=True):
+    transports: list[str]
+    io: str
+    chunk: int
 
 
-def decode(frames: list[bytes]) -> tuple[Message, list[bytes]]:
-    """Validate untrusted frames; every failure is a ProtocolError with a readable reason."""
-    if not frames or len(frames) > MAX_FRAMES:
-        raise ProtocolError(f"expected 1..{MAX_FRAMES} frames, got {len(frames)}")
-    for f in frames:
-        if len(f) > MAX_FRAME_BYTES:
-            raise ProtocolError(f"frame of {len(f)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        body = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"header is not msgpack ({type(exc).__name__})") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("header is not a map")
-    if body.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {body.get('v')!r}, expected {PROTOCOL_VERSION}")
-    cls = _REGISTRY.get(body.get("type")) if isinstance(body.get("type"), str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message type {body.get('type')!r}")
-    hints = get_type_hints(cls)
-    kwargs = {}
-    names = {f.name for f in fields(cls)}
-    extra = set(body) - names - {"v", "type"}
-    if extra:
-        raise ProtocolError(f"{cls.TYPE} has unknown field {sorted(map(str, extra))[0]!r}")
-    for f in fields(cls):
-        if f.name not in body:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ProtocolError(f"{cls.TYPE}.{f.name} is missing")
-            continue
-        kwargs[f.name] = _check(body[f.name], hints[f.name], f.name, cls.TYPE)
-    return cls(**kwargs), list(frames[1:])
+class PredictorInfo(msgspec.Struct, tag="predictor", forbid_unknown_fields=True):
+    drafts: list[str]
+    load_s: float
+    head: str
+    device: str
+    threads: int
+    T: int
+
+
+ProcInfo = DecoderInfo | LoaderInfo | PredictorInfo
+
+
+class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
+    pid: int | None
+    state: str
+    restarts: int = 0
+    rss_mb: float = 0.0
+    shared_mb: float = 0.0
+
+
+class SlotStatus(msgspec.Struct, forbid_unknown_fields=True):
+    slot: int
+    generation: int
+    state: str  # "free" | "loading" | "resident"
+    draft: str | None
 
 
 # --- lifecycle (every process -> supervisor) ---------------------------------------------
-@dataclass
 class Ready(Message):
     proc: str
     pid: int
-    info: dict = field(default_factory=dict)
+    info: ProcInfo
 
 
-@dataclass
 class Heartbeat(Message):
     proc: str
     pid: int
     state: str = "idle"
 
 
-@dataclass
 class Shutdown(Message):
     reason: str = ""
 
 
-@dataclass
 class PeerRestarted(Message):
     """Supervisor -> decoder: re-sync with a process that came back."""
 
@@ -138,7 +99,6 @@ class PeerRestarted(Message):
 
 
 # --- decoder <-> predictor -----------------------------------------------------------------
-@dataclass
 class Snapshot(Message):
     req_id: str
     seq: int
@@ -146,7 +106,6 @@ class Snapshot(Message):
     recent_ids: list[int]
 
 
-@dataclass
 class Ranking(Message):
     req_id: str
     seq: int
@@ -156,7 +115,6 @@ class Ranking(Message):
 
 
 # --- decoder <-> loader --------------------------------------------------------------------
-@dataclass
 class Load(Message):
     slot: int
     generation: int
@@ -170,13 +128,11 @@ class Load(Message):
     expected_sha256: str = ""  # of the file's data section; "": not checked
 
 
-@dataclass
 class Cancel(Message):
     slot: int
     generation: int
 
 
-@dataclass
 class Loaded(Message):
     slot: int
     generation: int
@@ -186,7 +142,6 @@ class Loaded(Message):
     checksum: str
 
 
-@dataclass
 class LoadFailed(Message):
     slot: int
     generation: int
@@ -195,7 +150,6 @@ class LoadFailed(Message):
 
 
 # --- clients <-> supervisor <-> decoder ----------------------------------------------------
-@dataclass
 class Submit(Message):
     req_id: str
     prompt: str
@@ -208,33 +162,124 @@ class Submit(Message):
     ucb_c: float | None = None  # mab-* exploration constant (None: the pool's)
 
 
-@dataclass
+class Abort(Message):
+    """Supervisor -> decoder: stop this request at the next scheduling point."""
+
+    req_id: str
+
+
 class Tokens(Message):
     req_id: str
     ids: list[int]
     text: str
 
 
-@dataclass
 class Done(Message):
     req_id: str
     text: str
     token_ids: list[int]
-    stats: dict
+    stats: Summary
 
 
-@dataclass
 class Error(Message):
     req_id: str
     message: str
 
 
-@dataclass
 class StatusRequest(Message):
     pass
 
 
-@dataclass
 class Status(Message):
-    procs: dict
-    slots: list[dict]
+    procs: dict[str, ProcStatus]
+    slots: list[SlotStatus]
+
+
+# --- encoding and one decoder per socket ----------------------------------------------------
+_ENCODER = msgspec.msgpack.Encoder()
+_ALL = {cls.__name__: cls for cls in Message.__subclasses__()}
+M = TypeVar("M", bound=Message)
+
+
+def encode(msg: Message) -> list[bytes]:
+    """The frames of one message (the version byte and the body share one buffer)."""
+    buf = bytearray((PROTOCOL_VERSION,))
+    _ENCODER.encode_into(msg, buf, 1)
+    return [buf]
+
+
+class Codec(Generic[M]):
+    """Decodes what one socket may receive: exactly the message types it names."""
+
+    def __init__(self, socket: str, *types: type[Message]) -> None:
+        self.socket = socket
+        self.types = types
+        self._decoder = msgspec.msgpack.Decoder(types[0] if len(types) == 1
+                                                else _union(types))
+
+    def decode(self, frames: list[bytes]) -> M:
+        """Validate untrusted frames; every failure is a ProtocolError with a readable reason."""
+        if len(frames) != MAX_FRAMES:
+            raise ProtocolError(f"expected {MAX_FRAMES} frame, got {len(frames)}")
+        frame = frames[0]
+        if len(frame) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        if not frame:
+            raise ProtocolError("empty frame")
+        version = frame[0]
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(_version_reason(version))
+        body = memoryview(frame)[1:]
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(self._reason(body, exc)) from None
+
+    def _reason(self, body: memoryview, exc: Exception) -> str:
+        """Name a known message sent to the wrong socket; else msgspec's own words."""
+        try:
+            raw = msgspec.msgpack.decode(body)
+        except msgspec.DecodeError:
+            return f"not msgpack ({exc})"
+        name = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
+        if name in _ALL and name not in {t.__name__ for t in self.types}:
+            allowed = ", ".join(t.__name__ for t in self.types)
+            return f"{name} is not accepted on the {self.socket} socket (only {allowed})"
+        return f"invalid {name or 'message'}: {exc}"
+
+
+def _union(types: tuple[type[Message], ...]) -> Any:
+    out: Any = types[0]
+    for t in types[1:]:
+        out = out | t
+    return out
+
+
+def _version_reason(first: int) -> str:
+    if first >= 0x80:  # a msgpack map or array: a version-1 peer, or not memspec at all
+        return (f"protocol version 1 or not memspec (frame starts with 0x{first:02x}), "
+                f"expected version {PROTOCOL_VERSION}")
+    return f"protocol version {first}, expected {PROTOCOL_VERSION}"
+
+
+def type_name(msg: Message) -> str:
+    return type(msg).__name__
+
+
+# What each socket receives (docs/DESIGN.md draws them): the loader's and predictor's
+# ROUTERs, the decoder's DEALERs to them, the decoder's ROUTER for the supervisor, the
+# supervisor's DEALER to it, its client ROUTER and control PULL, and the client's DEALER.
+LOADER_REQUESTS: Codec[Load | Cancel] = Codec("loader", Load, Cancel)
+LOADER_REPLIES: Codec[Loaded | LoadFailed | Error] = Codec(
+    "loader-reply", Loaded, LoadFailed, Error)
+PREDICTOR_REQUESTS: Codec[Snapshot] = Codec("predictor", Snapshot)
+PREDICTOR_REPLIES: Codec[Ranking | Error] = Codec("predictor-reply", Ranking, Error)
+DECODER_REQUESTS: Codec[Submit | Abort | StatusRequest | PeerRestarted | Shutdown] = Codec(
+    "decoder", Submit, Abort, StatusRequest, PeerRestarted, Shutdown)
+DECODER_REPLIES: Codec[Tokens | Done | Error | Status] = Codec(
+    "decoder-reply", Tokens, Done, Error, Status)
+CLIENT_REQUESTS: Codec[Submit | StatusRequest] = Codec("client", Submit, StatusRequest)
+CLIENT_REPLIES: Codec[Tokens | Done | Error | Status] = Codec(
+    "client-reply", Tokens, Done, Error, Status)
+CONTROL: Codec[Ready | Heartbeat | Status | Error] = Codec(
+    "control", Ready, Heartbeat, Status, Error)

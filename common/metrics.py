@@ -1,18 +1,23 @@
-"""Per-iteration records and the run metrics of ARCHITECTURE.md §6 (vLLM names where they exist).
+"""Per-iteration records and the run metrics (vLLM's names where they exist).
 
 Pure bookkeeping: the engine, the multi-process runtime and the replay simulator all
-produce :class:`IterationRecord` lists and summarise them the same way.
+produce :class:`IterationRecord` lists and summarise them the same way. The summary is a
+typed struct (:class:`Summary`), so it travels in ``Done.stats`` validated like any other
+message field, and a trace of a request is typed records, never positional lists.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import exp, log
 from typing import Any
 
+import msgspec
 
-@dataclass
-class IterationRecord:
+
+class IterationRecord(msgspec.Struct, forbid_unknown_fields=True):
     """One decode iteration: a draft proposes, the target verifies (or a target-only step)."""
 
     draft: str | None  # None: target-only step
@@ -31,6 +36,69 @@ class IterationRecord:
         return self.t_draft + self.t_verify + self.t_catchup
 
 
+class LoadEvent(msgspec.Struct, forbid_unknown_fields=True):
+    """A residency event of a traced request, `t` seconds after the request started.
+
+    kind: "load" (issued), "loaded" (`seconds` the loader took, `bind_s` the decoder took
+    to bind it), "failed", or "wait" (a blocking policy waited `seconds` for `draft`).
+    """
+
+    t: float
+    kind: str
+    draft: str
+    slot: int = -1
+    seconds: float = 0.0
+    bind_s: float = 0.0
+
+
+class Trace(msgspec.Struct, forbid_unknown_fields=True):
+    """What a traced request did and when (iteration `t_start`s are relative to its start)."""
+
+    iterations: list[IterationRecord]
+    loads: list[LoadEvent]
+    loop_start: float  # request start -> first scheduling decision
+    initial_prediction: float  # of which waiting for the first ranking
+
+
+class TimeBreakdown(msgspec.Struct, forbid_unknown_fields=True):
+    prefill: float
+    draft: float
+    verify: float
+    catchup: float
+    desired: float
+    fallback: float
+    target_fallback: float
+    load_wait: float
+    prediction: float
+    decode: float
+    e2e: float
+
+
+class Summary(msgspec.Struct, forbid_unknown_fields=True):
+    """The metrics of one request under their public names (Done.stats)."""
+
+    generated_tokens: int
+    prompt_tokens: int
+    iterations: int
+    tokens_per_s_steady: float
+    tokens_per_s_e2e: float
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    mean_acceptance_length: float
+    acceptance_rate: float
+    time: TimeBreakdown
+    loads: int
+    evictions: int
+    switches: int
+    bytes_loaded: int
+    drafts_used: dict[str, int]
+    policy: str = ""
+    quarantined: dict[str, str] = {}  # draft -> why its load or bind failed
+    resident_at_end: list[str] = []
+    trace: Trace | None = None
+
+
 @dataclass
 class RunStats:
     """Everything one request produced besides its tokens."""
@@ -46,53 +114,62 @@ class RunStats:
     bytes_loaded: int = 0
     prompt_tokens: int = 0
 
-    def summary(self) -> dict[str, Any]:
-        """The §6 metrics under their public names."""
+    def report(self) -> Summary:
+        """The metrics, typed."""
         recs = self.records
         drafted = [r for r in recs if r.draft is not None]
         num_drafts = len(drafted)
         num_draft_tokens = sum(r.proposed for r in drafted)
         num_accepted = sum(r.accepted for r in drafted)
         generated = sum(r.emitted for r in recs)
-        t_draft = sum(r.t_draft for r in recs)
-        t_verify = sum(r.t_verify for r in recs)
-        t_catchup = sum(r.t_catchup for r in recs)
         t_desired = sum(r.duration for r in recs if r.desired)
-        # §6: fallback = a non-preferred *resident draft* runs while the preferred one loads;
+        # fallback = a non-preferred *resident draft* runs while the preferred one loads;
         # the target alone while nothing preferred is resident (cold start) is kept apart
         t_fallback = sum(r.duration for r in recs if not r.desired and r.draft is not None)
         t_target_fb = sum(r.duration for r in recs if not r.desired and r.draft is None)
         t_decode = t_desired + t_fallback + t_target_fb + self.t_load_wait + self.t_prediction
-        return {
-            "generated_tokens": generated,
-            "prompt_tokens": self.prompt_tokens,
-            "iterations": len(recs),
-            "tokens_per_s_steady": generated / t_decode if t_decode > 0 else 0.0,
-            "tokens_per_s_e2e": generated / self.t_e2e if self.t_e2e > 0 else 0.0,
-            "num_drafts": num_drafts,
-            "num_draft_tokens": num_draft_tokens,
-            "num_accepted_tokens": num_accepted,
-            "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
-            "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
-            "time": {
-                "prefill": self.t_prefill,
-                "draft": t_draft,
-                "verify": t_verify,
-                "catchup": t_catchup,
-                "desired": t_desired,
-                "fallback": t_fallback,
-                "target_fallback": t_target_fb,
-                "load_wait": self.t_load_wait,
-                "prediction": self.t_prediction,
-                "decode": t_decode,
-                "e2e": self.t_e2e,
-            },
-            "loads": self.loads,
-            "evictions": self.evictions,
-            "switches": self.switches,
-            "bytes_loaded": self.bytes_loaded,
-            "drafts_used": dict(Counter(r.draft for r in drafted)),
-        }
+        return Summary(
+            generated_tokens=generated,
+            prompt_tokens=self.prompt_tokens,
+            iterations=len(recs),
+            tokens_per_s_steady=generated / t_decode if t_decode > 0 else 0.0,
+            tokens_per_s_e2e=generated / self.t_e2e if self.t_e2e > 0 else 0.0,
+            num_drafts=num_drafts,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted,
+            mean_acceptance_length=1.0 + num_accepted / num_drafts if num_drafts else 1.0,
+            acceptance_rate=num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+            time=TimeBreakdown(
+                prefill=self.t_prefill,
+                draft=sum(r.t_draft for r in recs),
+                verify=sum(r.t_verify for r in recs),
+                catchup=sum(r.t_catchup for r in recs),
+                desired=t_desired,
+                fallback=t_fallback,
+                target_fallback=t_target_fb,
+                load_wait=self.t_load_wait,
+                prediction=self.t_prediction,
+                decode=t_decode,
+                e2e=self.t_e2e,
+            ),
+            loads=self.loads,
+            evictions=self.evictions,
+            switches=self.switches,
+            bytes_loaded=self.bytes_loaded,
+            drafts_used=dict(Counter(r.draft for r in drafted if r.draft is not None)),
+        )
 
-    def records_as_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.records]
+    def summary(self) -> dict[str, Any]:
+        """The metrics as plain JSON-ready data (`memspec generate --json`)."""
+        return as_json(self.report())
+
+
+def as_json(obj: Any) -> Any:
+    """Structs (and containers of them) as plain dicts and lists, ready for json.dumps."""
+    return msgspec.to_builtins(obj)
+
+
+def gmean(values: Sequence[float]) -> float:
+    """Geometric mean of the positive values (how per-domain ratios are summarised)."""
+    vals = [v for v in values if v > 0]
+    return exp(sum(log(v) for v in vals) / len(vals)) if vals else 0.0

@@ -11,13 +11,33 @@ import os
 import secrets
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
-from memspec.common.messages import Message, ProtocolError, decode, encode
+from memspec.common.messages import Codec, Message, ProtocolError, encode
 
 NAMES = ("control", "decoder", "loader", "predictor", "client")
+M = TypeVar("M", bound=Message)
+REJECT_LOG_LIMIT = 50
+
+
+class RejectLog:
+    """Logs the first rejected messages, then one line saying it goes quiet: a flood of
+    garbage on a socket must not fill a disk (the count keeps going up)."""
+
+    def __init__(self, log: Callable[[str], None], limit: int = REJECT_LOG_LIMIT) -> None:
+        self.log, self.limit = log, limit
+        self.count = 0
+
+    def __call__(self, reason: str) -> None:
+        self.count += 1
+        if self.count <= self.limit:
+            self.log(f"rejected message: {reason}")
+        elif self.count == self.limit + 1:
+            self.log("further rejected messages are not logged")
 
 
 def make_run_dir(base: str | os.PathLike | None = None) -> Path:
@@ -48,22 +68,26 @@ def configure(sock: zmq.Socket) -> zmq.Socket:
 
 
 def send(sock: zmq.Socket, msg: Message, ident: bytes | None = None,
-         raw: list[bytes] | None = None, flags: int = zmq.NOBLOCK) -> None:
+         flags: int = zmq.NOBLOCK) -> None:
     """Non-blocking by default: a peer that is down or backed up raises zmq.Again, so no
     process ever hangs on another (callers decide whether to drop or retry)."""
-    frames = encode(msg, raw)
+    frames = encode(msg)
     sock.send_multipart(([ident] if ident is not None else []) + frames, flags=flags, copy=False)
 
 
-def recv(sock: zmq.Socket, router: bool = False, flags: int = 0
-         ) -> tuple[bytes | None, Message | ProtocolError, list[bytes]]:
-    """(identity, message or the reason it was rejected, raw frames)."""
+def recv(sock: zmq.Socket, codec: Codec[M], router: bool = False, flags: int = 0
+         ) -> tuple[bytes | None, M | ProtocolError]:
+    """(identity, the message, or the reason it was rejected by this socket's codec).
+
+    Raises ValueError for a ROUTER frame list without an identity (it cannot be answered).
+    """
     frames = sock.recv_multipart(flags)
     ident = None
     if router:
+        if not frames:
+            raise ValueError("no routing identity")
         ident, frames = frames[0], frames[1:]
     try:
-        msg, raw = decode(frames)
+        return ident, codec.decode(frames)
     except ProtocolError as exc:
-        return ident, exc, []
-    return ident, msg, raw
+        return ident, exc

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from memspec.common.errors import MemspecError
+from memspec.common.metrics import as_json
 
 
 def _add_pool(p: argparse.ArgumentParser) -> None:
@@ -78,7 +79,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     done = submit(args.endpoint, args.prompt, None if args.json else show, **kw)
     if args.json:
-        print(json.dumps({"text": done.text, "token_ids": done.token_ids, "stats": done.stats}))
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids,
+                          "stats": as_json(done.stats)}))
     else:
         print()
     return 0
@@ -89,14 +91,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     st = status(args.endpoint)
     if args.json:
-        print(json.dumps({"procs": st.procs, "slots": st.slots}))
+        print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots)}))
     else:
         for name, p in st.procs.items():
-            print(f"{name:<10} pid {p.get('pid')}  state {p.get('state')}  "
-                  f"restarts {p.get('restarts')}  rss {p.get('rss_mb', 0):.0f} MB")
+            print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
+                  f"rss {p.rss_mb:.0f} MB")
         for slot in st.slots:
-            print(f"slot {slot['slot']}: {slot['state']:<8} {slot.get('draft') or '-'} "
-                  f"(generation {slot['generation']})")
+            print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
+                  f"(generation {slot.generation})")
     return 0
 
 
@@ -164,7 +166,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.pipeline import main_bench_pipeline
 
         return main_bench_pipeline(args)
-    raise MemspecError(f"unknown benchmark '{args.what}'", "use engine or pipeline")
+    if args.what == "messages":
+        from memspec.bench.messages import main_bench_messages
+
+        return main_bench_messages(args)
+    raise MemspecError(f"unknown benchmark '{args.what}'", "use engine, pipeline or messages")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -174,7 +180,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_predictor(args: argparse.Namespace) -> int:
-    from memspec.procs.predictor.train_head import main as train_main
+    from memspec.zoo.train_predictor import main as train_main
 
     return train_main(args.rest)
 
@@ -248,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_predictor)
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline"],
+    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline", "messages"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
@@ -265,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: prompts per domain run for real per policy (0: skip)")
     b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
     b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
+    b.add_argument("--cost-model", default=None,
+                   help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
+                        "instead of measuring it; reproduces a committed run's figures")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
     b.set_defaults(func=cmd_bench)
     return ap

@@ -11,6 +11,7 @@ import zmq
 
 from memspec.common.errors import MemspecError
 from memspec.common.messages import (
+    CLIENT_REPLIES,
     Done,
     Error,
     Message,
@@ -50,7 +51,7 @@ def _request(endpoint: str, msg: Message, on_msg: Callable[[Message], bool],
                     raise MemspecError(f"no reply from {endpoint} in {timeout_s:.0f}s",
                                        "check `memspec status` or " + NO_SERVER)
                 continue
-            _, reply, _ = recv(sock)
+            _, reply = recv(sock, CLIENT_REPLIES)
             if isinstance(reply, ProtocolError):
                 raise MemspecError(f"malformed reply from server: {reply}", "check the versions")
             if on_msg(reply):

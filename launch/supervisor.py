@@ -2,7 +2,8 @@
 
 It also routes requests: prompts from stdin or from clients on a ZeroMQ endpoint are queued
 here and handed to the decoder one at a time, so a decoder crash costs only the request in
-flight (it gets an Error reply) and the queue is served by the restarted decoder.
+flight (it gets an Error reply) and the queue is served by the restarted decoder. Clients
+may send only Submit and StatusRequest; anything else gets an Error reply.
 """
 
 from __future__ import annotations
@@ -16,35 +17,46 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
 from memspec.common.errors import MemspecError
 from memspec.common.memory import process_info
 from memspec.common.messages import (
+    CLIENT_REQUESTS,
+    CONTROL,
+    DECODER_REPLIES,
+    Abort,
+    Codec,
     Done,
     Error,
     Heartbeat,
     Message,
     PeerRestarted,
+    ProcInfo,
+    ProcStatus,
     ProtocolError,
     Ready,
-    Shutdown,
+    SlotStatus,
     Status,
-    StatusRequest,
     Submit,
-    Tokens,
 )
 from memspec.common.slotmem import cleanup_shm
-from memspec.common.sockets import configure, endpoint, make_run_dir, recv, send
+from memspec.common.sockets import RejectLog, configure, endpoint, make_run_dir, recv, send
 
 PROCS = ("loader", "predictor", "decoder")
+M = TypeVar("M", bound=Message)
 HEARTBEAT_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 300.0
 Reply = Callable[[Message], None]
+
+
+def _log(msg: str) -> None:
+    print(f"[supervisor] {msg}", file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
@@ -64,7 +76,7 @@ class Proc:
     last_beat: float = 0.0
     started: float = 0.0
     ready_at: float = 0.0  # monotonic time of the last Ready
-    info: dict = field(default_factory=dict)
+    info: ProcInfo | None = None
 
     @property
     def pid(self) -> int | None:
@@ -94,9 +106,9 @@ class Supervisor:
             self.client.bind(client_endpoint)
         self.queue: deque[tuple[Submit, Reply]] = deque()
         self.in_flight: tuple[Submit, Reply] | None = None
-        self.slots: list[dict] = []
+        self.slots: list[SlotStatus] = []
         self.decoder_token = ""
-        self.stopping = False
+        self.rejected = RejectLog(_log)
 
     # ---- processes ------------------------------------------------------------------
     def _cmd(self, name: str) -> list[str]:
@@ -155,7 +167,7 @@ class Supervisor:
         return (errs or lines or ["no output"])[-1].strip()[:300]
 
     def _on_crash(self, p: Proc, why: str) -> None:
-        print(f"[supervisor] {p.name} {why}; restarting", file=sys.stderr, flush=True)
+        _log(f"{p.name} {why}; restarting")
         if p.popen and p.popen.poll() is None:
             p.popen.kill()
             p.popen.wait()
@@ -185,22 +197,31 @@ class Supervisor:
                 self._on_crash(p, "did not become ready")
 
     # ---- messages -------------------------------------------------------------------
+    def _queued(self, sock: zmq.Socket, codec: Codec[M], router: bool = False
+                ) -> Iterator[tuple[bytes | None, M | ProtocolError]]:
+        """Every message waiting on `sock` now, decoded by its codec; never blocks."""
+        while True:
+            try:
+                yield recv(sock, codec, router=router, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # a frame list without a routing identity cannot be answered
+
     def _poll_control(self, timeout_ms: int) -> None:
         if not self.control.poll(timeout_ms):
             return
-        while True:
-            try:
-                _, msg, _ = recv(self.control, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for _, msg in self._queued(self.control, CONTROL):
             if isinstance(msg, ProtocolError):
-                print(f"[supervisor] malformed control message: {msg}", file=sys.stderr)
+                self.rejected(f"control: {msg}")
             elif isinstance(msg, Ready) and msg.proc in self.procs:
                 self._on_ready(self.procs[msg.proc], msg)
             elif isinstance(msg, Heartbeat) and msg.proc in self.procs:
                 self.procs[msg.proc].last_beat = time.monotonic()
             elif isinstance(msg, Status):
                 self.slots = msg.slots
+            elif isinstance(msg, Error):
+                _log(f"a process reported: {msg.message}")
 
     def _on_ready(self, p: Proc, msg: Ready) -> None:
         if p.pid != msg.pid:
@@ -209,7 +230,7 @@ class Supervisor:
         p.state, p.last_beat, p.info = "ready", time.monotonic(), msg.info
         p.ready_at = p.last_beat
         if restarted:
-            print(f"[supervisor] {p.name} is back (pid {msg.pid})", file=sys.stderr, flush=True)
+            _log(f"{p.name} is back (pid {msg.pid})")
             if p.name in ("loader", "predictor"):
                 try:
                     send(self.decoder, PeerRestarted(proc=p.name, pid=msg.pid))
@@ -217,15 +238,14 @@ class Supervisor:
                     pass
 
     def _poll_decoder(self) -> None:
-        while True:
-            try:
-                _, msg, _ = recv(self.decoder, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if isinstance(msg, ProtocolError) or self.in_flight is None:
+        for _, msg in self._queued(self.decoder, DECODER_REPLIES):
+            if isinstance(msg, ProtocolError):
+                self.rejected(f"decoder: {msg}")
+                continue
+            if isinstance(msg, Status) or self.in_flight is None:
                 continue
             req, reply = self.in_flight
-            if isinstance(msg, (Tokens, Done, Error)) and msg.req_id in (req.req_id, ""):
+            if msg.req_id in (req.req_id, ""):
                 reply(msg)
                 if isinstance(msg, (Done, Error)):
                     self.in_flight = None
@@ -233,11 +253,7 @@ class Supervisor:
     def _poll_clients(self) -> None:
         if self.client is None:
             return
-        while True:
-            try:
-                ident, msg, _ = recv(self.client, router=True, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for ident, msg in self._queued(self.client, CLIENT_REQUESTS, router=True):
 
             def reply(m: Message, ident: bytes | None = ident) -> None:
                 try:
@@ -246,15 +262,12 @@ class Supervisor:
                     pass  # the client went away
 
             if isinstance(msg, ProtocolError):
+                self.rejected(f"client: {msg}")
                 reply(Error(req_id="", message=f"malformed message: {msg}"))
             elif isinstance(msg, Submit):
                 self.submit(msg, reply)
-            elif isinstance(msg, StatusRequest):
-                reply(self.status())
-            elif isinstance(msg, Shutdown):
-                self.stopping = True
             else:
-                reply(Error(req_id="", message=f"the endpoint does not accept {msg.TYPE}"))
+                reply(self.status())
 
     def _dispatch(self) -> None:
         if self.in_flight is None and self.queue and self.procs["decoder"].state == "ready":
@@ -268,9 +281,44 @@ class Supervisor:
     def submit(self, req: Submit, reply: Reply) -> None:
         self.queue.append((req, reply))
 
+    def run(self, req: Submit, on_reply: Reply | None = None,
+            stop: Callable[[], bool] = lambda: False, timeout_s: float | None = None
+            ) -> Done | Error | None:
+        """Submit `req` and tick until its Done or Error (every reply also goes to
+        `on_reply`); None when `stop()` turns true or `timeout_s` passes first."""
+        out: list[Done | Error] = []
+
+        def reply(msg: Message) -> None:
+            if on_reply is not None:
+                on_reply(msg)
+            if isinstance(msg, (Done, Error)):
+                out.append(msg)
+
+        self.submit(req, reply)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not out and not stop():
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            self.tick(10)
+        return out[0] if out else None
+
+    def abort(self, req_id: str) -> None:
+        """Cancel a request: dropped from the queue, or stopped by the decoder at its next
+        scheduling point (its reply is then an Error)."""
+        for item in list(self.queue):
+            if item[0].req_id == req_id:
+                self.queue.remove(item)
+                item[1](Error(req_id=req_id, message="aborted"))
+                return
+        if self.in_flight is not None and self.in_flight[0].req_id == req_id:
+            try:
+                send(self.decoder, Abort(req_id=req_id))
+            except zmq.Again:
+                pass
+
     def status(self) -> Status:
-        procs = {n: {"pid": p.pid, "restarts": p.restarts, "state": p.state,
-                     **(process_info(p.pid) if p.pid else {})}
+        procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
+                               **(process_info(p.pid) if p.pid else {}))
                  for n, p in self.procs.items()}
         return Status(procs=procs, slots=self.slots)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import select
@@ -12,6 +11,7 @@ from typing import Any
 
 from memspec.common.errors import MemspecError
 from memspec.common.messages import Done, Error, Message, Submit, Tokens
+from memspec.common.metrics import as_json
 from memspec.launch.supervisor import Supervisor
 
 
@@ -46,7 +46,7 @@ def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
         print(f"[memspec] ready on {endpoint}" + ("; reading prompts from stdin" if read_stdin
                                                   else ""), file=sys.stderr, flush=True)
         stdin_open = read_stdin
-        while not stop.flag and not sup.stopping:
+        while not stop.flag:
             if stdin_open and select.select([sys.stdin], [], [], 0)[0]:
                 line = sys.stdin.readline()
                 if not line:
@@ -68,9 +68,9 @@ def _stdout_reply(msg: Message) -> None:
     elif isinstance(msg, Done):
         s = msg.stats
         sys.stdout.write("\n")
-        print(f"[memspec] {s['generated_tokens']} tokens, {s['tokens_per_s_steady']:.1f} tok/s "
-              f"steady, mean acceptance length {s['mean_acceptance_length']:.2f}, "
-              f"drafts {s['drafts_used']}", file=sys.stderr)
+        print(f"[memspec] {s.generated_tokens} tokens, {s.tokens_per_s_steady:.1f} tok/s "
+              f"steady, mean acceptance length {s.mean_acceptance_length:.2f}, "
+              f"drafts {s.drafts_used}", file=sys.stderr)
     elif isinstance(msg, Error):
         print(f"\nmemspec: error: {msg.message}", file=sys.stderr)
     sys.stdout.flush()
@@ -81,30 +81,20 @@ def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = Tru
     """One request through a private pipeline; returns the `--json` object."""
     stop = _Stop()
     sup = Supervisor(pool, cold_start=cold_start)
-    result: list[Message] = []
 
-    def reply(msg: Message) -> None:
+    def show(msg: Message) -> None:
         if isinstance(msg, Tokens) and stream:
             sys.stdout.write(msg.text)
             sys.stdout.flush()
-        if isinstance(msg, (Done, Error)):
-            result.append(msg)
 
     try:
         sup.start()
-        sup.submit(Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw), reply)
-        while not result and not stop.flag:
-            sup.tick(50)
+        done = sup.run(Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw), show,
+                       lambda: stop.flag)
     finally:
         sup.shutdown()
-    if not result:
+    if done is None:
         raise MemspecError("interrupted", "run the command again")
-    if isinstance(result[0], Error):
-        raise MemspecError(result[0].message, "see the message above")
-    done = result[0]
-    assert isinstance(done, Done)
-    return {"text": done.text, "token_ids": done.token_ids, "stats": done.stats}
-
-
-def print_json(obj: Any) -> None:
-    print(json.dumps(obj))
+    if isinstance(done, Error):
+        raise MemspecError(done.message, "see the message above")
+    return {"text": done.text, "token_ids": done.token_ids, "stats": as_json(done.stats)}

@@ -1,9 +1,9 @@
 """What each runtime action costs, measured on the real multi-process runtime.
 
-Fitted from traced requests (`Submit(trace=True)`): every iteration record, every load the
-loader timed, the predictor's answer latency and the decoder's gaps between intervals. The
-simulator charges exactly these, so its error against real runs says how complete the model
-is, not how lucky a constant was.
+Fitted from traced requests (`Submit(trace=True)`, `Summary.trace`): every iteration
+record, every load the loader timed, the predictor's answer latency and the decoder's gaps
+between intervals. The simulator charges exactly these, so its error against real runs says
+how complete the model is, not how lucky a constant was.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from memspec.common.metrics import LoadEvent, Summary
+from memspec.sim.loadqueue import LoadQueue
 
 
 @dataclass
@@ -100,33 +103,30 @@ def _waits_between(waits: Sequence[tuple[float, float]], a: float, b: float) -> 
     return sum(sec for t, sec in waits if a <= t < b)
 
 
-def load_windows(events: Sequence[Sequence[Any]]) -> list[tuple[float, float]]:
-    """When the loader was busy: loads are served one at a time in issue order, each for
-    the seconds it reported (cancelled loads are left out: they stop within a chunk)."""
-    issued = [(ev[0], ev[2], ev[3]) for ev in events if ev[1] == "load"]
-    landed = {}
+def load_windows(events: Sequence[LoadEvent]) -> list[tuple[float, float]]:
+    """When the loader was busy: the traced loads replayed through the simulator's loader,
+    each for the seconds it reported (cancelled loads are left out: they stop within a
+    chunk)."""
+    landed: dict[tuple[str, int], list[float]] = {}
     for ev in events:
-        if ev[1] == "loaded" and len(ev) > 4:
-            landed.setdefault((ev[2], ev[3]), []).append(float(ev[4]))
-    out, free = [], 0.0
-    for t, draft, slot in issued:
-        secs = landed.get((draft, slot))
-        if not secs:
-            continue
-        start = max(t, free)
-        free = start + secs.pop(0)
-        out.append((start, free))
-    return out
+        if ev.kind == "loaded":
+            landed.setdefault((ev.draft, ev.slot), []).append(ev.seconds)
+    queue = LoadQueue()
+    for i, ev in enumerate(e for e in events if e.kind == "load"):
+        secs = landed.get((ev.draft, ev.slot))
+        if secs:
+            queue.issue(i, ev.t, secs.pop(0))
+    return queue.windows()
 
 
 def _busy(windows: Sequence[tuple[float, float]], a: float, b: float) -> bool:
     return any(s < b and a < e for s, e in windows)
 
 
-def fit(runs: Iterable[Mapping[str, Any]], N: int, catchup: Sequence[tuple[int, float]],
+def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
         predict_s: float, drafts: Sequence[str], arch: Mapping[str, str] | None = None
         ) -> CostModel:
-    """Fit from traced Done stats (`stats` with "trace") plus two direct measurements:
+    """Fit from traced request summaries (`Summary.trace`) plus two direct measurements:
     `catchup` = (tokens, seconds) prefill timings of a draft, `predict_s` = the predictor's
     measured round trip. Drafts of one architecture (`arch`: draft -> key; default: all
     alike) share one iteration cost: which policy happened to run a draft, and where in a
@@ -139,7 +139,6 @@ def fit(runs: Iterable[Mapping[str, Any]], N: int, catchup: Sequence[tuple[int, 
     sched: list[float] = []
     inner: list[float] = []
     snaps: list[float] = []
-    binds: list[tuple[float, float]] = []  # (event time, bind seconds) of one run
     bind_all: list[float] = []
     traced_catch: list[tuple[float, float]] = []  # (missing tokens, seconds) from the runtime
     pre: list[float] = []
@@ -148,22 +147,25 @@ def fit(runs: Iterable[Mapping[str, Any]], N: int, catchup: Sequence[tuple[int, 
     prefill_y: list[float] = []
     n_runs = 0
     for st in runs:
+        tr, t = st.trace, st.time
+        if tr is None:
+            raise ValueError("fit needs traced requests (Submit(trace=True))")
         n_runs += 1
-        tr, t = st["trace"], st["time"]
-        its = tr["iterations"]  # [t, draft, accepted, duration, desired, catchup, emitted]
-        waits = [(ev[0], float(ev[4])) for ev in tr["loads"] if ev[1] == "wait"]
-        binds = [(ev[0], float(ev[5])) for ev in tr["loads"] if ev[1] == "loaded" and len(ev) > 5]
+        its = tr.iterations
+        waits = [(ev.t, ev.seconds) for ev in tr.loads if ev.kind == "wait"]
+        binds = [(ev.t, ev.bind_s) for ev in tr.loads if ev.kind == "loaded"]
         bind_all += [b for _, b in binds]
-        for ev in tr["loads"]:
-            if ev[1] == "loaded" and len(ev) > 4 and ev[2] in loads:
-                loads[ev[2]].append(float(ev[4]))
-        uses_predictor = tr["initial_prediction"] > 0
-        busy = load_windows(tr["loads"])
-        ctx = float(st["prompt_tokens"])
-        for t0, d, _a, dur, _des, catch, *rest in its:
-            if catch > 0 and len(rest) > 1 and rest[1] > 0:
-                traced_catch.append((float(rest[1]), catch))
-            loading = _busy(busy, t0, t0 + dur)
+        for ev in tr.loads:
+            if ev.kind == "loaded" and ev.draft in loads:
+                loads[ev.draft].append(ev.seconds)
+        uses_predictor = tr.initial_prediction > 0
+        busy = load_windows(tr.loads)
+        ctx = float(st.prompt_tokens)
+        for it in its:
+            d, dur, catch = it.draft, it.duration, it.t_catchup
+            if catch > 0 and it.catchup_tokens > 0:
+                traced_catch.append((float(it.catchup_tokens), catch))
+            loading = _busy(busy, it.t_start, it.t_start + dur)
             if d is None:
                 if not uses_predictor and not loading:
                     target.append((ctx, dur))
@@ -174,22 +176,22 @@ def fit(runs: Iterable[Mapping[str, Any]], N: int, catchup: Sequence[tuple[int, 
                         during_load.append(sample)
                 else:
                     (with_pred if uses_predictor else spec).append(sample)
-            ctx += rest[0] if rest else 1
+            ctx += it.emitted
         if not its:
             continue
-        prev_end = tr["loop_start"]
+        prev_end = tr.loop_start
         for i, it in enumerate(its):
-            gap = it[0] - prev_end - _waits_between(waits, prev_end, it[0]) \
-                - _waits_between(binds, prev_end, it[0])
+            gap = it.t_start - prev_end - _waits_between(waits, prev_end, it.t_start) \
+                - _waits_between(binds, prev_end, it.t_start)
             (sched if i % N == 0 else inner).append(gap)
-            prev_end = it[0] + it[3]
-        pre.append(tr["loop_start"] - t["prefill"] - tr["initial_prediction"])
-        post.append(t["e2e"] - prev_end)
-        prefill_x.append(float(st["prompt_tokens"]))
-        prefill_y.append(t["prefill"])
+            prev_end = it.t_start + it.duration
+        pre.append(tr.loop_start - t.prefill - tr.initial_prediction)
+        post.append(t.e2e - prev_end)
+        prefill_x.append(float(st.prompt_tokens))
+        prefill_y.append(t.prefill)
         n_snap = (len(its) - 1) // N
-        if tr["initial_prediction"] > 0 and n_snap:
-            snaps.append(max(0.0, t["prediction"] - tr["initial_prediction"]) / n_snap)
+        if tr.initial_prediction > 0 and n_snap:
+            snaps.append(max(0.0, t.prediction - tr.initial_prediction) / n_snap)
     # one line over context for every draft's iterations (same verify, same streaming), then
     # each draft's mean offset from it
     a_it, per_tok = linear_fit([c for _, c, _ in spec], [x for *_, x in spec])

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import combinations
 
+from memspec.procs.decoder.replay import Table, step_accepted
 from memspec.sim.costmodel import CostModel
-from memspec.zoo.tables import Table, step_accepted
 
 EPS = 1e-9
 

@@ -3,8 +3,9 @@
 With greedy decoding a snapshot at position p is (prompt, the last T trajectory tokens
 before p) whatever the policy did before, so the running predictor's answer is a function
 of p alone. Computing it with the same encoder, head and text handling as the predictor
-process (procs/predictor/ranker.py) lets the simulator replay memspec and prediction-only
-with the very rankings the real runtime would receive. Cached per head file.
+process (procs/predictor/ranker.py, encoder.recent_text) lets the simulator replay memspec
+and prediction-only with the very rankings the real runtime would receive. Cached per head
+file.
 """
 
 from __future__ import annotations
@@ -15,21 +16,24 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from memspec.common.config import PoolConfig
+from memspec.common.files import sha256_file
 from memspec.common.paths import memspec_home
+from memspec.procs.decoder.models import load_tokenizer
+from memspec.procs.predictor.encoder import Encoder, recent_text
+from memspec.procs.predictor.head import load_head
 from memspec.procs.predictor.ranker import head_path_for
+from memspec.zoo.train_predictor import EmbeddingCache, Example
 
 
 def _log(msg: str) -> None:
     print(f"[scores] {msg}", file=sys.stderr, flush=True)
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
 def cache_path(head: Path, T: int) -> Path:
-    return memspec_home() / "sim_cache" / f"scores-{_sha(head)}-T{T}.json"
+    return memspec_home() / "sim_cache" / f"scores-{sha256_file(head)[:16]}-T{T}.json"
 
 
 def _key(prompt: str, recent: str) -> str:
@@ -43,12 +47,6 @@ def position_scores(pool: PoolConfig, trajs: Sequence[Mapping], prompts: Mapping
     Cached per snapshot input (prompt, recent text), so a longer trace of the same prompts
     only ranks its new positions.
     """
-    import torch
-
-    from memspec.procs.decoder.models import load_tokenizer
-    from memspec.procs.predictor.encoder import Encoder, decode_recent
-    from memspec.procs.predictor.head import load_head
-
     names = [d.name for d in pool.drafts]
     hpath = head_path_for(pool, head)
     path = cache_path(hpath, pool.T)
@@ -65,16 +63,13 @@ def position_scores(pool: PoolConfig, trajs: Sequence[Mapping], prompts: Mapping
         toks, prompt = t["tokens"], prompts[t["id"]]
         row = []
         for p in range(len(toks)):
-            recent = decode_recent(tok, toks[max(0, p - pool.T):p] if pool.T else [])
-            recent = recent if recent.strip() else ""  # as the predictor process does
+            recent = recent_text(tok, toks[:p], pool.T)  # as the predictor process does
             k = _key(prompt, recent)
             row.append(k)
             if k not in cached:
                 todo[k] = (prompt, recent)
         keys[t["id"]] = row
     if todo:
-        from memspec.procs.predictor.train_head import EmbeddingCache, Example
-
         rank_head = load_head(hpath, names)
         emb_cache = EmbeddingCache(memspec_home() / "predictor_cache")  # shared with training
         items = list(todo.items())

@@ -1,23 +1,32 @@
-"""Replay one request through a policy: the controller's loop (Alg. 3) on a simulated clock.
+"""Replay one request through a policy: the runtime's own scheduling loop on a simulated clock.
 
-Same `Policy` objects and cache manager as procs/decoder/controller.py, same ordering of
-events: a scheduling point drains finished loads and the newest ranking, asks the policy,
-issues evictions/cancels/loads, runs N iterations of the chosen resident draft (catch-up on
-(re)activation), then sends a snapshot. Acceptance comes from the tables (exact for greedy
-decoding); time comes from a CostModel measured on the real runtime. The loader serves
-loads one at a time in issue order; the predictor answers the newest snapshot.
+`simulate` runs procs/decoder/loop.py's `Controller` (the decoder's Alg. 3 loop, message
+handling included) against simulated parts, so the order of events is the runtime's by
+construction and only what cannot run here is modelled:
+
+- `SimClock`: time, advanced by what the cost model says each step costs;
+- `SimChannels`: an event queue that plays the loader (one load at a time in issue order,
+  `Loaded` at its finish time, a cancel frees it at once) and the predictor (`Ranking` of
+  a snapshot `predict_s` after it starts; the newest waiting snapshot replaces an older one
+  that has not started);
+- `TableExecutor`: iterations from the acceptance tables (exact for greedy decoding), timed
+  by the CostModel measured on the real runtime; it also holds the simulated slots.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from memspec.common.metrics import IterationRecord, RunStats
+from memspec.common.messages import Cancel, Load, Loaded, LoadFailed, Message, Ranking, Snapshot
+from memspec.common.metrics import IterationRecord, RunStats, Summary
+from memspec.procs.decoder.loop import Controller, Job, Overhead
 from memspec.procs.decoder.oracle import make_plan
-from memspec.procs.decoder.policies import Decision, Policy, SchedView, make_policy
+from memspec.procs.decoder.policies import Policy, make_policy
+from memspec.procs.decoder.replay import Table, step_accepted
 from memspec.sim.costmodel import CostModel
-from memspec.zoo.tables import Table, step_accepted
+from memspec.sim.loadqueue import LoadQueue
 
 Scores = Callable[[int], Mapping[str, float] | None]  # generated tokens -> ranking
 
@@ -45,188 +54,203 @@ class SimConfig:
     max_new_tokens: int | None = None  # cut trajectories (output-length sweeps)
 
 
-@dataclass
-class _Load:
-    draft: str
-    issued: float
-    start: float = 0.0
-    done: float = 0.0
+class SimClock:
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    def overhead(self, kind: Overhead) -> None:
+        self.t += {"sched": self.cost.sched_s, "inner": self.cost.inner_s,
+                   "post": self.cost.post_s}[kind]
 
 
-@dataclass
-class _Loader:
-    """FIFO, one load at a time; a cancel frees the loader at once."""
+class TableExecutor:
+    """One request's iterations from the tables, and the simulated slots it runs from."""
 
-    cost: CostModel
-    queue: list[_Load] = field(default_factory=list)
-    free_at: float = 0.0
+    def __init__(self, req: SimRequest, cost: CostModel, cfg: SimConfig, clock: SimClock,
+                 uses_predictor: bool) -> None:
+        self.req, self.cost, self.gamma, self.clock = req, cost, cfg.gamma, clock
+        self.length = req.length if cfg.max_new_tokens is None \
+            else min(req.length, cfg.max_new_tokens)
+        self.stats = RunStats(prompt_tokens=req.prompt_len)
+        self.stats.t_prefill = cost.prefill_s(req.prompt_len)
+        clock.advance(cost.pre_s + self.stats.t_prefill)
+        # the predictor process encodes snapshots on the decoder's cores (CPU)
+        self.speed = 1.0 + (cost.predictor_slowdown if uses_predictor else 0.0)
+        self.loader_busy: Callable[[float], bool] = lambda _t: False
+        self.pos = 0
+        self.kv: dict[str, int] = {}  # draft -> tokens its KV cache covers (0 after a load)
+        self.last: str | None = None
 
-    def issue(self, draft: str, t: float) -> None:
-        self.queue.append(_Load(draft, t))
-        self._plan(t)
-
-    def _plan(self, now: float) -> None:
-        free = self.free_at
-        for ld in self.queue:
-            if ld.done and ld.start <= now:  # already running: keeps its times
-                free = ld.done
-                continue
-            ld.start = max(free, ld.issued)
-            ld.done = ld.start + self.cost.load_s[ld.draft]
-            free = ld.done
-
-    def cancel(self, draft: str, t: float) -> None:
-        for ld in self.queue:
-            if ld.draft == draft:
-                if ld.start <= t < ld.done:
-                    self.free_at = t
-                self.queue.remove(ld)
-                break
-        self._plan(t)  # landed loads were drained just before this decision
-
-    def queue_done_before(self, t: float) -> list[str]:
-        done = [ld for ld in self.queue if ld.done <= t]
-        for ld in done:
-            self.queue.remove(ld)
-            self.free_at = max(self.free_at, ld.done)
-        return [ld.draft for ld in done]
-
-    def busy(self, t: float) -> bool:
-        return any(ld.start <= t < ld.done for ld in self.queue)
-
-    def done_time(self, draft: str) -> float | None:
-        return next((ld.done for ld in self.queue if ld.draft == draft), None)
-
+    # ---- Executor -------------------------------------------------------------------------
     @property
-    def loading(self) -> frozenset[str]:
-        return frozenset(ld.draft for ld in self.queue)
+    def done(self) -> bool:
+        return self.pos >= self.length
+
+    def recent(self, n: int) -> list[int]:
+        return []  # the simulated predictor answers by position
+
+    def step(self, draft: str | None, desired: bool) -> IterationRecord:
+        t = self.clock.now()
+        speed = self.speed + (self.cost.load_slowdown if self.loader_busy(t) else 0.0)
+        rec = self._iterate(draft, t, desired, speed)
+        if draft is not None and self.last is not None and draft != self.last:
+            self.stats.switches += 1
+        if draft is not None:
+            self.last = draft
+        self.stats.records.append(rec)
+        self.pos += rec.emitted
+        self.clock.advance(rec.duration)
+        return rec
+
+    def _iterate(self, run: str | None, t: float, desired: bool, speed: float
+                 ) -> IterationRecord:
+        cost, gamma, pos = self.cost, self.gamma, self.pos
+        context = self.req.prompt_len + pos
+        if run is None:
+            return IterationRecord(None, 0, 0, 1, t, t_verify=cost.target_cost(context) * speed,
+                                   desired=desired)
+        a = step_accepted(self.req.tables[run], pos, gamma)
+        emitted = min(a + 1, self.length - pos)
+        missing = context - self.kv.get(run, 0)
+        catch = draft_extra = 0.0
+        if run != self.last:  # the engine books a (re)activation's prefill as catch-up
+            catch = cost.catchup_s(missing)
+        elif missing > 2:  # same draft after target-only steps: a longer prefill, booked as draft
+            draft_extra = cost.catchup_s(missing)
+        # the engine's draft cache invariant: it keeps what it proposed and was accepted
+        self.kv[run] = min(context + min(a, gamma - 1), context + emitted - 1)
+        return IterationRecord(run, gamma, a, emitted, t,
+                               t_draft=cost.spec_cost(run, context) * speed + draft_extra,
+                               t_catchup=catch, desired=desired)
+
+    # ---- Slots ----------------------------------------------------------------------------
+    def load_request(self, slot: int, generation: int, draft: str) -> Load:
+        return Load(slot=slot, generation=generation, draft=draft, path="", transport="sim",
+                    handle="", capacity=0)
+
+    def bind(self, slot: int, generation: int, draft: str) -> None:
+        self.clock.advance(self.cost.bind_s)
+        self.kv[draft] = 0  # a fresh copy: its KV cache starts empty
+
+    def unbind(self, draft: str) -> None:
+        self.kv.pop(draft, None)
+
+
+class SimChannels:
+    """The loader and the predictor as timed events on the simulated clock."""
+
+    def __init__(self, clock: SimClock, cost: CostModel, req_id: str, scores: Scores | None,
+                 position: Callable[[], int]) -> None:
+        self.clock, self.cost, self.req_id = clock, cost, req_id
+        self.scores, self.position = scores, position
+        self.loader = LoadQueue(free_at=clock.now())
+        self.loads: dict[tuple[int, int], str] = {}  # (slot, generation) -> draft
+        self.events: list[tuple[float, int, Message]] = []  # heap: (time, order, message)
+        self.waiting: list[tuple[float, float, int, int]] = []  # (ready, start, seq, position)
+        self.predictor_free = clock.now()
+        self._order = 0
+
+    def heartbeat(self, state: str) -> None:
+        pass
+
+    def send(self, msg: Message) -> None:
+        now = self.clock.now()
+        if isinstance(msg, Load):
+            self.loads[(msg.slot, msg.generation)] = msg.draft
+            self.loader.issue((msg.slot, msg.generation), now, self.cost.load_s[msg.draft])
+        elif isinstance(msg, Cancel):
+            draft = self.loads.pop((msg.slot, msg.generation), "")
+            if self.loader.cancel((msg.slot, msg.generation), now):
+                self._at(now, LoadFailed(msg.slot, msg.generation, draft, "cancelled"))
+        elif isinstance(msg, Snapshot):
+            if msg.seq:  # the first snapshot's cost is part of the measured pre_s
+                self.clock.advance(self.cost.snapshot_s)
+            self._predict(self.clock.now(), msg.seq)
+
+    def _predict(self, at: float, seq: int) -> None:
+        """The predictor answers the newest snapshot: one still waiting is replaced."""
+        if self.waiting and at < self.waiting[-1][1]:
+            start = self.waiting.pop()[1]
+        else:
+            start = max(at, self.predictor_free)
+        self.predictor_free = start + self.cost.predict_s
+        self.waiting.append((self.predictor_free, start, seq, self.position()))
+
+    def _at(self, t: float, msg: Message) -> None:
+        heapq.heappush(self.events, (t, self._order, msg))
+        self._order += 1
+
+    def _next_time(self) -> float | None:
+        times = [t for t in (self.loader.next_done(),
+                             self.events[0][0] if self.events else None,
+                             self.waiting[0][0] if self.waiting else None) if t is not None]
+        return min(times, default=None)
+
+    def poll(self, timeout_s: float) -> list[Message]:
+        """What has arrived by now; waiting advances the clock to the next arrival (or the
+        timeout)."""
+        if timeout_s > 0:
+            nxt = self._next_time()
+            until = self.clock.now() + timeout_s if nxt is None \
+                else min(nxt, self.clock.now() + timeout_s)
+            self.clock.t = max(self.clock.t, until)
+        now = self.clock.now()
+        for key, done, seconds in self.loader.finished(now):
+            draft = self.loads.pop(key)  # type: ignore[arg-type]
+            self._at(done, Loaded(key[0], key[1], draft, 0, seconds, ""))  # type: ignore[index]
+        while self.waiting and self.waiting[0][0] <= now:
+            ready, _start, seq, pos = self.waiting.pop(0)
+            ranked = self.scores(pos) if self.scores is not None else None
+            if ranked is not None:  # None: no ranking for this position (predictor silent)
+                self._at(ready, Ranking(self.req_id, seq, list(ranked),
+                                        [float(v) for v in ranked.values()],
+                                        self.cost.predict_s))
+        out = []
+        while self.events and self.events[0][0] <= now:
+            out.append(heapq.heappop(self.events)[2])
+        return out
 
 
 def simulate(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig,
              ucb_c: float = 2.0, resident: Sequence[str] = ()) -> RunStats:
     """One request from `resident` (cold start: empty); returns the runtime's RunStats."""
-    where = {"pos": 0}
-    policy = build_policy(policy_name, req, cfg, lambda: where["pos"], ucb_c)
-    length = req.length if cfg.max_new_tokens is None else min(req.length, cfg.max_new_tokens)
-    policy.reset()
-    stats = RunStats(prompt_tokens=req.prompt_len)
-    stats.t_prefill = cost.prefill_s(req.prompt_len)
-    t = cost.pre_s + stats.t_prefill
-    res: set[str] = set(resident)
-    loader = _Loader(cost, free_at=t)
-    kv: dict[str, int] = {}  # draft -> tokens its KV cache covers (0 after a (re)load)
-    pos, last_draft = 0, None
-    rankings: list[tuple[float, int]] = []  # (available at, snapshot position)
-    pred_free = t
-
-    def snapshot(at: float, p: int) -> None:
-        """The predictor answers the newest snapshot: one that waits is replaced."""
-        nonlocal pred_free
-        if rankings and at < rankings[-1][0] - cost.predict_s:  # last one not started yet
-            start = rankings.pop()[0] - cost.predict_s
-        else:
-            start = max(at, pred_free)
-        pred_free = start + cost.predict_s
-        rankings.append((pred_free, p))
-
-    def drain(now: float) -> float:
-        """Landed loads become runnable; binding each costs the decoder bind_s."""
-        spent = 0.0
-        for d in loader.queue_done_before(now):
-            res.add(d)
-            kv[d] = 0
-            stats.loads += 1
-            spent += cost.bind_s
-        return spent
-
-    speed = 1.0 + (cost.predictor_slowdown if policy.uses_predictor else 0.0)
-    if policy.uses_predictor and req.scores is not None:
-        snapshot(t, 0)
-        stats.t_prediction += cost.predict_s
-        t += cost.predict_s
-    active: str | None = None
-    iteration = 0
-    while pos < length:
-        t += cost.sched_s
-        t += drain(t)
-        ready = [p for at, p in rankings if at <= t]
-        scores = req.scores(ready[-1]) if ready and req.scores is not None else None
-        view = SchedView(iteration=iteration, drafts=cfg.drafts, general=cfg.general,
-                         capacity=cfg.K, resident=frozenset(res), loading=loader.loading,
-                         failed=frozenset(), active=active,
-                         scores=dict(scores) if scores is not None else None)
-        decision: Decision = policy.decide(view)
-        for d in (*decision.actions.cancel, *decision.actions.evict):
-            if d in res:
-                res.discard(d)
-                kv.pop(d, None)
-                stats.evictions += 1
-            else:
-                loader.cancel(d, t)
-        for d in decision.actions.prefetch:
-            if d not in res and d not in loader.loading and len(res) + len(loader.loading) < cfg.K:
-                loader.issue(d, t)
-        run = decision.run
-        if decision.wait_for is not None:
-            done = loader.done_time(decision.wait_for)
-            if done is not None and decision.wait_for not in res:
-                t_wait = max(t, done)
-                t_wait += drain(t_wait)  # the bind happens inside the wait
-                stats.t_load_wait += t_wait - t
-                t = t_wait
-            if decision.wait_for in res:
-                run = decision.wait_for
-        if run is not None and run not in res:
-            run = None
-        desired = run == decision.preferred
-        for i in range(cfg.N):
-            if i:
-                t += cost.inner_s
-            slow = speed + (cost.load_slowdown if loader.busy(t) else 0.0)
-            rec = _iterate(run, pos, length, req, cost, cfg, kv, last_draft, t, desired, slow)
-            if run is not None and last_draft is not None and run != last_draft:
-                stats.switches += 1
-            if run is not None:
-                last_draft = run
-            stats.records.append(rec)
-            policy.observe(run, rec.proposed, rec.accepted)
-            pos += rec.emitted
-            where["pos"] = pos
-            t += rec.duration
-            iteration += 1
-            if pos >= length:
-                break
-        active = run
-        if pos >= length:
-            break
-        if policy.uses_predictor and req.scores is not None:
-            t += cost.snapshot_s
-            stats.t_prediction += cost.snapshot_s
-            snapshot(t, pos)
-    stats.t_e2e = t + cost.post_s
-    return stats
+    return _run(policy_name, req, cost, cfg, ucb_c, resident, trace=False)[1]
 
 
-def _iterate(run: str | None, pos: int, length: int, req: SimRequest, cost: CostModel,
-             cfg: SimConfig, kv: dict[str, int], last_draft: str | None, t: float,
-             desired: bool, speed: float = 1.0) -> IterationRecord:
-    context = req.prompt_len + pos
-    if run is None:
-        return IterationRecord(None, 0, 0, 1, t, t_verify=cost.target_cost(context) * speed,
-                               desired=desired)
-    a = step_accepted(req.tables[run], pos, cfg.gamma)
-    emitted = min(a + 1, length - pos)
-    missing = context - kv.get(run, 0)
-    catch = draft_extra = 0.0
-    if run != last_draft:  # the engine books a (re)activation's prefill as catch-up
-        catch = cost.catchup_s(missing)
-    elif missing > 2:  # same draft after target-only steps: a longer prefill, booked as draft
-        draft_extra = cost.catchup_s(missing)
-    kv[run] = min(context + min(a, cfg.gamma - 1), context + emitted - 1)
-    return IterationRecord(run, cfg.gamma, a, emitted, t,
-                           t_draft=cost.spec_cost(run, context) * speed + draft_extra,
-                           t_catchup=catch,
-                           desired=desired)
+def simulate_traced(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig,
+                    ucb_c: float = 2.0, resident: Sequence[str] = ()) -> Summary:
+    """The same, summarised as the decoder's Done.stats of a traced request."""
+    return _run(policy_name, req, cost, cfg, ucb_c, resident, trace=True)[0]
+
+
+def _run(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig, ucb_c: float,
+         resident: Sequence[str], trace: bool) -> tuple[Summary, RunStats]:
+    clock = SimClock(cost)
+    executor: TableExecutor | None = None
+
+    def position() -> int:
+        return executor.pos if executor is not None else 0
+
+    policy = build_policy(policy_name, req, cfg, position, ucb_c)
+    executor = TableExecutor(req, cost, cfg, clock, policy.uses_predictor)
+    channels = SimChannels(clock, cost, req.prompt_id, req.scores, position)
+    executor.loader_busy = channels.loader.busy
+    ctl = Controller(cfg.drafts, cfg.general, cfg.K, cfg.N, 0, clock, channels, executor)
+    for d in resident:  # already resident when the request arrives
+        slot = ctl.table.begin_load(d)
+        if slot is not None:
+            ctl.table.complete(slot.index, slot.generation, d)
+    ctl.start(Job(req.prompt_id, "", policy, executor, t_start=0.0, trace=trace))
+    while (summary := ctl.step()) is None:
+        pass
+    return summary, executor.stats
 
 
 def build_policy(name: str, req: SimRequest, cfg: SimConfig, position: Callable[[], int],

@@ -17,14 +17,15 @@ import threading
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 import zmq
+from hostile import hostile_frames
 
 from memspec.common import sockets
 from memspec.common.messages import (
-    PROTOCOL_VERSION,
+    CONTROL,
+    LOADER_REPLIES,
     Cancel,
     Error,
     Heartbeat,
@@ -73,17 +74,23 @@ class Loader:
     def next_control(self, kind: type, timeout: float = TIMEOUT):
         end = time.monotonic() + timeout
         while self.control.poll(max(1, int((end - time.monotonic()) * 1000))):
-            _, msg, _ = sockets.recv(self.control)
+            _, msg = sockets.recv(self.control, CONTROL)
             if isinstance(msg, kind):
                 return msg
             if time.monotonic() > end:
                 break
         raise AssertionError(f"no {kind.__name__} on the control socket")
 
+    def forget_control(self) -> None:
+        """Drop what earlier tests left queued on the shared control socket, so the next
+        message read was sent from now on (the loader sends a heartbeat every 0.5 s)."""
+        while self.control.poll(0):
+            self.control.recv_multipart()
+
     def reply(self, sock: zmq.Socket | None = None, timeout: float = TIMEOUT):
         sock = sock or self.dealer
         assert sock.poll(int(timeout * 1000)), "loader did not reply"
-        _, msg, _ = sockets.recv(sock)
+        _, msg = sockets.recv(sock, LOADER_REPLIES)
         return msg
 
     def silent(self, seconds: float, sock: zmq.Socket | None = None) -> bool:
@@ -96,7 +103,7 @@ class Loader:
 
     def stop(self) -> int:
         if self.proc.poll() is None:
-            sockets.send(self.dealer, Shutdown(reason="test over"))
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -143,8 +150,12 @@ def load_msg(path: Path, mem: SlotMemory, slot: int = 0, generation: int = 1, **
 
 def test_ready_and_heartbeats_reach_the_control_socket(loader):
     assert loader.ready.proc == "loader" and loader.ready.pid == loader.proc.pid
+    assert loader.ready.info.chunk == 65536 and "shm" in loader.ready.info.transports
+    loader.forget_control()
+    t0 = time.monotonic()
     beat = loader.next_control(Heartbeat, timeout=5)
-    assert beat.proc == "loader" and beat.pid == loader.proc.pid
+    assert beat.proc == "loader" and beat.pid == loader.proc.pid and beat.state == "idle"
+    assert time.monotonic() - t0 < 2.0  # a fresh one, every 0.5 s
 
 
 def test_slot_bytes_equal_file_data_and_bound_draft_matches_normal_load(loader, slots, tiny_dir):
@@ -242,22 +253,12 @@ def test_bad_loads_fail_with_reason_and_next_load_succeeds(loader, slots, tiny_d
 
 
 def test_malformed_frames_get_an_error_and_the_loader_stays_up(loader, slots, tiny_dir):
-    header = {"v": PROTOCOL_VERSION, "type": "Load", "slot": "zero", "generation": 1,
-              "draft": "x", "path": "/etc/passwd", "transport": "shm", "handle": "memspec-x",
-              "capacity": 1}
-    bad_frames = [
-        [os.urandom(64)],  # random bytes
-        [msgpack.packb(header)],  # wrong field type
-        [msgpack.packb({"v": PROTOCOL_VERSION, "type": "Teleport"})],  # unknown type
-        [msgpack.packb({"v": 99, "type": "Load"})],  # other protocol version
-        [msgpack.packb([1, 2, 3])],  # not a map
-        [b"\x00" * (9 << 20)],  # over the protocol's frame limit
-        encode(Loaded(slot=0, generation=0, draft="x", nbytes=0, seconds=0.0, checksum="")),
-    ]
-    for frames in bad_frames:
+    other = Loaded(slot=0, generation=0, draft="x", nbytes=0, seconds=0.0, checksum="")
+    for frames in [*hostile_frames(other), encode(Shutdown(reason="not a loader message"))]:
         loader.dealer.send_multipart(frames)
         msg = loader.reply()
         assert isinstance(msg, Error) and msg.req_id == "" and msg.message, msg
+    assert "Shutdown is not accepted on the loader socket" in msg.message  # SIGTERM stops it
     # over ZeroMQ's MAXMSGSIZE: the connection is dropped, the process lives on
     rogue = loader.connect()
     rogue.send_multipart([b"\x00" * (17 << 20)])
@@ -267,7 +268,7 @@ def test_malformed_frames_get_an_error_and_the_loader_stays_up(loader, slots, ti
     mem = slots()
     sockets.send(loader.dealer, load_msg(tiny_dir / "self" / "model.safetensors", mem))
     assert isinstance(loader.reply(), Loaded)
-    assert "malformed message" in loader.log()
+    assert "rejected message" in loader.log()
 
 
 def test_paced_load_takes_at_least_size_over_bandwidth_and_heartbeats_meanwhile(
@@ -276,6 +277,7 @@ def test_paced_load_takes_at_least_size_over_bandwidth_and_heartbeats_meanwhile(
     n = len(data_section(path))
     bw = n / 1.5  # 1.5 s
     mem = slots()
+    loader.forget_control()  # heartbeats of earlier loads must not count
     t0 = time.monotonic()
     sockets.send(loader.dealer, load_msg(path, mem, bandwidth_bytes_s=bw,
                                          storage="edge-emulated"))
@@ -289,14 +291,14 @@ def test_paced_load_takes_at_least_size_over_bandwidth_and_heartbeats_meanwhile(
     assert busy.state == "loading self"
 
 
-def test_shutdown_during_a_load_fails_it_and_exits_cleanly(tmp_path, slots, tiny_dir):
+def test_sigterm_during_a_load_fails_it_and_exits_cleanly(tmp_path, slots, tiny_dir):
     ld = Loader(tmp_path)
     path = tiny_dir / "self" / "model.safetensors"
     mem = slots()
     sockets.send(ld.dealer, load_msg(path, mem, bandwidth_bytes_s=len(data_section(path)) / 5))
     sockets.send(ld.dealer, load_msg(path, mem, generation=2))
     time.sleep(0.3)
-    sockets.send(ld.dealer, Shutdown(reason="test"))
+    ld.proc.send_signal(signal.SIGTERM)
     reasons = {ld.reply().reason, ld.reply().reason}
     assert reasons == {"loader shutting down"}
     assert ld.proc.wait(TIMEOUT) == 0

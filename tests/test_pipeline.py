@@ -11,15 +11,33 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 import zmq
+from hostile import hostile_frames
 
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
-from memspec.common.messages import Done, Error, Message, Submit, Tokens
+from memspec.common.messages import (
+    CLIENT_REPLIES,
+    DECODER_REPLIES,
+    LOADER_REPLIES,
+    PREDICTOR_REPLIES,
+    Cancel,
+    Codec,
+    Done,
+    Error,
+    LoaderInfo,
+    Message,
+    Ready,
+    Shutdown,
+    Status,
+    StatusRequest,
+    Submit,
+    Tokens,
+    encode,
+)
 from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT
-from memspec.common.sockets import configure
+from memspec.common.sockets import configure, send
 from memspec.launch.supervisor import Supervisor
 from memspec.zoo.prompts import load_prompts
 
@@ -101,13 +119,18 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
         done = run(sup, prompt, policy)
         assert isinstance(done, Done), done
         assert done.token_ids == reference[d], (policy, d)
-        used |= set(done.stats["drafts_used"])
+        used |= set(done.stats.drafts_used)
     assert used, f"{policy} never ran a draft"
     pids = {n: p.pid for n, p in sup.procs.items()}
     assert all(p.state == "ready" for p in sup.procs.values()) and all(pids.values())
 
 
-def _wait_back(sup: Supervisor, name: str, old_pid: int, limit: float = 5.0) -> float:
+# A restarted process is back in ~2 s here; the bound is loose because the suite shares
+# two cores with whatever else runs (a timing bound must not make the suite flaky).
+BACK_S = 20.0
+
+
+def _wait_back(sup: Supervisor, name: str, old_pid: int) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < 60:
         sup.tick(20)
@@ -126,7 +149,7 @@ def test_kill_loader_mid_load_request_still_completes(tmp_path, reference):
         killed: list[float] = []
 
         def on_token(_m: Tokens) -> None:
-            if not killed and any(sl["state"] == "loading" for sl in s.slots):
+            if not killed and any(sl.state == "loading" for sl in s.slots):
                 os.kill(s.procs["loader"].pid, signal.SIGKILL)
                 killed.append(time.monotonic())
 
@@ -137,7 +160,7 @@ def test_kill_loader_mid_load_request_still_completes(tmp_path, reference):
         _wait_back(s, "loader", old)
         assert s.procs["loader"].restarts == 1
         back = s.procs["loader"].ready_at - killed[0]
-        assert back < 5.0, f"loader took {back:.1f}s to come back"
+        assert back < BACK_S, f"loader took {back:.1f}s to come back"
         # the re-issued load lands: a later request gets a draft resident
         again = run(s, prompt, "general-static", max_new_tokens=MAX_NEW)
         assert isinstance(again, Done) and again.token_ids == reference["code"]
@@ -159,7 +182,7 @@ def test_kill_predictor_during_request(sup, reference):
     assert isinstance(done, Done) and done.token_ids == reference["math"]
     _wait_back(sup, "predictor", old)
     t_back = sup.procs["predictor"].ready_at - killed[0]
-    assert t_back < 5.0, f"predictor took {t_back:.1f}s to come back"
+    assert t_back < BACK_S, f"predictor took {t_back:.1f}s to come back"
 
 
 def test_kill_decoder_errors_in_flight_and_serves_next(sup, reference):
@@ -179,20 +202,9 @@ def test_kill_decoder_errors_in_flight_and_serves_next(sup, reference):
     assert sup.procs["decoder"].pid != old and sup.procs["decoder"].restarts >= 1
 
 
-GARBAGE = [
-    [os.urandom(64)],
-    [msgpack.packb({"v": 1, "type": "Submit", "req_id": 5, "prompt": ["x"]})],
-    [msgpack.packb({"v": 1, "type": "NoSuchThing"})],
-    [msgpack.packb({"v": 99, "type": "Submit"})],
-    [b"\x81" + b"\xff" * 32],
-]
-
-
 def _hostile(sup: Supervisor, ep: str, frames: list[bytes], expect_reply: bool,
-             kind: int = zmq.DEALER) -> Message | None:
+             kind: int = zmq.DEALER, codec: Codec = CLIENT_REPLIES) -> Message | None:
     """Send raw frames; keep the (in-process) supervisor ticking while waiting for a reply."""
-    from memspec.common.messages import decode
-
     ctx = zmq.Context()
     sock = configure(ctx.socket(kind))
     sock.setsockopt(zmq.SNDTIMEO, 10000)
@@ -203,7 +215,7 @@ def _hostile(sup: Supervisor, ep: str, frames: list[bytes], expect_reply: bool,
         while time.monotonic() < deadline:
             sup.tick(5)
             if expect_reply and sock.poll(5):
-                return decode(sock.recv_multipart())[0]
+                return codec.decode(sock.recv_multipart())
         return None
     finally:
         ctx.destroy(linger=0)
@@ -211,15 +223,18 @@ def _hostile(sup: Supervisor, ep: str, frames: list[bytes], expect_reply: bool,
 
 def test_malformed_input_on_every_socket(sup, reference):
     restarts = {n: p.restarts for n, p in sup.procs.items()}
-    eps = {"client": sup.client_endpoint, "decoder": sup.ep["decoder"],
-           "loader": sup.ep["loader"], "predictor": sup.ep["predictor"]}
-    for name, ep in eps.items():
-        for frames in GARBAGE:
-            reply = _hostile(sup, ep, frames, expect_reply=True)
-            assert isinstance(reply, Error), (name, frames, reply)
+    eps = {"client": (sup.client_endpoint, CLIENT_REPLIES, Shutdown(reason="from a client")),
+           "decoder": (sup.ep["decoder"], DECODER_REPLIES, Ready("x", 1, LoaderInfo([], "", 1))),
+           "loader": (sup.ep["loader"], LOADER_REPLIES, Submit("r", "hi")),
+           "predictor": (sup.ep["predictor"], PREDICTOR_REPLIES, Cancel(0, 1))}
+    for name, (ep, codec, other) in eps.items():
+        for frames in hostile_frames(other):
+            reply = _hostile(sup, ep, frames, expect_reply=True, codec=codec)
+            assert isinstance(reply, Error), (name, frames[0][:16], reply)
+        assert "is not accepted" in reply.message, (name, reply.message)
         big = _hostile(sup, ep, [b"\x00" * (20 << 20)], expect_reply=False)  # over MAXMSGSIZE
         assert big is None
-    for frames in GARBAGE:
+    for frames in hostile_frames(Submit("r", "hi")):
         _hostile(sup, sup.ep["control"], frames, expect_reply=False, kind=zmq.PUSH)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 2:
@@ -230,15 +245,60 @@ def test_malformed_input_on_every_socket(sup, reference):
     assert isinstance(done, Done) and done.token_ids == reference["general"]
 
 
+def test_status_and_abort_are_answered_between_intervals(sup, reference):
+    """The decoder reads its socket every scheduling interval, not only between requests."""
+    prompt = first_prompts()["general"]
+    ctx = zmq.Context()
+    direct = configure(ctx.socket(zmq.DEALER))  # a second peer of the decoder's ROUTER
+    direct.connect(sup.ep["decoder"])
+    seen: dict[str, object] = {}
+    req = Submit(req_id="long-one", prompt=prompt, policy="general-static",
+                 max_new_tokens=128)
+
+    def on_reply(m: Message) -> None:
+        if not isinstance(m, Tokens):
+            return
+        n = seen.setdefault("tokens", 0) + len(m.ids)  # type: ignore[operator]
+        seen["tokens"] = n
+        if "status" not in seen:
+            send(direct, StatusRequest(), flags=0)
+            assert direct.poll(10_000), "no Status while a request runs"
+            seen["status"] = DECODER_REPLIES.decode(direct.recv_multipart())
+            seen["at"] = n
+        elif n > seen["at"] + 8 and "aborted" not in seen:  # type: ignore[operator]
+            sup.abort(req.req_id)
+            seen["aborted"] = n
+
+    try:
+        out = sup.run(req, on_reply, timeout_s=300)
+    finally:
+        ctx.destroy(linger=0)
+    st = seen["status"]
+    assert isinstance(st, Status) and st.procs["decoder"].state == "busy"
+    assert isinstance(out, Error) and out.message == "aborted", out
+    assert seen["tokens"] < 128 - 16  # stopped within an interval or two of the abort
+    done = run(sup, prompt, "memspec")
+    assert isinstance(done, Done) and done.token_ids == reference["general"]
+
+
+def test_shutdown_from_a_client_is_refused(sup):
+    reply = _hostile(sup, sup.client_endpoint, encode(Shutdown(reason="please")), True)
+    assert isinstance(reply, Error) and "Shutdown is not accepted" in reply.message
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1:
+        sup.tick(20)
+    assert all(p.state == "ready" and p.popen.poll() is None for p in sup.procs.values())
+
+
 def test_decoding_continues_while_loads_are_in_flight(sup):
     done = run(sup, first_prompts()["medical"], "memspec", trace=True, max_new_tokens=64)
     assert isinstance(done, Done)
-    tr = done.stats["trace"]
-    issued = {(e[2], e[3]): e[0] for e in tr["loads"] if e[1] == "load"}
-    windows = [(issued[(e[2], e[3])], e[0]) for e in tr["loads"]
-               if e[1] == "loaded" and (e[2], e[3]) in issued]
+    tr = done.stats.trace
+    issued = {(e.draft, e.slot): e.t for e in tr.loads if e.kind == "load"}
+    windows = [(issued[(e.draft, e.slot)], e.t) for e in tr.loads
+               if e.kind == "loaded" and (e.draft, e.slot) in issued]
     assert windows, "no load completed during the request"
-    inside = [it for it in tr["iterations"] if any(a < it[0] < b for a, b in windows)]
+    inside = [it for it in tr.iterations if any(a < it.t_start < b for a, b in windows)]
     assert inside, "the decoder stopped while a draft was loading"
 
 
@@ -249,8 +309,8 @@ def test_memspec_spends_less_time_in_fallback_than_mab_async(sup):
         for prompt in first_prompts().values():
             done = run(sup, prompt, policy, max_new_tokens=64)
             assert isinstance(done, Done)
-            fallback += done.stats["time"]["fallback"] + done.stats["time"]["target_fallback"]
-            decode += done.stats["time"]["decode"]
+            fallback += done.stats.time.fallback + done.stats.time.target_fallback
+            decode += done.stats.time.decode
         frac[policy] = fallback / decode
     print("fallback share:", frac)
     assert frac["memspec"] < 0.75 * frac["mab-async"], frac
@@ -274,8 +334,8 @@ def test_memory_budget_derives_k(tmp_path):
     s = Supervisor(str(tmp_path / "pool.toml"))
     try:
         s.start()
-        slot_mb = s.procs["decoder"].info["slot_bytes"] / 2**20
-        assert s.procs["decoder"].info["K"] == min(5, int(20 // slot_mb))
+        slot_mb = s.procs["decoder"].info.slot_bytes / 2**20
+        assert min(5, int(20 // slot_mb)) == s.procs["decoder"].info.K
     finally:
         s.shutdown()
 
@@ -349,7 +409,7 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
                 done = run(s, prompt, policy)
                 assert isinstance(done, Done), (policy, d, done)
                 assert done.token_ids == reference[d], (policy, d)
-                used |= set(done.stats["drafts_used"])
+                used |= set(done.stats.drafts_used)
             assert used, f"{policy} never ran a draft"
         err = run(s, "An untraced prompt about nothing in particular.", "oracle-dynamic")
         assert isinstance(err, Error) and "memspec trace" in err.message

@@ -67,8 +67,6 @@ def test_breaks_when_nothing_evictable() -> None:
 def test_loading_occupies_a_slot() -> None:
     assert update_cache(SCORES, {"general"}, {"law"}, 2, "general") == CacheActions()
     assert update_cache(SCORES, set(), {"code", "math"}, 2, None) == CacheActions()
-    got = update_cache(SCORES, {"general"}, {"law"}, 2, "general", cancel_unwanted=True)
-    assert got == CacheActions(prefetch=("code",), cancel=("law",))
 
 
 def test_capacity_one() -> None:
@@ -333,11 +331,9 @@ def test_cache_invariants_random_states() -> None:
         rng = random.Random(seed)
         v = random_view(rng)
         scores = {d: float(rng.randint(0, 3)) for d in v.drafts}
-        for cancel in (False, True):
-            a = update_cache(scores, v.resident, v.loading, v.capacity, v.active,
-                             cancel_unwanted=cancel)
-            working = set(rank(scores)[:v.capacity])
-            assert v.active not in a.evict and not set(a.evict) & working
-            assert set(a.prefetch) <= working
-            left = len(v.resident) - len(a.evict) + len(v.loading) - len(a.cancel)
-            assert left + len(a.prefetch) <= v.capacity
+        a = update_cache(scores, v.resident, v.loading, v.capacity, v.active)
+        working = set(rank(scores)[:v.capacity])
+        assert v.active not in a.evict and not set(a.evict) & working
+        assert set(a.prefetch) <= working and not a.cancel
+        left = len(v.resident) - len(a.evict) + len(v.loading)
+        assert left + len(a.prefetch) <= v.capacity

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 import zmq
+from hostile import hostile_frames
+from msgspec.msgpack import encode as packb
 
 from memspec.common.errors import ModelError
 from memspec.common.messages import (
+    CONTROL,
+    PREDICTOR_REPLIES,
     PROTOCOL_VERSION,
     Error,
     Heartbeat,
@@ -23,7 +27,6 @@ from memspec.common.messages import (
     Ready,
     Shutdown,
     Snapshot,
-    encode,
 )
 from memspec.common.sockets import configure, endpoint, make_run_dir, recv, send
 from memspec.procs.predictor.encoder import MAX_PIECES, encoder_available
@@ -104,7 +107,7 @@ def test_head_round_trip(tmp_path, hidden):
 def test_head_name_mismatch_and_corruption_are_one_line_errors(tmp_path):
     path = tmp_path / "head.safetensors"
     save_head(_random_head(), path)
-    with pytest.raises(ModelError, match="train_head") as exc:
+    with pytest.raises(ModelError, match="memspec predictor train") as exc:
         load_head(path, ["general", "code", "math", "law", "finance"])
     assert "\n" not in str(exc.value)
     with pytest.raises(ModelError, match="not found"):
@@ -136,16 +139,16 @@ def _write_pool(root: Path, tiny: Path, head: Path | None) -> Path:
     return path
 
 
-def _recv(sock: zmq.Socket, timeout_s: float, router: bool = False):
+def _recv(sock: zmq.Socket, timeout_s: float, codec=PREDICTOR_REPLIES):
     if not sock.poll(int(timeout_s * 1000)):
         return None
-    return recv(sock, router=router)[1]
+    return recv(sock, codec)[1]
 
 
 def _next_of(sock: zmq.Socket, kind: type, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        msg = _recv(sock, deadline - time.monotonic())
+        msg = _recv(sock, deadline - time.monotonic(), CONTROL)
         if isinstance(msg, kind):
             return msg
     return None
@@ -197,7 +200,7 @@ def _replies(dealer: zmq.Socket, quiet_s: float = 1.0) -> list:
 def test_ready_then_heartbeats(proc):
     ready = proc["ready"]
     assert ready.proc == "predictor" and ready.pid == proc["p"].pid
-    assert ready.info["drafts"] == NAMES and ready.info["load_s"] > 0
+    assert ready.info.drafts == NAMES and ready.info.load_s > 0
     beats = [_next_of(proc["control"], Heartbeat, 2.0) for _ in range(2)]
     assert all(b is not None and b.proc == "predictor" for b in beats)
 
@@ -218,21 +221,17 @@ def test_snapshot_gets_a_valid_ranking(proc):
 
 def test_malformed_frames_get_error_replies(proc):
     dealer = proc["dealer"]
-    header = {"v": PROTOCOL_VERSION, "type": "Snapshot", "req_id": "w", "seq": "one",
-              "prompt": "x", "recent_ids": []}
-    bad = [
-        [os.urandom(64)],
-        [msgpack.packb(header)],  # wrong field type
-        [msgpack.packb({"v": PROTOCOL_VERSION, "type": "Teleport"})],  # unknown type
-        [msgpack.packb({**header, "seq": 1, "v": 99})],  # wrong protocol version
-        [b"\x00" * (9 << 20)],  # oversized frame (over MAX_FRAME_BYTES)
-        encode(Load(0, 0, "code", "/x", "shm", "h", 1)),  # valid, but not for the predictor
-    ]
+    bad = hostile_frames(Load(0, 0, "code", "/x", "shm", "h", 1))
+    bad.append([bytes([PROTOCOL_VERSION]) + packb(["Snapshot", "w", "one", "x", []])])
+    reasons = []
     for frames in bad:
         dealer.send_multipart(frames)
         msg = _recv(dealer, 30)
         assert isinstance(msg, Error), frames[0][:20]
         assert msg.req_id == "" and msg.message.startswith("predictor:")
+        reasons.append(msg.message)
+    assert "Load is not accepted on the predictor socket (only Snapshot)" in reasons[-2]
+    assert "protocol version 99" in " ".join(reasons)
     send(dealer, Snapshot("oov", 1, "x", [10**9]))
     msg = _recv(dealer, 30)
     assert isinstance(msg, Error) and msg.req_id == "oov"
@@ -241,8 +240,12 @@ def test_malformed_frames_get_error_replies(proc):
     assert proc["p"].poll() is None
 
 
-def test_shutdown_exits_cleanly(proc):
-    send(proc["dealer"], Shutdown(reason="test"))
+def test_shutdown_message_is_rejected_and_sigterm_exits_cleanly(proc):
+    send(proc["dealer"], Shutdown(reason="test"))  # not the predictor's to obey
+    msg = _recv(proc["dealer"], 30)
+    assert isinstance(msg, Error) and "Shutdown is not accepted" in msg.message
+    assert proc["p"].poll() is None
+    proc["p"].send_signal(signal.SIGTERM)
     assert proc["p"].wait(timeout=10) == 0
     assert "[predictor]" in proc["p"].stderr.read()
 
@@ -258,8 +261,8 @@ def test_missing_head_is_a_one_line_error(tmp_path, tiny_dir):
         _, err = p.communicate(timeout=STARTUP_S)
         assert p.returncode == 2
         lines = [ln for ln in err.splitlines() if ln.strip()]
-        assert len(lines) == 1 and "train_head" in lines[0] and "nope.safetensors" in lines[0]
+        assert len(lines) == 1 and "memspec predictor train" in lines[0] and "nope.safetensors" in lines[0]
         msg = _next_of(control, Error, 5)
-        assert msg is not None and "train_head" in msg.message
+        assert msg is not None and "memspec predictor train" in msg.message
     finally:
         ctx.destroy(linger=0)

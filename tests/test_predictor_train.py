@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from memspec.procs.predictor.train_head import (
+from memspec.procs.predictor.encoder import recent_text
+from memspec.zoo.train_predictor import (
     Data,
     EmbeddingCache,
     Example,
@@ -24,9 +25,11 @@ NAMES = ["general", "code", "math"]
 GAMMA = 4
 
 
-def decode(ids) -> str:
+class WordTokenizer:
     """Token 0 is a space (whitespace-only windows), others a word each."""
-    return "".join(" " if i == 0 else f"w{i} " for i in ids)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(" " if i == 0 else f"w{i} " for i in ids)
 
 
 def _rows() -> tuple[dict, dict, dict]:
@@ -47,7 +50,9 @@ def _rows() -> tuple[dict, dict, dict]:
 
 def _build(every: int = 8, T: int = 3):
     trajs, tables, prompts = _rows()
-    return build_examples(trajs, prompts, tables, NAMES, decode, GAMMA, T, 4, every)
+    tok = WordTokenizer()
+    return build_examples(trajs, prompts, tables, NAMES, lambda ids: recent_text(tok, ids, T),
+                          GAMMA, 4, every)
 
 
 def test_scheduling_labels_positions_and_ties():

@@ -7,12 +7,15 @@ import random
 
 import pytest
 
+from memspec.common.metrics import IterationRecord, LoadEvent, RunStats, Summary, Trace
 from memspec.procs.decoder.oracle import dynamic_plan, static_plan
 from memspec.procs.decoder.policies import POLICY_NAMES, SchedView
+from memspec.procs.decoder.replay import oracle_static, replay_static, step_accepted
 from memspec.sim.costmodel import CostModel, fit, linear_fit
+from memspec.sim.loadqueue import LoadQueue
 from memspec.sim.optimum import optimum
 from memspec.sim.simulate import SimConfig, SimRequest, simulate
-from memspec.zoo.tables import oracle_static, replay_static, step_accepted, table_from_correct
+from memspec.zoo.tables import table_from_correct
 
 DRAFTS = ("general", "code", "math", "law", "medical")
 
@@ -151,6 +154,15 @@ def test_oracle_plans():
     assert plan(view) is None
 
 
+def _traced(its: list[IterationRecord], loads: list[LoadEvent], loop_start: float,
+            prefill: float, e2e: float, prompt_tokens: int) -> Summary:
+    """A traced request's summary, as the decoder sends it in Done.stats."""
+    st = RunStats(records=its, t_prefill=prefill, t_e2e=e2e, prompt_tokens=prompt_tokens)
+    out = st.report()
+    out.trace = Trace(iterations=its, loads=loads, loop_start=loop_start, initial_prediction=0.0)
+    return out
+
+
 def test_costmodel_fit_from_a_trace():
     its = []
     t = 0.5
@@ -158,13 +170,12 @@ def test_costmodel_fit_from_a_trace():
         d = None if i < 4 else "code"
         dur = 0.04 if d is None else 0.09
         catch = 0.01 if i == 4 else 0.0
-        its.append([t, d, 1, dur + catch, d is not None, catch, 2])
+        its.append(IterationRecord(d, 4 if d else 0, 1, 2, t, t_verify=dur, t_catchup=catch,
+                                   desired=d is not None))
         t += dur + catch + (0.002 if (i + 1) % 4 == 0 else 0.0001)
-    run = {"trace": {"iterations": its, "loads": [[0.25, "load", "code", 0],
-                                                  [0.7, "loaded", "code", 0, 0.2]],
-                     "loop_start": 0.49, "initial_prediction": 0.0},
-           "time": {"prefill": 0.3, "prediction": 0.0, "load_wait": 0.0, "e2e": t + 0.01},
-           "prompt_tokens": 50}
+    run = _traced(its, [LoadEvent(0.25, "load", "code", 0), LoadEvent(0.7, "loaded", "code", 0,
+                                                                        0.2)],
+                  loop_start=0.49, prefill=0.3, e2e=t + 0.01, prompt_tokens=50)
     c = fit([run], 4, [(16, 0.002), (64, 0.005)], 0.025, ["general", "code"])
     assert c.spec_s["code"] == pytest.approx(0.09)
     assert c.target_s == pytest.approx(0.04)
@@ -179,18 +190,27 @@ def test_fit_separates_load_interference_and_bind_cost():
     for i in range(16):
         slow = 4 <= i < 8  # the loader streams during these
         dur = 0.11 if slow else 0.10
-        its.append([t, "general", 0, dur, True, 0.0, 1, 0])
+        its.append(IterationRecord("general", 4, 0, 1, t, t_verify=dur))
         t += dur + (0.0105 if i == 7 else 0.0005)  # a bind lands in the gap after i = 7
-    run = {"trace": {"iterations": its, "loads": [
-        [its[4][0], "load", "code", 1], [its[8][0] - 0.001, "loaded", "code", 1,
-                                          its[7][0] + its[7][3] - its[4][0], 0.01]],
-        "loop_start": 0.0995, "initial_prediction": 0.0},
-        "time": {"prefill": 0.05, "prediction": 0.0, "load_wait": 0.0, "e2e": t},
-        "prompt_tokens": 20}
+    loads = [LoadEvent(its[4].t_start, "load", "code", 1),
+             LoadEvent(its[8].t_start - 0.001, "loaded", "code", 1,
+                       its[7].t_start + its[7].duration - its[4].t_start, 0.01)]
+    run = _traced(its, loads, loop_start=0.0995, prefill=0.05, e2e=t, prompt_tokens=20)
     c = fit([run], 4, [(8, 0.001), (64, 0.002)], 0.02, ["general", "code"])
     assert c.load_slowdown == pytest.approx(0.1, abs=0.02)
     assert c.bind_s == pytest.approx(0.01)
     assert c.sched_s == pytest.approx(0.0005, abs=1e-4)  # the bind is not a scheduling cost
+
+
+def test_load_queue_is_fifo_and_a_cancel_frees_the_loader():
+    q = LoadQueue(free_at=0.0)
+    q.issue("a", 0.0, 1.0)
+    q.issue("b", 0.2, 1.0)
+    assert q.windows() == [(0.0, 1.0), (1.0, 2.0)] and q.busy(0.5) and q.next_done() == 1.0
+    assert q.cancel("a", 0.5)  # running: the loader is free at once, b starts now
+    assert q.windows() == [(0.5, 1.5)]
+    assert q.finished(1.4) == [] and q.finished(1.5) == [("b", 1.5, 1.0)]
+    assert not q.busy(1.6) and not q.cancel("b", 2.0)
 
 
 def test_predictor_answers_the_newest_snapshot_only():

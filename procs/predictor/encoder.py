@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from transformers import AutoModel, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from memspec.common.errors import ModelError
 
@@ -75,9 +77,6 @@ class Encoder:
     """Batched, deterministic (eval mode, no dropout) text embedder."""
 
     def __init__(self, path: Path | None = None, device: str = "cpu") -> None:
-        from transformers import AutoModel, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()  # a process log, not a terminal
         path = path or encoder_dir()
         try:
@@ -139,6 +138,10 @@ class Encoder:
         return self.embed_ids(ids, batch_size)
 
 
-def decode_recent(tokenizer, ids: Sequence[int]) -> str:
-    """LM ids -> text for the encoder; special tokens (chat markers, EOS) carry no domain."""
-    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True) if ids else ""
+def recent_text(tokenizer, generated: Sequence[int], T: int) -> str:
+    """A snapshot's recent text: the last `T` generated LM ids as text ("" for T = 0).
+    Special tokens (chat markers, EOS) carry no domain and are dropped; whitespace alone
+    counts as no text, so the head sees its prompt-only input then."""
+    ids = [int(i) for i in generated[-T:]] if T > 0 else []
+    text = tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+    return text if text.strip() else ""

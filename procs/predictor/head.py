@@ -14,13 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open
 from torch import nn
 
 from memspec.common.errors import ModelError
+from memspec.procs.predictor import DEFAULT_HEAD
 
 FORMAT = "memspec-predictor-head/1"
 N_FLAGS = 2  # one-hot [prompt only, prompt + recent]: the two inputs look different
-RETRAIN = "retrain it: python -m memspec.procs.predictor.train_head"
+RETRAIN = "retrain it: memspec predictor train"
 
 
 class RankHead(nn.Module):
@@ -117,13 +120,10 @@ def read_info(path: Path) -> dict[str, Any]:
 def load_head(path: Path, names: Sequence[str] | None = None) -> RankHead:
     """Load and validate; with ``names`` the head must cover exactly those drafts (any order),
     and its columns come back in ``names`` order."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"predictor head not found at {path}",
-                         "train one: python -m memspec.procs.predictor.train_head")
+                         "train one: memspec predictor train")
     doc = read_info(path)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -151,6 +151,4 @@ def load_head(path: Path, names: Sequence[str] | None = None) -> RankHead:
 
 
 def default_head_path() -> Path:
-    from memspec.procs.predictor import DEFAULT_HEAD
-
     return DEFAULT_HEAD

@@ -7,6 +7,7 @@ queue instead of failing; connects PUSH to the supervisor's control endpoint C a
 Ready once the head, tokenizer and encoder are loaded, then a Heartbeat every 0.5 s. When
 several snapshots of one request are queued only the newest is answered: a stale ranking
 is worthless to the decoder and answering it would only add latency to the fresh one.
+Only Snapshot is accepted on the ROUTER; SIGTERM stops the process.
 """
 
 from __future__ import annotations
@@ -23,22 +24,24 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import zmq  # noqa: E402
 
+from memspec.common.config import load_pool  # noqa: E402
 from memspec.common.errors import MemspecError, ModelError  # noqa: E402
 from memspec.common.messages import (  # noqa: E402
+    PREDICTOR_REQUESTS,
     Error,
     Heartbeat,
+    PredictorInfo,
     ProtocolError,
     Ranking,
     Ready,
-    Shutdown,
     Snapshot,
 )
-from memspec.common.sockets import configure, recv, send  # noqa: E402
+from memspec.common.sockets import RejectLog, configure, recv, send  # noqa: E402
+from memspec.procs.predictor import DEFAULT_HEAD  # noqa: E402
 
 PROC = "predictor"
 HEARTBEAT_S = 0.5
 MAX_DRAIN = 256  # messages read per wake-up before answering; bounds one round's latency
-LOG_LIMIT = 50  # rejected-message log lines before going quiet (a flood must not fill disks)
 
 
 def log(msg: str) -> None:
@@ -62,15 +65,11 @@ class Server:
         self.router, self.control, self.ranker = router, control, ranker
         self.pid = os.getpid()
         self.stop = False
-        self.rejected = 0
+        self.rejected = RejectLog(log)
         self.dropped_stale = 0
 
     def reject(self, ident: bytes | None, req_id: str, reason: str) -> None:
-        self.rejected += 1
-        if self.rejected <= LOG_LIMIT:
-            log(f"rejected message: {reason}")
-        elif self.rejected == LOG_LIMIT + 1:
-            log("further rejected messages are not logged")
+        self.rejected(reason)
         if ident is not None:
             send(self.router, Error(req_id=req_id, message=f"{PROC}: {reason}"), ident=ident)
 
@@ -78,19 +77,17 @@ class Server:
         snaps: list[tuple[bytes, Snapshot]] = []
         for _ in range(MAX_DRAIN):
             try:
-                ident, msg, _raw = recv(self.router, router=True, flags=zmq.NOBLOCK)
+                ident, msg = recv(self.router, PREDICTOR_REQUESTS, router=True,
+                                  flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
+            except ValueError:  # no routing identity: cannot be answered
+                self.reject(None, "", "no routing identity")
+                continue
             if isinstance(msg, ProtocolError):
                 self.reject(ident, "", str(msg))
-            elif isinstance(msg, Snapshot):
-                snaps.append((ident, msg))
-            elif isinstance(msg, Shutdown):
-                log(f"shutdown requested{': ' + msg.reason if msg.reason else ''}")
-                self.stop = True
             else:
-                self.reject(ident, getattr(msg, "req_id", ""),
-                            f"unexpected message type {msg.TYPE!r}")
+                snaps.append((ident, msg))
         return snaps
 
     def answer(self, snaps: list[tuple[bytes, Snapshot]]) -> None:
@@ -173,21 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         t0 = time.perf_counter()
-        from memspec.common.config import load_pool
-        from memspec.procs.predictor import DEFAULT_HEAD
-
         pool = load_pool(args.pool, check=False)
         # checked before torch is imported: the commonest setup mistake fails in a blink
         head = Path(args.head or pool.predictor_head or DEFAULT_HEAD)
         if not head.is_file():
             raise ModelError(f"predictor head not found at {head}",
-                             "train one: python -m memspec.procs.predictor.train_head")
+                             "train one: memspec predictor train")
         try:
             router.bind(args.endpoint)
         except zmq.ZMQError as exc:
             raise MemspecError(f"cannot bind {args.endpoint} ({exc})",
                                "pick a free endpoint") from None
-        import torch
+        import torch  # only now: a missing head or a busy endpoint fails in a blink
 
         from memspec.procs.predictor.ranker import Ranker
 
@@ -196,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         ranker = Ranker.load(pool, head, device=args.device)
         load_s = time.perf_counter() - t0
         server = Server(router, control, ranker)
-        send(control, Ready(proc=PROC, pid=os.getpid(), info={
-            "drafts": ranker.names, "load_s": round(load_s, 3), "head": str(head),
-            "device": args.device, "threads": torch.get_num_threads(), "T": ranker.T}))
+        send(control, Ready(proc=PROC, pid=os.getpid(), info=PredictorInfo(
+            drafts=ranker.names, load_s=round(load_s, 3), head=str(head), device=args.device,
+            threads=torch.get_num_threads(), T=ranker.T)))
         log(f"ready in {load_s:.1f}s: ranking {', '.join(ranker.names)}")
         server.serve()
         return 0

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from memspec.common.config import PoolConfig
-from memspec.procs.predictor.encoder import Encoder, decode_recent
+from memspec.procs.decoder.models import load_tokenizer
+from memspec.procs.predictor.encoder import Encoder, recent_text
 from memspec.procs.predictor.head import RankHead, default_head_path, load_head
 
 
@@ -33,8 +34,6 @@ class Ranker:
     @classmethod
     def load(cls, pool: PoolConfig, head: Path | None = None, device: str = "cpu") -> Ranker:
         """Head first (cheap, most likely to be wrong), then tokenizer, then encoder."""
-        from memspec.procs.decoder.models import load_tokenizer
-
         names = [d.name for d in pool.drafts]
         if not names:  # a target-only pool: answer every snapshot with an empty ranking
             return cls(None, None, load_tokenizer(pool.target), [], pool.T)
@@ -56,9 +55,7 @@ class Ranker:
         t0 = time.perf_counter()
         if self.head is None or self.encoder is None:
             return [[] for _ in prompts], 0.0
-        recents = [decode_recent(self.tokenizer, list(ids)[-self.T:] if self.T else [])
-                   for ids in recent_ids]
-        recents = [r if r.strip() else "" for r in recents]  # as in training: no text, no flag
+        recents = [recent_text(self.tokenizer, ids, self.T) for ids in recent_ids]
         emb = self.encoder.embed(prompts, recents).to(next(self.head.parameters()).device)
         probs = self.head.probs(emb, torch.tensor([bool(r) for r in recents]).to(emb.device))
         return probs.cpu().tolist(), time.perf_counter() - t0

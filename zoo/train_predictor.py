@@ -9,8 +9,8 @@ prompt + recent), one frozen-encoder head each, trained on the `train` prompt se
 prompts, but the drafts were distilled on their responses, so labels there are ~99% "the
 domain draft") plus the `predictor` set (held-out prompts 51-90 per domain, which neither
 the drafts nor any evaluation saw: the real label mix), and measured on the held-out
-evaluation prompts (the first 20 per domain). The runtime head (what the predictor process loads) sees what the
-runtime sends: the prompt alone at p = 0 and prompt + recent text later.
+evaluation prompts (the first 20 per domain). The runtime head (what the predictor process
+loads) sees what the runtime sends: the prompt alone at p = 0 and prompt + recent text later.
 
     memspec predictor train [--out predictor/] [--json]
 """
@@ -27,27 +27,33 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.paths import PACKAGE_ROOT, memspec_home
+from memspec.procs.decoder.models import load_tokenizer
+from memspec.procs.decoder.replay import utility_label
 from memspec.procs.predictor.encoder import (
     ENCODER_NAME,
     MAX_PIECES,
     PROMPT_HEAD_FRACTION,
     RECENT_MAX,
     Encoder,
-    decode_recent,
+    recent_text,
 )
 from memspec.procs.predictor.head import RankHead, save_head
+from memspec.zoo.tablestore import (
+    TraceTables,
+    load_pool_tables,
+    trajectories_path,
+    trajectory_rows,
+)
+from memspec.zoo.trajectories import read_prompts
 
-if TYPE_CHECKING:
-    from memspec.zoo.tablestore import TraceTables
-
-TRAINER = "memspec.procs.predictor.train_head (utility labels)"
+TRAINER = "memspec.zoo.train_predictor (utility labels)"
 LABELS = ("draft with the highest utility over the next N-iteration interval, from acceptance "
           "tables; tie-breaker: next 4 intervals")
 MODES = ("prompt_only", "recent_only", "prompt_recent")
@@ -57,7 +63,7 @@ LOSSES = ("plain", "balanced")
 
 
 def log(msg: str) -> None:
-    print(f"[train_head] {msg}", file=sys.stderr, flush=True)
+    print(f"[predictor train] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,6 @@ def scheduling_labels(tables_by_draft: Mapping[str, Sequence[int]], names: Seque
                       length: int, gamma: int, interval: int, every: int
                       ) -> tuple[list[tuple[int, int]], int]:
     """([(position, label index)], exact ties skipped) for p = 0, every, ... < length."""
-    from memspec.zoo.tables import utility_label
-
     ordered = {n: tables_by_draft[n] for n in names}  # ties resolve in pool order
     out, ties = [], 0
     for p in range(0, length, every):
@@ -113,13 +117,13 @@ class ExampleSet:
 
 def build_examples(trajectories: Mapping[str, dict], prompts: Mapping[str, str],
                    tables: Mapping[str, dict], names: Sequence[str],
-                   decode: Callable[[Sequence[int]], str], gamma: int, T: int,
+                   recent_of: Callable[[Sequence[int]], str], gamma: int,
                    interval: int, every: int) -> ExampleSet:
     """Examples of all three modes at every scheduling point of every trajectory.
 
-    ``tables`` is ``TraceTables.rows``; ``decode`` turns target ids into text. Recent text
-    that is whitespace only counts as none, as in the runtime's ranker; recent-only has no
-    input then (and at p = 0), so it drops those points.
+    ``tables`` is ``TraceTables.rows``; ``recent_of`` turns the generated ids so far into a
+    snapshot's recent text, as the predictor process does (encoder.recent_text: "" when
+    there is none, so recent-only drops those points, and p = 0).
     """
     out = ExampleSet()
     for tid in sorted(trajectories):
@@ -135,8 +139,7 @@ def build_examples(trajectories: Mapping[str, dict], prompts: Mapping[str, str],
         out.ties += ties
         out.positions += len(points)
         for p, y in points:
-            recent = decode(tokens[max(0, p - T):p]) if p else ""
-            recent = recent if recent.strip() else ""
+            recent = recent_of(tokens[:p])
             out.modes["prompt_only"].append(Example(tid, y, prompt, ""))
             out.modes["prompt_recent"].append(Example(tid, y, prompt, recent))
             if recent:
@@ -160,8 +163,6 @@ class EmbeddingCache:
         self.keys_file = root / f"{ENCODER_NAME}.keys.json"
         self.table: dict[str, torch.Tensor] = {}
         if self.file.is_file() and self.keys_file.is_file():
-            from safetensors.torch import load_file
-
             try:
                 emb = load_file(str(self.file))["emb"]
                 keys = json.loads(self.keys_file.read_text())
@@ -211,8 +212,6 @@ class EmbeddingCache:
         return torch.stack([self.table[self.key(ex)] for ex in examples])
 
     def save(self) -> None:
-        from safetensors.torch import save_file
-
         self.root.mkdir(parents=True, exist_ok=True)
         keys = list(self.table)
         save_file({"emb": torch.stack([self.table[k] for k in keys]).contiguous()}, str(self.file))
@@ -399,8 +398,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def prompt_texts() -> dict[str, str]:
     """Prompt text by id: the train set and every held-out domain file."""
-    from memspec.zoo.trajectories import read_prompts
-
     out = {}
     for path in sorted((PACKAGE_ROOT / "prompts").glob("*.jsonl")):
         out.update({p["id"]: p["prompt"] for p in read_prompts(path)})
@@ -409,8 +406,6 @@ def prompt_texts() -> dict[str, str]:
 
 def _read_set(pool, which: str, names: Sequence[str]) -> tuple[TraceTables, dict[str, dict]]:
     """Tables and trajectories of one prompt set, or a one-line error naming the fix."""
-    from memspec.zoo.tablestore import load_pool_tables, trajectories_path, trajectory_rows
-
     tables = load_pool_tables(pool, which)
     if tables.drafts != list(names):
         raise ConfigError(f"{which} tables cover drafts {tables.drafts}, the pool has "
@@ -437,7 +432,7 @@ def _examples(which: str, tables: TraceTables, trajs: Mapping[str, dict], names:
               prompts: Mapping[str, str], tokenizer, T: int, interval: int, every: int
               ) -> ExampleSet:
     got = build_examples(trajs, prompts, tables.rows, names,
-                         lambda ids: decode_recent(tokenizer, ids), tables.gamma, T,
+                         lambda ids: recent_text(tokenizer, ids, T), tables.gamma,
                          interval, every)
     if got.missing:
         log(f"{which}: {len(got.missing)} trajectories without tables or prompt text skipped "
@@ -452,8 +447,6 @@ def _examples(which: str, tables: TraceTables, trajs: Mapping[str, dict], names:
 
 
 def _run(args: argparse.Namespace) -> dict[str, object]:
-    from memspec.procs.decoder.models import load_tokenizer
-
     t0 = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)

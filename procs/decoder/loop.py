@@ -1,0 +1,368 @@
+"""The MemSpec scheduling loop (paper Alg. 3), written once for the runtime and the simulator.
+
+Every N iterations: drain what the loader and the predictor sent, let the policy (and its
+cache manager, Alg. 2) decide loads and evictions, run the best *resident* draft for N
+iterations, then send a snapshot for the next ranking. Loads complete in the loader; the
+loop learns of them at scheduling points and never waits for one (mab-sync is the one
+policy that chooses to block, which is what it is there to show).
+
+Nothing here touches a socket, a model or the wall clock. Time comes from a `Clock`, the
+loader and the predictor are reached through `Channels`, landed drafts are bound by
+`Slots`, and iterations run on an `Executor`. The decoder process passes a monotonic
+clock, ZeroMQ sockets and the engine (procs/decoder/service.py); the replay simulator
+(memspec.sim.simulate) passes a simulated clock, an event queue that plays loader and
+predictor, and acceptance tables priced by a cost model. Both therefore run this very
+code, message handling included: stale generations, quarantine, re-issued loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import msgspec
+
+from memspec.common.errors import MemspecError
+from memspec.common.messages import (
+    Cancel,
+    Error,
+    Load,
+    Loaded,
+    LoadFailed,
+    Message,
+    PeerRestarted,
+    Ranking,
+    Snapshot,
+)
+from memspec.common.metrics import IterationRecord, LoadEvent, RunStats, Summary, Trace
+from memspec.procs.decoder.policies import Decision, Policy, SchedView
+from memspec.procs.decoder.residency import Slot, SlotState, SlotTable
+
+INITIAL_RANKING_TIMEOUT_S = 2.0  # a predictor that does not answer must not stall requests
+RANKING_POLL_S = 0.05
+RESIDENCY_POLL_S = 0.02
+Overhead = Literal["sched", "inner", "post"]
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    def overhead(self, kind: Overhead) -> None:
+        """The loop's own work happens here: "sched" at a scheduling point (drain, decide,
+        heartbeat), "inner" between two iterations of one interval, "post" from the last
+        iteration to the reply. Real time passes by itself (a no-op); a simulated clock
+        charges what the cost model measured."""
+
+
+class Channels(Protocol):
+    """The loader and the predictor: Load/Cancel/Snapshot out; waiting is always `poll`."""
+
+    def send(self, msg: Load | Cancel | Snapshot) -> None: ...
+
+    def poll(self, timeout_s: float) -> list[Message]:
+        """Replies that arrived within `timeout_s` (0: only those already there)."""
+
+    def heartbeat(self, state: str) -> None: ...
+
+
+class Slots(Protocol):
+    """Where loaded drafts live: slot memory bound into the engine, or the simulator's books."""
+
+    def load_request(self, slot: int, generation: int, draft: str) -> Load: ...
+
+    def bind(self, slot: int, generation: int, draft: str) -> None:
+        """Make a landed draft runnable; a MemspecError quarantines it."""
+
+    def unbind(self, draft: str) -> None: ...
+
+
+class Executor(Protocol):
+    """One request's iterations: the engine's Session, or tables priced by a cost model."""
+
+    stats: RunStats
+
+    @property
+    def done(self) -> bool: ...
+
+    def step(self, draft: str | None, desired: bool) -> IterationRecord:
+        """One SD iteration of a resident `draft`, or a target-only step for None."""
+
+    def recent(self, n: int) -> list[int]:
+        """The last `n` generated token ids (what a snapshot carries)."""
+
+
+@dataclass
+class Job:
+    """One request as the loop runs it."""
+
+    req_id: str
+    prompt: str
+    policy: Policy
+    executor: Executor
+    t_start: float  # clock time the request arrived (prefill happened since)
+    trace: bool = False  # keep iteration records and residency events for the summary
+
+
+@dataclass
+class _Running:
+    job: Job
+    events: list[LoadEvent] | None
+    active: str | None = None  # the draft of the last interval
+    iteration: int = 0
+    seq: int = 0  # last snapshot sent
+    rank_seq: int = -1  # newest ranking taken
+    t_loop: float = 0.0
+    t_initial: float = 0.0
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+class Controller:
+    """The slot table, the newest ranking and at most one running request.
+
+    `start` opens a request (first snapshot, a bounded wait for the first ranking), `step`
+    runs one scheduling interval and returns the summary once the request is done, and
+    `handle` takes any reply at any time, also between requests.
+    """
+
+    def __init__(self, drafts: Sequence[str], general: str, capacity: int, N: int, T: int,
+                 clock: Clock, channels: Channels, slots: Slots, *, cold_start: bool = False,
+                 log: Callable[[str], None] = _quiet) -> None:
+        self.drafts, self.general, self.N, self.T = tuple(drafts), general, N, T
+        self.clock, self.channels, self.slots = clock, channels, slots
+        self.cold_start = cold_start
+        self.log = log
+        self.table = SlotTable.create(capacity)
+        self.scores: dict[str, float] | None = None
+        self.running: _Running | None = None
+        self.on_slots_changed: Callable[[], None] | None = None
+
+    # ---- replies from the loader and the predictor, and supervisor notices --------------
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, Loaded):
+            self._on_loaded(msg)
+        elif isinstance(msg, LoadFailed):
+            slot = self.table.fail(msg.slot, msg.generation, msg.draft, msg.reason)
+            if slot is not None:
+                self._event("failed", msg.draft, msg.slot)
+                if msg.reason != "cancelled":
+                    self.log(f"draft '{msg.draft}' quarantined: {msg.reason}")
+            self._changed()
+        elif isinstance(msg, Ranking):
+            run = self.running
+            if run is not None and msg.req_id == run.job.req_id and msg.seq >= run.rank_seq:
+                run.rank_seq = msg.seq
+                self.scores = dict(zip(msg.drafts, msg.scores))
+        elif isinstance(msg, PeerRestarted) and msg.proc == "loader":
+            self._reissue_loads()
+        elif isinstance(msg, Error):
+            self.log(f"peer reported: {msg.message}")
+
+    def drain(self, timeout_s: float = 0.0) -> None:
+        for msg in self.channels.poll(timeout_s):
+            self.handle(msg)
+
+    def _on_loaded(self, msg: Loaded) -> None:
+        slot = self.table.complete(msg.slot, msg.generation, msg.draft)
+        if slot is None:
+            self.log(f"ignored stale completion slot={msg.slot} gen={msg.generation} "
+                     f"({msg.draft})")
+            return
+        t0 = self.clock.now()
+        try:
+            self.slots.bind(slot.index, slot.generation, msg.draft)
+        except MemspecError as exc:
+            self.table.failed[msg.draft] = str(exc)
+            self.table.release(slot)
+            self.log(f"draft '{msg.draft}' quarantined: {exc}")
+            self._changed()
+            return
+        self._event("loaded", msg.draft, slot.index, msg.seconds, self.clock.now() - t0)
+        if self.running is not None:
+            stats = self.running.job.executor.stats
+            stats.loads += 1
+            stats.bytes_loaded += msg.nbytes
+        self._changed()
+
+    def _reissue_loads(self) -> None:
+        """A restarted loader forgot its queue: every load in flight is issued again."""
+        for slot in self.table.slots:
+            if slot.state == SlotState.LOADING and slot.draft:
+                draft = slot.draft
+                self.table.release(slot)
+                new = self.table.begin_load(draft)
+                if new is not None:
+                    self._send_load(new)
+        self.log("loader restarted: pending loads re-issued")
+
+    def _changed(self) -> None:
+        if self.on_slots_changed:
+            self.on_slots_changed()
+
+    def _event(self, kind: str, draft: str, slot: int, seconds: float = 0.0,
+               bind_s: float = 0.0, at: float | None = None) -> None:
+        run = self.running
+        if run is not None and run.events is not None:
+            t = self.clock.now() if at is None else at
+            run.events.append(LoadEvent(t - run.job.t_start, kind, draft, slot, seconds, bind_s))
+
+    # ---- residency actions ---------------------------------------------------------------
+    def _send_load(self, slot: Slot) -> None:
+        draft = slot.draft or ""
+        self._event("load", draft, slot.index)
+        self.channels.send(self.slots.load_request(slot.index, slot.generation, draft))
+
+    def evict(self, draft: str) -> None:
+        slot = self.table.where(draft)
+        if slot is None:
+            return
+        if slot.state == SlotState.LOADING:
+            self.channels.send(Cancel(slot=slot.index, generation=slot.generation))
+        else:
+            self.slots.unbind(draft)
+            if self.running is not None:
+                self.running.job.executor.stats.evictions += 1
+        self.table.release(slot)
+        self._changed()
+
+    def prefetch(self, draft: str) -> None:
+        if draft in self.table.failed or self.table.where(draft) is not None:
+            return
+        slot = self.table.begin_load(draft)
+        if slot is not None:
+            self._send_load(slot)
+            self._changed()
+
+    def apply(self, decision: Decision) -> None:
+        for d in decision.actions.cancel:
+            self.evict(d)
+        for d in decision.actions.evict:
+            self.evict(d)
+        for d in decision.actions.prefetch:
+            self.prefetch(d)
+
+    def view(self, iteration: int, active: str | None) -> SchedView:
+        return SchedView(
+            iteration=iteration, drafts=self.drafts, general=self.general,
+            capacity=len(self.table.slots), resident=self.table.resident,
+            loading=self.table.loading, failed=frozenset(self.table.failed), active=active,
+            scores=self.scores)
+
+    # ---- one request (Alg. 3) ------------------------------------------------------------
+    def start(self, job: Job) -> None:
+        """Open a request: the first snapshot, then a bounded wait for its ranking."""
+        if self.running is not None:
+            raise RuntimeError(f"request {self.running.job.req_id} is still running")
+        if self.cold_start:
+            for d in sorted(self.table.resident | self.table.loading):
+                self.evict(d)
+        self.scores = None
+        run = self.running = _Running(job, [] if job.trace else None)
+        if job.policy.uses_predictor:
+            self._snapshot()
+            run.t_initial = self._wait_initial_ranking()
+            job.executor.stats.t_prediction += run.t_initial
+        run.t_loop = self.clock.now() - job.t_start
+
+    def step(self) -> Summary | None:
+        """One scheduling interval; the request's summary once it is done, else None."""
+        run = self.running
+        if run is None:
+            raise RuntimeError("no request is running")
+        job, ex = run.job, run.job.executor
+        if ex.done:
+            return self._finish()
+        self.clock.overhead("sched")
+        self.drain()
+        decision = job.policy.decide(self.view(run.iteration, run.active))
+        self.apply(decision)
+        draft = decision.run
+        if decision.wait_for is not None:
+            t_wait = self.clock.now()
+            waited = self._wait_resident(decision.wait_for)
+            ex.stats.t_load_wait += waited
+            self._event("wait", decision.wait_for, -1, waited, at=t_wait)
+            if decision.wait_for in self.table.resident:
+                draft = decision.wait_for
+        if draft is not None and draft not in self.table.resident:
+            draft = None  # a policy may only run resident drafts; guard, never block
+        desired = draft == decision.preferred
+        for i in range(self.N):
+            if i:
+                self.clock.overhead("inner")
+            rec = ex.step(draft, desired)
+            job.policy.observe(draft, rec.proposed, rec.accepted)
+            run.iteration += 1
+            if ex.done:
+                break
+        run.active = draft
+        if ex.done:
+            return self._finish()
+        self.channels.heartbeat("busy")
+        if job.policy.uses_predictor:
+            run.seq += 1
+            t0 = self.clock.now()
+            self._snapshot()
+            ex.stats.t_prediction += self.clock.now() - t0
+        return None
+
+    def abort(self, req_id: str) -> bool:
+        """Drop the running request `req_id` (loads in flight go on: they are slot state)."""
+        if self.running is None or self.running.job.req_id != req_id:
+            return False
+        self.running = None
+        return True
+
+    def _snapshot(self) -> None:
+        run = self.running
+        assert run is not None
+        recent = run.job.executor.recent(self.T) if self.T and run.seq else []
+        self.channels.send(Snapshot(req_id=run.job.req_id, seq=run.seq, prompt=run.job.prompt,
+                                    recent_ids=recent))
+
+    def _wait_initial_ranking(self) -> float:
+        """The paper's Alg. 3 ranks the prompt before decoding; bounded, so a predictor
+        that is down costs a request at most INITIAL_RANKING_TIMEOUT_S."""
+        run = self.running
+        assert run is not None
+        t0 = self.clock.now()
+        while run.rank_seq < 0:
+            left = INITIAL_RANKING_TIMEOUT_S - (self.clock.now() - t0)
+            if left <= 0:
+                self.log("no initial ranking (predictor down?): continuing without one")
+                break
+            self.drain(min(left, RANKING_POLL_S))
+        return self.clock.now() - t0
+
+    def _wait_resident(self, draft: str) -> float:
+        """Block until `draft` is resident or has failed (blocking policies only)."""
+        t0 = self.clock.now()
+        while draft not in self.table.resident and draft not in self.table.failed:
+            if draft not in self.table.loading:
+                self.prefetch(draft)
+                if draft not in self.table.loading:
+                    break  # no free slot and nothing to evict: give up waiting
+            self.channels.heartbeat("busy")
+            self.drain(RESIDENCY_POLL_S)
+        return self.clock.now() - t0
+
+    def _finish(self) -> Summary:
+        run = self.running
+        assert run is not None
+        job, stats = run.job, run.job.executor.stats
+        self.clock.overhead("post")
+        stats.t_e2e = self.clock.now() - job.t_start
+        summary = stats.report()
+        summary.policy = job.policy.name
+        summary.quarantined = dict(self.table.failed)
+        summary.resident_at_end = sorted(self.table.resident)
+        if run.events is not None:
+            summary.trace = Trace(
+                iterations=[msgspec.structs.replace(r, t_start=r.t_start - job.t_start)
+                            for r in stats.records],
+                loads=run.events, loop_start=run.t_loop, initial_prediction=run.t_initial)
+        self.running = None
+        return summary

@@ -1,0 +1,204 @@
+"""The decoder's side of the scheduling loop: requests in, the engine and slot memory below.
+
+`DecoderService` turns a Submit into a `Job` for the shared loop (procs/decoder/loop.py):
+prompt ids, the policy (with an oracle plan from traced tables when asked), and an engine
+Session as the loop's Executor. Tokens stream out as the engine commits them and a Done
+follows the last interval. A request that cannot be served (bad prompt, an oracle without
+tables, sampling an oracle) gets an Error reply; an exception from the engine is not
+caught here: the process dies and the supervisor restarts it, because a failed forward
+may have left the engine's state corrupt.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memspec.common.config import PoolConfig
+from memspec.common.errors import MemspecError
+from memspec.common.files import sha256_file
+from memspec.common.messages import Done, Error, Load, Message, Submit, Tokens
+from memspec.common.metrics import IterationRecord, RunStats
+from memspec.common.safetensors_layout import Layout, read_layout
+from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.procs.decoder.engine import Session, SpecEngine
+from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
+from memspec.procs.decoder.models import encode_prompt
+from memspec.procs.decoder.oracle import (
+    ORACLE_POLICIES,
+    OracleIndex,
+    make_plan,
+    oracle_index,
+    prompt_tables,
+)
+from memspec.procs.decoder.policies import make_policy
+from memspec.procs.decoder.slots import SlotBuffer, bind_draft, draft_weights_file
+
+Emit = Callable[[Message], None]
+
+
+def log(msg: str) -> None:
+    print(f"[decoder] {msg}", file=sys.stderr, flush=True)
+
+
+class MonotonicClock:
+    """Real time (the engine stamps iterations with the same perf_counter)."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def overhead(self, kind: Overhead) -> None:
+        pass
+
+
+@dataclass
+class DraftFile:
+    path: Path
+    layout: Layout
+    sha256: str  # of the data section: what the loader checks after copying it
+
+
+def draft_files(pool: PoolConfig) -> dict[str, DraftFile]:
+    """Header layout and data-section checksum of every draft, read once at start."""
+    out = {}
+    for d in pool.drafts:
+        path = draft_weights_file(d.path)
+        layout = read_layout(path)
+        out[d.name] = DraftFile(path, layout, sha256_file(path, layout.data_offset,
+                                                          layout.data_size))
+    return out
+
+
+class EngineSlots:
+    """Slot memory shared with the loader; a landed draft is bound as views into its slot."""
+
+    def __init__(self, pool: PoolConfig, engine: SpecEngine, buffers: list[SlotBuffer],
+                 handles: list[str], transport: str, files: dict[str, DraftFile],
+                 bandwidth_bytes_s: float = 0.0) -> None:
+        self.pool, self.engine, self.buffers = pool, engine, buffers
+        self.handles, self.transport, self.files = handles, transport, files
+        self.bandwidth = bandwidth_bytes_s
+
+    def load_request(self, slot: int, generation: int, draft: str) -> Load:
+        f = self.files[draft]
+        return Load(slot=slot, generation=generation, draft=draft, path=str(f.path),
+                    transport=self.transport, handle=self.handles[slot],
+                    capacity=self.buffers[slot].capacity, storage=self.pool.storage,
+                    bandwidth_bytes_s=self.bandwidth, expected_sha256=f.sha256)
+
+    def bind(self, slot: int, generation: int, draft: str) -> None:
+        buf = self.buffers[slot]
+        buf.generation, buf.draft = generation, draft
+        bound = bind_draft(draft, self.pool.draft(draft).path, buf, self.files[draft].layout,
+                           target_vocab=self.engine.vocab, parts=self.engine.target_parts)
+        self.engine.add_draft(bound)
+
+    def unbind(self, draft: str) -> None:
+        self.engine.remove_draft(draft)
+
+
+class SessionExecutor:
+    """An engine Session as the loop's Executor."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.stats: RunStats = session.stats
+
+    @property
+    def done(self) -> bool:
+        return self.session.done
+
+    def step(self, draft: str | None, desired: bool) -> IterationRecord:
+        return self.session.step(draft, desired=desired)
+
+    def recent(self, n: int) -> list[int]:
+        return self.session.generated[-n:] if n > 0 else []
+
+
+@dataclass
+class _Current:
+    req: Submit
+    emit: Emit
+    session: Session
+
+
+class DecoderService:
+    """At most one request on the loop; `step` is one scheduling interval of it."""
+
+    def __init__(self, pool: PoolConfig, engine: SpecEngine, tokenizer: Any,
+                 slots: EngineSlots, channels: Channels, cold_start: bool = False) -> None:
+        self.pool, self.engine, self.tokenizer = pool, engine, tokenizer
+        self.clock = MonotonicClock()
+        self.controller = Controller(
+            [d.name for d in pool.drafts], pool.general, len(slots.buffers), pool.N, pool.T,
+            self.clock, channels, slots, cold_start=cold_start, log=log)
+        self.current: _Current | None = None
+        self._oracles: OracleIndex | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def start(self, req: Submit, emit: Emit) -> None:
+        """Open a request; one that cannot be served is answered with an Error at once."""
+        try:
+            self._start(req, emit)
+        except MemspecError as exc:
+            self.current = None
+            self.controller.abort(req.req_id)
+            emit(Error(req_id=req.req_id, message=str(exc)))
+
+    def _start(self, req: Submit, emit: Emit) -> None:
+        t_start = self.clock.now()
+        policy_name = req.policy or self.pool.policy
+        params = SamplingParams(req.temperature, req.top_p, req.seed)
+        ids = encode_prompt(self.tokenizer, req.prompt)
+        plan = None
+        if policy_name in ORACLE_POLICIES:
+            if self._oracles is None:
+                self._oracles = oracle_index(self.pool)
+                log(f"oracle tables for {len(self._oracles)} traced prompts")
+            tables = prompt_tables(self._oracles, policy_name, ids, params.greedy)
+            plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
+                             lambda: len(self.current.session.generated) if self.current else 0)
+        ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
+        policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
+        max_new = req.max_new_tokens or self.pool.max_new_tokens
+        streamed = [""]
+
+        def stream(new: list[int]) -> None:
+            text = self.tokenizer.decode(session.generated, skip_special_tokens=True)
+            emit(Tokens(req_id=req.req_id, ids=new, text=text[len(streamed[0]):]))
+            streamed[0] = text
+
+        session = self.engine.start(ids, max_new, params, stream)
+        self.current = _Current(req, emit, session)
+        self.controller.start(Job(req.req_id, req.prompt, policy, SessionExecutor(session),
+                                  t_start, trace=req.trace))
+
+    def step(self) -> None:
+        """One scheduling interval of the running request; its Done after the last one."""
+        cur = self.current
+        if cur is None:
+            return
+        summary = self.controller.step()
+        if summary is None:
+            return
+        self.current = None
+        cur.emit(Done(req_id=cur.req.req_id,
+                      text=self.tokenizer.decode(cur.session.generated, skip_special_tokens=True),
+                      token_ids=cur.session.generated, stats=summary))
+
+    def abort(self, req_id: str, reason: str = "aborted") -> bool:
+        """Stop the running request `req_id` at this scheduling point with an Error reply."""
+        cur = self.current
+        if cur is None or cur.req.req_id != req_id:
+            return False
+        self.controller.abort(req_id)
+        self.current = None
+        cur.emit(Error(req_id=req_id, message=reason))
+        return True
