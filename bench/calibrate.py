@@ -14,11 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from memspec.bench.realruns import RealRequest, run_real
 from memspec.common.config import PoolConfig
-from memspec.procs.decoder.engine import forward_with_cache
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 from memspec.sim.costmodel import CostModel, fit
@@ -35,15 +33,16 @@ def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     spec = pool.general_draft
     bound = load_into_slot(spec.name, spec.path, SlotBuffer(slot_capacity(pool)))
+    cache = bound.new_cache(max(CATCHUP_TOKENS) + 16)
     out = []
     with torch.inference_mode():
         for n in CATCHUP_TOKENS:
-            ids = torch.randint(0, 1000, (1, n))
-            forward_with_cache(bound.model, ids, DynamicCache(), logits_to_keep=1)  # warm
+            ids = torch.randint(0, 1000, (n,))
+            bound.runner.forward(ids, 0, cache, last_only=True)  # warm
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                forward_with_cache(bound.model, ids, DynamicCache(), logits_to_keep=1)
+                bound.runner.forward(ids, 0, cache, last_only=True)
                 times.append(time.perf_counter() - t0)
             out.append((n, statistics.median(times)))
     _log("catch-up " + ", ".join(f"{n} tok {s * 1e3:.1f} ms" for n, s in out))

@@ -1,8 +1,15 @@
-"""`memspec bench engine`: engine overhead and target-only vs speculative tokens/s, side by side.
+"""`memspec bench engine`: the engine against the hardware floor and against llama.cpp.
 
-Overhead is the engine's mean iteration time over the time of the bare model forwards the
-same iteration performs (gamma draft steps + one verify of gamma+1 tokens), replayed with
-the same cache lengths in a tight loop. Both are measured in one run on this machine.
+Measured in one run on this machine, for the pool's chosen target precision and for every
+other one tried (fp32 is the eager HF path the engine had before static caches):
+- the floor: the target's weights as a bare pass of matmuls (every layer's 7 projections
+  and the LM head, no attention, no glue), with the fastest kernels this build has;
+- the engine's target step (1 token), verify (gamma+1 tokens) and draft step costs;
+- target-only and general-static tokens/s on dev prompts, interleaved per prompt;
+- where each precision's greedy output first departs from fp32's, per prompt;
+- llama.cpp's target-only tokens/s on the same GGUF with the same thread count, when the
+  optional `llama-cpp-python` is installed (`pip install memspec[bench]`);
+- how much a busy predictor and loader slow the decoder's iterations (interference).
 """
 
 from __future__ import annotations
@@ -15,95 +22,234 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from memspec.common.config import load_pool
-from memspec.common.machine import machine_line
-from memspec.procs.decoder.engine import forward_with_cache
-from memspec.procs.decoder.inprocess import build_local, run_request
-from memspec.zoo.trajectories import read_prompts
+from memspec.common.config import PoolConfig, load_pool
+from memspec.common.machine import machine_info, machine_line
+from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.procs.decoder.inprocess import LocalRuntime, build_local, run_request
+from memspec.procs.decoder.linear import make_linear
+from memspec.procs.decoder.models import encode_prompt
+from memspec.procs.decoder.native import extension, linear_spec
+from memspec.procs.decoder.precision import resolve_dtype
+from memspec.procs.decoder.runners import load_state_dict, read_config
+from memspec.zoo.prompts import load_prompts
 
-DOMAINS = ("general", "code", "math", "law", "medical")
-
-
-def _prompts(n: int) -> list[tuple[str, str]]:
-    root = Path(__file__).resolve().parent.parent / "prompts"
-    out = []
-    for i in range(n):
-        domain = DOMAINS[i % len(DOMAINS)]
-        rows = read_prompts(root / f"{domain}.jsonl")
-        out.append((domain, rows[i // len(DOMAINS)]["prompt"]))
-    return out
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+DTYPES = ("int4", "int8", "bfloat16", "float32")
 
 
-@torch.inference_mode()
-def _raw_iteration_s(target, draft, ctx: int, gamma: int, reps: int = 10) -> float:
-    """Bare forwards of one SD iteration at context length ``ctx``, no engine logic."""
-    vocab_d = draft.get_input_embeddings().weight.shape[0]
-    tc, dc = DynamicCache(), DynamicCache()
-    forward_with_cache(target, torch.randint(0, 1000, (1, ctx)), tc, logits_to_keep=1)
-    forward_with_cache(draft, torch.randint(0, vocab_d, (1, ctx)), dc, logits_to_keep=1)
+def _log(msg: str) -> None:
+    print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
+
+
+def _median_ms(fn, reps: int = 15, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        forward_with_cache(draft, torch.randint(0, vocab_d, (1, 2)), dc, logits_to_keep=1)
-        for _ in range(gamma - 1):
-            forward_with_cache(draft, torch.randint(0, vocab_d, (1, 1)), dc)
-        forward_with_cache(target, torch.randint(0, 1000, (1, gamma + 1)), tc)
+        fn()
         times.append(time.perf_counter() - t0)
-        dc.crop(-(gamma + 1))
-        tc.crop(-(gamma + 1))
-    return statistics.median(times)
+    return 1e3 * statistics.median(times)
 
 
-def run(pool_path: str | None, n_prompts: int, max_new: int) -> dict[str, Any]:
+def floor_fns(pool: PoolConfig, dtype: str, rows: int):
+    """A bare matmul pass over the target's weights in ``dtype``: PyTorch's kernels for
+    fp32 / bf16, this build's block kernels for int4 / int8 (PyTorch's without them)."""
+    cfg = read_config(pool.target)
+    weights = load_state_dict(pool.target)
+    act = torch.float32 if dtype == "float32" else torch.bfloat16
+    ext = extension()
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    mats = [weights[f"model.layers.{i}.{name}.weight"]
+            for i in range(int(cfg["num_hidden_layers"])) for name in PROJECTIONS]
+    plan = []
+    for w, fmt in [(m, dtype) for m in mats] + [(head, "int8" if dtype == "int4" else dtype)]:
+        lin = make_linear(w, fmt, act)
+        x_dtype = act
+        if ext is not None and fmt in ("int4", "int8", "bfloat16"):
+            spec = linear_spec(lin, bool(ext.qgemm_available()), bool(ext.bf16_available()))
+            lin, x_dtype = ext.Linear(spec), torch.float32
+        plan.append((lin, torch.randn(rows, w.shape[1]).to(x_dtype)))
+    del weights, mats
+
+    @torch.inference_mode()
+    def run() -> None:
+        for lin, x in plan:
+            lin(x)
+
+    return run
+
+
+@torch.inference_mode()
+def costs(rt: LocalRuntime, pool: PoolConfig, dtype: str, ctx: int) -> dict[str, float]:
+    """Step, verify and draft-step times of the engine's own runners at context ``ctx``."""
+    eng, g = rt.engine, pool.gamma
+    target = eng.target
+    cache = target.new_cache(eng.max_len)
+    target.forward(torch.randint(0, 1000, (ctx,)), 0, cache, last_only=True)
+    one = torch.randint(0, 1000, (1,))
+    many = torch.randint(0, 1000, (g + 1,))
+    out = {"step_ms": _median_ms(lambda: target.forward(one, ctx, cache)),
+           "verify_ms": _median_ms(lambda: target.forward(many, ctx, cache))}
+    rt.ensure_resident(pool.general)
+    draft = eng.drafts[pool.general]
+    dcache = draft.new_cache(eng.max_len)
+    draft.runner.forward(torch.randint(0, 1000, (ctx,)), 0, dcache, last_only=True)
+    out["draft_step_ms"] = _median_ms(lambda: draft.runner.forward(one, ctx, dcache))
+    for rows, key in ((1, "floor_step_ms"), (g + 1, "floor_verify_ms")):
+        fn = floor_fns(pool, dtype, rows)
+        out[key] = _median_ms(fn)
+    out["step_over_floor"] = out["step_ms"] / out["floor_step_ms"]
+    out["verify_over_step"] = out["verify_ms"] / out["step_ms"]
+    out["draft_gamma_over_step"] = g * out["draft_step_ms"] / out["step_ms"]
+    return out
+
+
+def _first_divergence(ids: list[int], ref: list[int]) -> int | None:
+    """Index of the first token where ``ids`` departs from ``ref`` (None: never)."""
+    for i, (a, b) in enumerate(zip(ids, ref)):
+        if a != b:
+            return i
+    return None if len(ids) == len(ref) else min(len(ids), len(ref))
+
+
+def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_new: int,
+                  threads: int) -> dict[str, Any] | None:
+    """llama.cpp's greedy target-only decode speed on the GGUF our target came from."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        _log("llama-cpp-python is not installed (pip install 'memspec[bench]'): no peer anchor")
+        return None
+    from memspec.zoo.target import find_gguf
+
+    gguf = find_gguf()
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                n_batch=512, verbose=False, seed=0)
+    rates, outputs = [], []
+    for prompt in prompts:
+        ids = encode_prompt(rt.tokenizer, prompt)
+        llm.reset()
+        out: list[int] = []
+        t_first = 0.0
+        t0 = time.perf_counter()
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
+                                reset=True):
+            if not out:
+                t_first = time.perf_counter()
+            out.append(int(tok))
+            if tok in rt.engine.eos_ids or len(out) >= max_new:
+                break
+        t_end = time.perf_counter()
+        if len(out) > 1:
+            rates.append((len(out) - 1) / (t_end - t_first))
+        outputs.append(out)
+        del t0
+    return {"tok_s": statistics.median(rates), "per_prompt_tok_s": rates,
+            "gguf": gguf.name, "threads": threads, "outputs": outputs}
+
+
+def run(pool_path: str | None, n_prompts: int, max_new: int,
+        dtypes: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     pool = load_pool(pool_path)
-    rt = build_local(pool)
-    rows = []
-    for i, (domain, prompt) in enumerate(_prompts(n_prompts)):
-        base = run_request(rt, prompt, "target-only", max_new)
-        spec = run_request(rt, prompt, "general-static", max_new)
-        assert base["token_ids"] == spec["token_ids"], "speculative output differs from target"
-        s = spec["stats"]
-        iters = max(s["iterations"], 1)
-        iter_s = (s["time"]["desired"] + s["time"]["fallback"]
-                  + s["time"]["target_fallback"]) / iters
-        ctx = s["prompt_tokens"] + s["generated_tokens"] // 2
-        draft = rt.engine.drafts[pool.general].model
-        raw_s = _raw_iteration_s(rt.engine.target, draft, ctx, pool.gamma)
-        rows.append({
-            "domain": domain,
-            "target_only_tok_s": base["stats"]["tokens_per_s_steady"],
-            "speculative_tok_s": s["tokens_per_s_steady"],
-            "speedup": s["tokens_per_s_steady"] / max(base["stats"]["tokens_per_s_steady"], 1e-9),
-            "mean_acceptance_length": s["mean_acceptance_length"],
-            "iteration_s": iter_s,
-            "raw_forward_s": raw_s,
-            "overhead_ratio": iter_s / raw_s,
-        })
-        print(f"[bench] {i + 1}/{n_prompts} {domain}: {rows[-1]['speedup']:.2f}x, "
-              f"overhead {rows[-1]['overhead_ratio']:.3f}", file=sys.stderr, flush=True)
-    gm = statistics.geometric_mean
-    return {
-        "machine": machine_line(),
-        "gamma": pool.gamma, "max_new_tokens": max_new, "rows": rows,
-        "gmean_speedup": gm([r["speedup"] for r in rows]),
-        "gmean_overhead_ratio": gm([r["overhead_ratio"] for r in rows]),
+    chosen = resolve_dtype(pool.dtype, pool.target, "cpu")
+    tried = [chosen] + [d for d in (dtypes or DTYPES) if d != chosen]
+    t0 = time.perf_counter()
+    ext = extension()
+    native_s = time.perf_counter() - t0
+    domains = tuple(dict.fromkeys(d.domain for d in pool.drafts)) or ("general",)
+    per = max(1, -(-n_prompts // len(domains)))
+    rows = load_prompts("dev", domains, per_domain=per)
+    prompts = [r["prompt"] for r in rows][:n_prompts]
+    _log(f"{len(prompts)} dev prompts, {max_new} new tokens, dtypes {tried}, "
+         f"native forward {'on' if ext is not None else 'off'}")
+    rts = {d: build_local(pool, dtype=d) for d in tried}
+    res: dict[str, Any] = {d: {"target_only": [], "general_static": [], "ids": [],
+                               "acceptance": []} for d in tried}
+    greedy = SamplingParams()
+    for i, prompt in enumerate(prompts):
+        for d in tried:  # interleaved: drift in machine load hits every dtype alike
+            base = run_request(rts[d], prompt, "target-only", max_new, greedy)
+            spec = run_request(rts[d], prompt, "general-static", max_new, greedy)
+            if base["token_ids"] != spec["token_ids"]:
+                raise RuntimeError(f"{d}: general-static output differs from target-only")
+            res[d]["target_only"].append(base["stats"]["tokens_per_s_steady"])
+            res[d]["general_static"].append(spec["stats"]["tokens_per_s_steady"])
+            res[d]["acceptance"].append(spec["stats"]["mean_acceptance_length"])
+            res[d]["ids"].append(base["token_ids"])
+        _log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
+            f"{d} {res[d]['target_only'][-1]:.0f}/{res[d]['general_static'][-1]:.0f} tok/s"
+            for d in tried))
+    ctx = statistics.median(len(encode_prompt(rts[chosen].tokenizer, p)) for p in prompts) \
+        + max_new // 2
+    per_dtype: dict[str, Any] = {}
+    ref = res.get("float32", {}).get("ids")
+    for d in tried:
+        c = costs(rts[d], pool, d, int(ctx))
+        entry = {"dtype": d, **c,
+                 "target_only_tok_s": statistics.median(res[d]["target_only"]),
+                 "general_static_tok_s": statistics.median(res[d]["general_static"]),
+                 "mean_acceptance_length": statistics.mean(res[d]["acceptance"])}
+        entry["general_static_over_target_only"] = (entry["general_static_tok_s"]
+                                                     / entry["target_only_tok_s"])
+        if ref is not None:
+            div = [_first_divergence(a, b) for a, b in zip(res[d]["ids"], ref)]
+            entry["first_divergence_from_fp32"] = div
+            entry["identical_to_fp32"] = sum(x is None for x in div)
+        per_dtype[d] = entry
+        _log(f"{d}: step {c['step_ms']:.2f} ms (floor {c['floor_step_ms']:.2f}), verify "
+             f"{c['verify_ms']:.2f} ms, draft step {c['draft_step_ms']:.3f} ms")
+    threads = torch.get_num_threads()
+    peer = llama_cpp_run(pool, rts[chosen], prompts, max_new, threads)
+    top = per_dtype[chosen]
+    out: dict[str, Any] = {
+        "machine": machine_line(), "machine_info": machine_info(), "threads": threads,
+        "native_forward": ext is not None, "native_load_s": native_s,
+        "gamma": pool.gamma, "max_new_tokens": max_new, "prompts": len(prompts),
+        "context_tokens": int(ctx),
+        **{k: top[k] for k in ("dtype", "step_ms", "verify_ms", "draft_step_ms",
+                               "floor_step_ms", "floor_verify_ms", "step_over_floor",
+                               "verify_over_step", "draft_gamma_over_step",
+                               "target_only_tok_s", "general_static_tok_s",
+                               "general_static_over_target_only")},
+        "per_dtype": per_dtype,
     }
+    if "float32" in per_dtype:
+        out["target_only_speedup_vs_fp32_eager"] = (top["target_only_tok_s"]
+                                                     / per_dtype["float32"]["target_only_tok_s"])
+    if peer is not None:
+        out["llama_cpp_tok_s"] = peer["tok_s"]
+        out["target_only_over_llama_cpp"] = top["target_only_tok_s"] / peer["tok_s"]
+        div = [_first_divergence(a, b) for a, b in zip(peer["outputs"], res[chosen]["ids"])]
+        out["llama_cpp"] = {k: v for k, v in peer.items() if k != "outputs"}
+        out["llama_cpp"]["identical_to_ours"] = sum(x is None for x in div)
+        out["llama_cpp"]["first_divergence_from_ours"] = div
+    else:
+        out["llama_cpp_tok_s"] = None
+    return out
 
 
 def _print(res: dict[str, Any]) -> None:
-    print(f"machine: {res['machine']}; gamma={res['gamma']}, {res['max_new_tokens']} new tokens")
-    print(f"{'domain':<9}{'target tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'acc len':>9}"
-          f"{'iter ms':>9}{'raw ms':>8}{'overhead':>10}")
-    for r in res["rows"]:
-        print(f"{r['domain']:<9}{r['target_only_tok_s']:>13.1f}{r['speculative_tok_s']:>12.1f}"
-              f"{r['speedup']:>8.2f}x{r['mean_acceptance_length']:>9.2f}"
-              f"{1e3 * r['iteration_s']:>9.1f}{1e3 * r['raw_forward_s']:>8.1f}"
-              f"{r['overhead_ratio']:>9.3f}x")
-    print(f"gmean speculative/target-only: {res['gmean_speedup']:.2f}x; "
-          f"engine iteration / raw forwards: {res['gmean_overhead_ratio']:.3f}x")
+    print(f"machine: {res['machine']}; gamma={res['gamma']}, {res['max_new_tokens']} new tokens, "
+          f"{res['prompts']} dev prompts, context ~{res['context_tokens']} tokens")
+    print(f"{'dtype':<10}{'floor ms':>9}{'step ms':>9}{'step/fl':>8}{'verify ms':>10}"
+          f"{'ver/step':>9}{'draft ms':>9}{'target tok/s':>13}{'spec tok/s':>11}{'spec/tgt':>9}")
+    for d, e in res["per_dtype"].items():
+        print(f"{d:<10}{e['floor_step_ms']:>9.2f}{e['step_ms']:>9.2f}{e['step_over_floor']:>8.2f}"
+              f"{e['verify_ms']:>10.2f}{e['verify_over_step']:>9.2f}{e['draft_step_ms']:>9.3f}"
+              f"{e['target_only_tok_s']:>13.1f}{e['general_static_tok_s']:>11.1f}"
+              f"{e['general_static_over_target_only']:>9.2f}")
+    if res.get("llama_cpp_tok_s"):
+        print(f"llama.cpp ({res['llama_cpp']['gguf']}, {res['threads']} threads): "
+              f"{res['llama_cpp_tok_s']:.1f} tok/s; ours/llama.cpp "
+              f"{res['target_only_over_llama_cpp']:.2f}")
+    for d, e in res["per_dtype"].items():
+        if "first_divergence_from_fp32" in e and d != "float32":
+            print(f"{d}: identical to fp32 on {e['identical_to_fp32']}/{res['prompts']} prompts; "
+                  f"first divergence at {e['first_divergence_from_fp32']}")
 
 
 def _plot(res: dict[str, Any], folder: Path) -> Path:
@@ -113,25 +259,40 @@ def _plot(res: dict[str, Any], folder: Path) -> Path:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    doms = [r["domain"] for r in res["rows"]]
-    x = range(len(doms))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar([i - 0.2 for i in x], [r["target_only_tok_s"] for r in res["rows"]], 0.4,
+    per = res["per_dtype"]
+    names = list(per)
+    x = range(len(names))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.bar([i - 0.2 for i in x], [per[d]["target_only_tok_s"] for d in names], 0.4,
            label="target-only")
-    ax.bar([i + 0.2 for i in x], [r["speculative_tok_s"] for r in res["rows"]], 0.4,
-           label="speculative (general draft)")
-    ax.set_xticks(list(x), doms)
-    ax.set_ylabel("tokens/s (steady state)")
-    ax.set_title(f"Engine throughput, {res['machine']}")
-    ax.legend()
+    a1.bar([i + 0.2 for i in x], [per[d]["general_static_tok_s"] for d in names], 0.4,
+           label="general-static (speculative)")
+    if res.get("llama_cpp_tok_s"):
+        a1.axhline(res["llama_cpp_tok_s"], color="k", ls="--", label="llama.cpp target-only")
+    a1.set_xticks(list(x), names)
+    a1.set_ylabel("tokens/s (steady state)")
+    a1.set_title("Throughput by target precision")
+    a1.legend(fontsize=8)
+    w = 0.27
+    a2.bar([i - w for i in x], [per[d]["floor_step_ms"] for d in names], w, label="floor (matmuls)")
+    a2.bar(list(x), [per[d]["step_ms"] for d in names], w, label="step (1 token)")
+    a2.bar([i + w for i in x], [per[d]["verify_ms"] for d in names], w,
+           label=f"verify ({res['gamma'] + 1} tokens)")
+    a2.set_xticks(list(x), names)
+    a2.set_ylabel("ms")
+    a2.set_title("Target cost vs the bare-matmul floor")
+    a2.legend(fontsize=8)
+    fig.suptitle(res["machine"], fontsize=9)
     fig.tight_layout()
     out = folder / "bench_engine.png"
     fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
 
 
 def main_bench_engine(args) -> int:
-    res = run(args.pool, args.prompts, args.max_new_tokens)
+    dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else None
+    res = run(args.pool, args.prompts, args.max_new_tokens, dtypes)
     _print(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -4,7 +4,10 @@
    policy (general-static, draft already resident) — the target ratio is >= 0.97;
 2. snapshot -> ranking round trip to the predictor process over ZeroMQ;
 3. loader fill bandwidth (file -> slot through the loader process) over the raw cold-read
-   bandwidth of the same file in this process.
+   bandwidth of the same file in this process;
+4. interference: decode iterations with the predictor and loader processes busy (a snapshot
+   every scheduling interval, loads streaming back to back at the edge-emulated bandwidth)
+   over the same iterations with them idle, interleaved per prompt.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from memspec.common.slotmem import SlotMemory, choose_transport, new_run_token, 
 from memspec.common.sockets import configure, recv, send
 from memspec.launch.supervisor import Supervisor
 from memspec.procs.decoder.inprocess import build_local, run_request
+from memspec.procs.decoder.models import encode_prompt
 from memspec.procs.loader.reader import ColdReader
+from memspec.zoo.prompts import load_prompts
 
 DOMAINS = ("general", "code", "math", "law", "medical")
 
@@ -48,10 +53,9 @@ def _log(msg: str) -> None:
 
 
 def _prompts(n: int) -> list[str]:
-    root = Path(__file__).resolve().parent.parent / "prompts"
-    rows = {d: [json.loads(x)["prompt"] for x in (root / f"{d}.jsonl").read_text().splitlines()]
-            for d in DOMAINS}
-    return [rows[DOMAINS[i % 5]][i // 5] for i in range(n)]
+    rows = load_prompts("dev", DOMAINS, per_domain=-(-n // len(DOMAINS)))
+    by = {d: [r["prompt"] for r in rows if r["domain"] == d] for d in DOMAINS}
+    return [by[DOMAINS[i % 5]][i // 5] for i in range(n)]
 
 
 def _request(sup: Supervisor, prompt: str, policy: str, max_new: int) -> Done:
@@ -125,6 +129,91 @@ def fill_vs_cold_read(sup: Supervisor, path: Path, reps: int = 3) -> dict:
             "fill_over_raw": statistics.median(fills) / statistics.median(raws)}
 
 
+def _background(endpoints: dict[str, str], draft: str, prompt: str, T: int, interval_s: float,
+                bandwidth: float, on: Any, stop: Any) -> None:
+    """A stand-in decoder's chatter (own process): one snapshot per scheduling interval to
+    the predictor and back-to-back paced loads to the loader, while `on` is set."""
+    ctx = zmq.Context()
+    pred = configure(ctx.socket(zmq.DEALER))
+    pred.connect(endpoints["predictor"])
+    load = configure(ctx.socket(zmq.DEALER))
+    load.connect(endpoints["loader"])
+    layout = read_layout(Path(draft))
+    mem = SlotMemory.create(shm_name(new_run_token(), 0), layout.data_size,
+                            choose_transport("cpu"))
+    gen, seq, loading, next_snap = 0, 0, False, 0.0
+    try:
+        while not stop.is_set():
+            if not on.wait(0.05):
+                continue
+            now = time.monotonic()
+            if now >= next_snap:
+                seq += 1
+                send(pred, Snapshot(req_id="background", seq=seq, prompt=prompt,
+                                    recent_ids=list(range(100 + seq % 7, 100 + seq % 7 + T))))
+                next_snap = now + interval_s
+            if not loading:
+                gen += 1
+                send(load, Load(slot=0, generation=gen, draft="background", path=str(draft),
+                                transport=mem.transport, handle=mem.handle,
+                                capacity=mem.capacity, storage="edge-emulated",
+                                bandwidth_bytes_s=bandwidth))
+                loading = True
+            for sock, codec in ((pred, PREDICTOR_REPLIES), (load, LOADER_REPLIES)):
+                while sock.poll(0):
+                    _, msg = recv(sock, codec)
+                    if isinstance(msg, (Loaded, LoadFailed)):
+                        loading = False
+            time.sleep(0.002)
+    finally:
+        mem.close()
+        mem.unlink()
+        ctx.destroy(linger=0)
+
+
+def interference(sup: Supervisor, rt, pool, prompts: list[str], max_new: int
+                 ) -> dict[str, Any]:
+    """Median SD iteration time (general-static, in this process with the decoder's thread
+    count) with the predictor and loader busy over the same with them idle."""
+    import multiprocessing as mp
+
+    name = pool.general
+    rt.ensure_resident(name)
+
+    def iterations(prompt: str) -> list[float]:
+        _, stats = rt.engine.generate(encode_prompt(rt.tokenizer, prompt), max_new,
+                                      select=lambda s: name)
+        return [r.duration for r in stats.records if r.draft]
+
+    probe = statistics.median(iterations(prompts[0]))
+    general = pool.draft(pool.general).path / "model.safetensors"
+    size = read_layout(general).data_size
+    ctx = mp.get_context("spawn")
+    on, stop = ctx.Event(), ctx.Event()
+    bg = ctx.Process(target=_background, daemon=True, args=(
+        {k: sup.ep[k] for k in ("predictor", "loader")}, str(general), prompts[0], pool.T,
+        pool.N * probe, size / (pool.load_iter_ratio * probe), on, stop))
+    bg.start()
+    quiet, busy = [], []
+    try:
+        for i, p in enumerate(prompts):
+            for state in ((False, True) if i % 2 == 0 else (True, False)):
+                (on.set if state else on.clear)()
+                time.sleep(0.2)
+                (busy if state else quiet).append(statistics.median(iterations(p)))
+            _log(f"interference {i + 1}/{len(prompts)}: {busy[-1] / quiet[-1]:.3f}")
+    finally:
+        stop.set()
+        on.set()
+        bg.join(10)
+    ratios = [b / q for b, q in zip(busy, quiet)]
+    return {"iteration_ms_idle": [1e3 * x for x in quiet],
+            "iteration_ms_busy": [1e3 * x for x in busy],
+            "busy_over_idle": statistics.geometric_mean(ratios),
+            "snapshot_interval_ms": 1e3 * pool.N * probe,
+            "load_bandwidth_MB_s": size / (pool.load_iter_ratio * probe) / 1e6}
+
+
 def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> dict[str, Any]:
     pool = load_pool(pool_path)
     prompts = _prompts(n_prompts)
@@ -144,6 +233,8 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
             inproc.append(statistics.median(a))
             multi.append(statistics.median(b))
             _log(f"prompt {i + 1}/{len(prompts)}: {multi[-1] / inproc[-1]:.3f}")
+        _log("interference of a busy predictor and loader with decode iterations")
+        inter = interference(sup, rt, pool, prompts, max_new)
         del rt
         _log("predictor round trip")
         rank = ranking_round_trip(sup, pool, prompts)
@@ -155,7 +246,7 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
     return {"prompts": n_prompts, "max_new_tokens": max_new,
             "in_process_tok_s": inproc, "pipeline_tok_s": multi,
             "pipeline_over_in_process": statistics.geometric_mean(ratios),
-            "ranking": rank, "fill": fill}
+            "ranking": rank, "fill": fill, "interference": inter}
 
 
 def main_bench_pipeline(args) -> int:
@@ -170,6 +261,10 @@ def main_bench_pipeline(args) -> int:
     f = res["fill"]
     print(f"loader fill {f['fill_MB_s']:.0f} MB/s vs raw cold read {f['raw_cold_read_MB_s']:.0f} "
           f"MB/s of {Path(f['file']).name} ({f['bytes'] / 2**20:.0f} MB): {f['fill_over_raw']:.3f}")
+    x = res["interference"]
+    print(f"decode iteration with predictor + loader busy / idle: {x['busy_over_idle']:.3f} "
+          f"(snapshot every {x['snapshot_interval_ms']:.0f} ms, loads at "
+          f"{x['load_bandwidth_MB_s']:.0f} MB/s)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -28,10 +28,12 @@ POLICIES = (
     "oracle-dynamic",
 )
 STORAGE_PROFILES = ("native", "edge-emulated")
+# target precision: auto = fastest on the device (procs/decoder/precision.py)
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 _POOL_KEYS = {
     "target", "K", "gamma", "N", "T", "policy", "storage", "general",
     "memory_budget_mb", "load_iter_ratio", "bandwidth_mb_s", "ucb_c", "predictor_head",
-    "max_new_tokens",
+    "max_new_tokens", "dtype", "max_context",
 }
 _DRAFT_KEYS = {"name", "domain", "path"}
 
@@ -55,6 +57,8 @@ class PoolConfig:
     storage: str = "native"
     general: str = "general"
     max_new_tokens: int = 128
+    dtype: str = "auto"
+    max_context: int = 2048  # static KV caches hold this many positions
     memory_budget_mb: float | None = None
     load_iter_ratio: float = 2.7
     bandwidth_mb_s: float | None = None
@@ -158,6 +162,8 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
         storage=_choice(raw, "storage", "native", STORAGE_PROFILES),
         general=general,
         max_new_tokens=_int_field(raw, "max_new_tokens", 128, 1),
+        dtype=_choice(raw, "dtype", "auto", TARGET_DTYPES),
+        max_context=_int_field(raw, "max_context", 2048, 16),
         memory_budget_mb=_float_field(raw, "memory_budget_mb", None),
         load_iter_ratio=_float_field(raw, "load_iter_ratio", 2.7) or 2.7,
         bandwidth_mb_s=_float_field(raw, "bandwidth_mb_s", None),

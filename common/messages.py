@@ -38,6 +38,7 @@ class DecoderInfo(msgspec.Struct, tag="decoder", forbid_unknown_fields=True):
     slot_bytes: int
     bandwidth_bytes_s: float  # edge-emulated pacing of every load (0: unpaced)
     handles: list[str]
+    dtype: str = ""  # the target's precision (pool dtype, "auto" resolved)
 
 
 class LoaderInfo(msgspec.Struct, tag="loader", forbid_unknown_fields=True):

@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
+    b.add_argument("--dtypes", default=None,
+                   help="engine: target precisions to compare (default int4,int8,bfloat16,"
+                        "float32; the pool's choice always first)")
     b.add_argument("--max-new-tokens", type=int, default=None,
                    help="default 128 (eval), 64 (engine, pipeline)")
     b.add_argument("--json", default=None, help="also write results to this file")

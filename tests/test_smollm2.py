@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from transformers import AutoConfig
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import (
+    build_target,
     encode_prompt,
     eos_token_ids,
     load_causal_lm,
@@ -57,9 +59,12 @@ def shallow_draft(tmp_path_factory, target):
     return out
 
 
-def test_speculative_equals_target_only_on_three_domains(target, shallow_draft):
-    model, tok, eos = target
-    eng = SpecEngine(model, eos, gamma=4)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_speculative_equals_target_only_on_three_domains(target, shallow_draft, dtype):
+    """Lossless in every target precision: each dtype's own greedy output, token for token,
+    also when drafts switch every iteration with target-only steps in between."""
+    _, tok, eos = target
+    eng = SpecEngine(build_target(TARGET, dtype), eos, gamma=4)
     slot = SlotBuffer(96 << 20)
     eng.add_draft(load_into_slot("shallow", shallow_draft, slot, eng.vocab))
     drafts = ["shallow"]
@@ -67,13 +72,18 @@ def test_speculative_equals_target_only_on_three_domains(target, shallow_draft):
     if (general / "model.safetensors").is_file():
         eng.add_draft(load_into_slot("general", general, SlotBuffer(16 << 20), eng.vocab))
         drafts.append("general")
+    accepted = dict.fromkeys(drafts, 0)
     for prompt in PROMPTS.values():
         ids = encode_prompt(tok, prompt)
         ref, _ = eng.generate(ids, 48)
         for name in drafts:
             out, stats = eng.generate(ids, 48, select=lambda s, n=name: n)
             assert out == ref, (name, prompt)
-            assert stats.summary()["num_accepted_tokens"] > 0
+            accepted[name] += stats.summary()["num_accepted_tokens"]
+        order = itertools.cycle(drafts + [None])
+        out, _ = eng.generate(ids, 48, select=lambda s, o=order: next(o))
+        assert out == ref, ("switching", prompt)
+    assert all(n > 0 for n in accepted.values()), accepted  # the drafts really proposed
 
 
 def test_generate_json_cli(target, tmp_path):

@@ -43,3 +43,40 @@ def make_tiny(seed: int, **kw) -> LlamaForCausalLM:
     return model
 
 
+
+
+def make_tiny_head(path: Path, seed: int, target_config: LlamaConfig | None = None,
+                   feature_layers: tuple[int, ...] = (0, 1), vocab: int = 48) -> Path:
+    """A random draft head for the tiny target (reads target layers ``feature_layers``)."""
+    from safetensors.torch import save_file
+
+    cfg = target_config or tiny_config()
+    h, nq = cfg.hidden_size, cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    nk = cfg.num_key_value_heads * hd
+    inter = cfg.intermediate_size
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(torch.bfloat16)
+
+    tensors = {"fc.weight": rnd(h, len(feature_layers) * h),
+               "norm_e.weight": torch.ones(h, dtype=torch.bfloat16),
+               "norm_g.weight": torch.ones(h, dtype=torch.bfloat16),
+               "q_proj.weight": rnd(nq, 2 * h), "k_proj.weight": rnd(nk, 2 * h),
+               "v_proj.weight": rnd(nk, 2 * h), "o_proj.weight": rnd(h, nq),
+               "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "gate_proj.weight": rnd(inter, h), "up_proj.weight": rnd(inter, h),
+               "down_proj.weight": rnd(h, inter),
+               "memspec.draft_to_target": torch.randperm(cfg.vocab_size, generator=g)[:vocab]}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({
+        "memspec_kind": "head", "hidden_size": h, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": hd,
+        "intermediate_size": inter, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+                            or getattr(cfg, "rope_theta", None) or 10000.0),
+        "feature_layers": list(feature_layers), "draft_vocab": vocab}))
+    (path / "tokenizer.json").write_text(json.dumps(fake_tokenizer_json(cfg.vocab_size)))
+    return path

@@ -48,13 +48,16 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def greedy_accept(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Longest prefix of proposals equal to the target's argmax, then the target's next token."""
+def greedy_accept(proposals: torch.Tensor, target_logits: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix of proposals equal to the target's argmax, then the target's next token.
+
+    Returns 0-dim tensors on the logits' device, so the caller decides when to sync."""
     choice = target_logits.argmax(dim=-1)
     g = proposals.numel()
     match = (proposals == choice[:g]).to(torch.int32)
-    n = int(torch.cumprod(match, dim=0).sum().item())
-    return n, int(choice[n].item())
+    n = torch.cumprod(match, dim=0).sum()
+    return n, choice[n]
 
 
 def speculative_accept(proposals: torch.Tensor, q: torch.Tensor, p: torch.Tensor,

@@ -9,19 +9,21 @@ Cache invariants (L = committed tokens, prompt included):
   proposals, so one forward verifies gamma proposals and yields gamma+1 distributions;
 - each draft keeps its own cache of some committed prefix; when it becomes active it
   prefills only the missing suffix (catch-up), so switching back is cheap.
+Caches are static (written in place at a position), so rejecting proposals is only a
+change of the valid length; tokens live in a preallocated tensor and greedy acceptance
+costs one host sync per iteration.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from memspec.common.errors import RequestError
+from memspec.common.errors import ModelError, RequestError
 from memspec.common.metrics import IterationRecord, RunStats
 from memspec.procs.decoder.acceptance import (
     SamplingParams,
@@ -30,52 +32,70 @@ from memspec.procs.decoder.acceptance import (
     speculative_accept,
     warp,
 )
+from memspec.procs.decoder.head import HEAD_KIND, TargetParts
+from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
 from memspec.procs.decoder.slots import BoundDraft
 
 TokenCallback = Callable[[list[int]], None]
+DEFAULT_MAX_CONTEXT = 2048
 
 
-def forward_with_cache(model: torch.nn.Module, ids: torch.Tensor, cache: DynamicCache, **kw):
-    """Call an HF causal LM with a KV cache under whichever keyword its version takes."""
-    key = _CACHE_KW.get(type(model))
-    if key is None:
-        params = inspect.signature(model.forward).parameters
-        key = _CACHE_KW[type(model)] = "cache" if "cache" in params else "past_key_values"
-    return model(ids, use_cache=True, **{key: cache}, **kw)
+class _Proposer:
+    """The draft's latest logits and how to advance it by one proposal."""
 
-
-_CACHE_KW: dict[type, str] = {}
-
-
-def _truncate(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # negative = tokens to remove (same meaning across transformers 4/5)
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self.next: Callable[[torch.Tensor, int], None] = lambda d_idx, pos: None
 
 
 @dataclass
 class _DraftCache:
     generation: int
-    cache: DynamicCache
+    cache: Any
     length: int  # committed tokens held in the cache
 
 
 class SpecEngine:
-    """Target model + registered drafts; :meth:`start` opens a request."""
+    """Target runner + registered drafts; :meth:`start` opens a request."""
 
-    def __init__(self, target: torch.nn.Module, eos_ids: tuple[int, ...] | list[int],
-                 gamma: int = 4) -> None:
+    def __init__(self, target: Runner | torch.nn.Module, eos_ids: tuple[int, ...] | list[int],
+                 gamma: int = 4, max_context: int = DEFAULT_MAX_CONTEXT) -> None:
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
-        self.target = target.eval()
+        self.target = as_runner(target)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.gamma = gamma
-        self.device = next(target.parameters()).device
-        self.vocab = int(target.get_output_embeddings().weight.shape[0])
-        self.max_len = int(getattr(target.config, "max_position_embeddings", 1 << 30))
+        self.device = self.target.device
+        self.vocab = int(self.target.vocab)
+        limit = getattr(self.target, "max_pos", None) or getattr(
+            getattr(self.target, "arch", None), "max_pos", None) or max_context
+        self.max_len = min(int(limit), int(max_context))
         self.drafts: dict[str, BoundDraft] = {}
+        self._parts: TargetParts | None = None
+
+    @property
+    def target_parts(self) -> TargetParts:
+        """What head drafts read from the target (built on first use)."""
+        if self._parts is None:
+            self._parts = TargetParts(self.target)
+        return self._parts
+
+    def use_features(self, layers: tuple[int, ...] | list[int]) -> None:
+        """Keep the target's residual stream after ``layers`` per position (head drafts'
+        input). Every head of a pool must read the same layers."""
+        layers = list(layers)
+        current = list(getattr(getattr(self.target, "lean", self.target), "feature_layers",
+                               []) or [])
+        if current == layers:
+            return
+        if current:
+            raise ModelError(f"head drafts read different target layers ({current} vs "
+                             f"{layers})", "train every head of a pool on the same layers")
+        set_feature_layers(self.target, layers)
 
     def add_draft(self, draft: BoundDraft) -> None:
+        if draft.kind == HEAD_KIND:
+            self.use_features(draft.runner.arch.feature_layers)
         self.drafts[draft.name] = draft
 
     def remove_draft(self, name: str) -> None:
@@ -113,6 +133,9 @@ class Session:
             raise RequestError(
                 f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the "
                 f"target's context of {engine.max_len}", "shorten the prompt or lower max_new_tokens")
+        if any(not 0 <= t < engine.vocab for t in prompt_ids):
+            raise RequestError("prompt has token ids outside the target's vocabulary",
+                               f"use ids in [0, {engine.vocab})")
         self.engine = engine
         self.params = params
         self.max_new_tokens = max_new_tokens
@@ -128,21 +151,21 @@ class Session:
         self._drafts: dict[str, _DraftCache] = {}
         self._last_draft: str | None = None
         self._dev = engine.device
+        self._cap = need
+        self._tok = torch.zeros(need, dtype=torch.long, device=self._dev)
+        self._tok[:self.prompt_len] = torch.tensor(self.tokens, dtype=torch.long)
         t0 = time.perf_counter()
-        self._tcache = DynamicCache()
+        self._tcache = engine.target.new_cache(engine.max_len)
         if self.prompt_len > 1:
             with torch.inference_mode():
-                forward_with_cache(engine.target, self._ids(self.tokens[:-1]), self._tcache, logits_to_keep=1)
+                engine.target.forward(self._tok[:self.prompt_len - 1], 0, self._tcache,
+                                      last_only=True)
         self._sync()
         self.stats.t_prefill = time.perf_counter() - t0
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
-
-    def _ids(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
-        return t.to(self._dev).view(1, -1)
 
     def _sync(self) -> None:
         if self._dev.type == "cuda":
@@ -156,7 +179,10 @@ class Session:
             if tok in self.engine.eos_ids:
                 self.done = True
                 break
-        self.tokens.extend(out)
+        if out:
+            L = len(self.tokens)
+            self._tok[L:L + len(out)] = torch.tensor(out, dtype=torch.long)
+            self.tokens.extend(out)
         if len(self.generated) >= self.max_new_tokens:
             self.done = True
         if out and self.on_tokens:
@@ -166,7 +192,7 @@ class Session:
     def _pick(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
             return int(logits.argmax().item())
-        return sample(warp(logits, self.params), self.gen)
+        return sample(warp(logits.cpu(), self.params), self.gen)
 
     @torch.inference_mode()
     def step(self, draft: str | None, desired: bool = True) -> IterationRecord:
@@ -186,8 +212,9 @@ class Session:
         return rec
 
     def _target_step(self, t0: float) -> IterationRecord:
-        out = forward_with_cache(self.engine.target, self._ids(self.tokens[-1:]), self._tcache)
-        tok = self._pick(out.logits[0, -1])
+        L = len(self.tokens)
+        logits = self.engine.target.forward(self._tok[L - 1:L], L - 1, self._tcache)
+        tok = self._pick(logits[-1])
         self._sync()
         t1 = time.perf_counter()
         emitted = self._commit([tok])
@@ -196,7 +223,7 @@ class Session:
     def _draft_cache(self, bound: BoundDraft) -> _DraftCache:
         dc = self._drafts.get(bound.name)
         if dc is None or dc.generation != bound.generation:  # slot rewritten: old KV is garbage
-            dc = _DraftCache(bound.generation, DynamicCache(), 0)
+            dc = _DraftCache(bound.generation, bound.new_cache(self.engine.max_len), 0)
             self._drafts[bound.name] = dc
         return dc
 
@@ -204,45 +231,44 @@ class Session:
         eng, g = self.engine, self.engine.gamma
         bound = eng.drafts[name]
         dc = self._draft_cache(bound)
-        to_draft, to_target = bound.to_draft, bound.to_target
+        to_target = bound.to_target
         L = len(self.tokens)
         n_missing = L - dc.length
-        missing = torch.tensor(self.tokens[dc.length:], dtype=torch.long)
-        if to_draft is not None:
-            missing = to_draft[missing.to(to_draft.device)]
-        out = forward_with_cache(bound.model, self._ids(missing), dc.cache, logits_to_keep=1)
-        dc.length = L
-        self._sync()
+        head = bound.kind == HEAD_KIND
+        draft = self._head_proposals(bound, dc, L) if head else \
+            self._model_proposals(bound, dc, L)
         t_catch = time.perf_counter()
-        proposals: list[int] = []
+        props: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(g):
-            logits = out.logits[0, -1]
-            if to_target is None:
-                logits = logits[: eng.vocab]  # a same-tokenizer draft may pad its vocabulary
+            row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
             if self.params.greedy:
-                d_idx = int(logits.argmax().item())
-            else:
-                q_sub = warp(logits, self.params)
-                d_idx = sample(q_sub, self.gen)
+                d_idx = row.argmax().view(1)
+            else:  # sampling runs on the CPU generator: seeded runs repeat on any device
+                q_sub = warp(row.cpu(), self.params)
+                d_idx = torch.multinomial(q_sub, 1, generator=self.gen).to(self._dev)
                 qs.append(self._to_target_space(q_sub, to_target))
-            proposals.append(int(to_target[d_idx]) if to_target is not None else d_idx)
+            props.append(d_idx)
             if i < g - 1:
-                out = forward_with_cache(bound.model, self._ids([d_idx]), dc.cache)
+                draft.next(d_idx, L + i)
+        prop = torch.cat(props)
+        if to_target is not None:
+            prop = to_target[prop]
         self._sync()
         t_draft_end = time.perf_counter()
-        verify = self._ids(self.tokens[-1:] + proposals)
-        logits = forward_with_cache(eng.target, verify, self._tcache).logits[0]
-        prop = torch.tensor(proposals, dtype=torch.long)
+        verify = torch.cat([self._tok[L - 1:L], prop])
+        logits = eng.target.forward(verify, L - 1, self._tcache)
         if self.params.greedy:
-            n, nxt = greedy_accept(prop, logits.float().cpu())
-        else:
+            n_t, nxt_t = greedy_accept(prop, logits)
+            n, nxt, *proposals = torch.cat([n_t.view(1), nxt_t.view(1), prop]).tolist()
+        else:  # (the iteration's one host sync, above)
             p = warp(logits, self.params).cpu()
-            n, nxt = speculative_accept(prop, torch.stack(qs).cpu(), p, self.gen)
+            proposals = prop.tolist()
+            n, nxt = speculative_accept(prop.cpu(), torch.stack(qs).cpu(), p, self.gen)
         emitted = self._commit(proposals[:n] + [nxt])
-        _truncate(self._tcache, len(self.tokens) - 1)
-        dc.length = min(L + min(n, g - 1), len(self.tokens) - 1)
-        _truncate(dc.cache, dc.length)
+        # a head keeps only positions it saw with the target's features (re-run the accepted
+        # ones next time, as EAGLE does); a model draft keeps its accepted proposals
+        dc.length = L if head else min(L + min(n, g - 1), len(self.tokens) - 1)
         self._sync()
         t1 = time.perf_counter()
         switched = name != self._last_draft
@@ -251,6 +277,52 @@ class Session:
                                t_draft=(t_draft_end - t0) - catch,
                                t_verify=t1 - t_draft_end, t_catchup=catch,
                                catchup_tokens=n_missing if switched else 0)
+
+    def _model_proposals(self, bound: BoundDraft, dc: _DraftCache, L: int) -> _Proposer:
+        """An independent draft model: catch up on committed tokens, then self-feed."""
+        missing = self._tok[dc.length:L]
+        if bound.to_draft is not None:
+            missing = bound.to_draft[missing]
+        runner = bound.runner
+        out = _Proposer(runner.forward(missing, dc.length, dc.cache, last_only=True))
+        dc.length = L
+        self._sync()
+
+        def nxt(d_idx: torch.Tensor, pos: int) -> None:
+            out.logits = runner.forward(d_idx, pos, dc.cache)
+
+        out.next = nxt
+        return out
+
+    def _head_proposals(self, bound: BoundDraft, dc: _DraftCache, L: int) -> _Proposer:
+        """A head: committed tokens with the target's features of the positions before them,
+        then its own outputs in place of features for its proposals."""
+        head = bound.runner
+        start = dc.length
+        feats = self._tfeat(start - 1, L - 1)
+        logits, hidden = head.teacher(self._tok[start:L], start, dc.cache, feats)
+        out = _Proposer(logits)
+        dc.length = L
+        self._sync()
+        state = {"hidden": hidden}
+
+        def nxt(d_idx: torch.Tensor, pos: int) -> None:
+            out.logits, state["hidden"] = head.step(bound.to_target[d_idx], pos, dc.cache,
+                                                    state["hidden"])
+
+        out.next = nxt
+        return out
+
+    def _tfeat(self, first: int, end: int) -> torch.Tensor:
+        """The target's feature rows for positions first..end-1 (position -1: zeros)."""
+        feat = getattr(self._tcache, "feat", None)
+        if feat is None:
+            raise RequestError("a head draft needs the target's features",
+                               "run the target in a lean dtype (not float32) with heads")
+        rows = feat[max(first, 0):end]
+        if first < 0:
+            rows = torch.cat([torch.zeros_like(feat[:1]), rows])
+        return rows
 
     def _to_target_space(self, q_sub: torch.Tensor, to_target: torch.Tensor | None) -> torch.Tensor:
         V = self.engine.vocab
@@ -261,5 +333,5 @@ class Session:
             k = min(V, q_sub.numel())
             q[:k] = q_sub[:k]
         else:
-            q[to_target] = q_sub
+            q[to_target.to(q.device)] = q_sub
         return q

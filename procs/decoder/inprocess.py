@@ -17,12 +17,7 @@ from memspec.common.errors import ConfigError
 from memspec.common.safetensors_layout import read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.engine import SpecEngine, TokenCallback
-from memspec.procs.decoder.models import (
-    encode_prompt,
-    eos_token_ids,
-    load_causal_lm,
-    load_tokenizer,
-)
+from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
 
 IN_PROCESS_POLICIES = ("target-only", "general-static")
@@ -34,6 +29,7 @@ class LocalRuntime:
     engine: SpecEngine
     tokenizer: Any
     slots: list[SlotBuffer] = field(default_factory=list)
+    dtype: str = "float32"
     load_s: dict[str, float] = field(default_factory=dict)
 
     def ensure_resident(self, name: str) -> SlotBuffer:
@@ -47,7 +43,8 @@ class LocalRuntime:
             self.engine.remove_draft(slot.draft or "")
         spec = self.pool.draft(name)
         t0 = time.perf_counter()
-        bound = load_into_slot(name, spec.path, slot, target_vocab=self.engine.vocab)
+        bound = load_into_slot(name, spec.path, slot, target_vocab=self.engine.vocab,
+                               parts=self.engine.target_parts)
         self.load_s[name] = time.perf_counter() - t0
         self.engine.add_draft(bound)
         return slot
@@ -59,15 +56,14 @@ def slot_capacity(pool: PoolConfig) -> int:
     return max(sizes, default=0)
 
 
-def build_local(pool: PoolConfig, device: str = "cpu", with_drafts: bool = True) -> LocalRuntime:
-    tokenizer = load_tokenizer(pool.target)
-    target = load_causal_lm(pool.target, "target", device=device)
-    engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma)
+def build_local(pool: PoolConfig, device: str = "cpu", with_drafts: bool = True,
+                dtype: str | None = None, fast: bool = True) -> LocalRuntime:
+    engine, tokenizer, dtype = open_engine(pool, device, dtype, fast)
     slots: list[SlotBuffer] = []
     if with_drafts and pool.drafts:
         cap = slot_capacity(pool)
         slots = [SlotBuffer(cap, device=device) for _ in range(min(pool.K, len(pool.drafts)))]
-    return LocalRuntime(pool, engine, tokenizer, slots)
+    return LocalRuntime(pool, engine, tokenizer, slots, dtype)
 
 
 def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,

@@ -54,12 +54,7 @@ from memspec.common.messages import (
 from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import RejectLog, configure, recv, send
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.models import (
-    encode_prompt,
-    eos_token_ids,
-    load_causal_lm,
-    load_tokenizer,
-)
+from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.service import DecoderService, EngineSlots, draft_files, log
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 
@@ -146,7 +141,8 @@ def _calibrate_iteration_s(engine: SpecEngine, tokenizer, pool, slot: SlotBuffer
     spec = pool.general_draft
     layout = files[spec.name].layout
     slot.fill_from_file(layout)
-    engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab))
+    engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab,
+                                parts=engine.target_parts))
     ids = encode_prompt(tokenizer, "Describe the ocean in two sentences.")
     _, stats = engine.generate(ids, 40, select=lambda s: spec.name)
     engine.remove_draft(spec.name)
@@ -233,10 +229,8 @@ def run(args: argparse.Namespace) -> int:
     requests.bind(args.endpoint)
     channels = SocketChannels(ctx, args.loader, args.predictor, args.control, requests)
     t0 = time.perf_counter()
-    tokenizer = load_tokenizer(pool.target)
     device = args.device
-    target = load_causal_lm(pool.target, "target", device=device)
-    engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma)
+    engine, tokenizer, dtype = open_engine(pool, device)
     files = draft_files(pool)
     capacity = max((f.layout.data_size for f in files.values()), default=0)
     k = pool.K
@@ -266,9 +260,10 @@ def run(args: argparse.Namespace) -> int:
     # the supervisor caches the slots for `memspec status`
     service.controller.on_slots_changed = lambda: channels.push(proc.status())
     send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info=DecoderInfo(
-        load_s=time.perf_counter() - t0, K=k, transport=transport, slot_bytes=capacity,
+        load_s=time.perf_counter() - t0, K=k, transport=transport, dtype=dtype,
+        slot_bytes=capacity,
         bandwidth_bytes_s=bandwidth, handles=handles)))
-    log(f"ready: K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
+    log(f"ready: target in {dtype}, K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
         f"{time.perf_counter() - t0:.1f}s")
 
     def on_signal(signum, frame):  # noqa: ANN001

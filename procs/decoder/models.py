@@ -8,6 +8,20 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from memspec.common.errors import ModelError
+from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.lean import LeanLM
+from memspec.procs.decoder.precision import resolve_dtype
+from memspec.procs.decoder.runners import (
+    FLOAT_DTYPES,
+    LOW_BIT,
+    HFRunner,
+    Runner,
+    accelerate,
+    default_act_dtype,
+    lean_arch,
+    load_state_dict,
+    read_config,
+)
 
 SUPPORTED_HINT = "use a local HF causal-LM folder (config.json + safetensors), e.g. Llama or Qwen2"
 
@@ -59,6 +73,39 @@ def eos_token_ids(path: Path, tokenizer=None) -> tuple[int, ...]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+def build_target(model_dir: Path, dtype: str, device: str | torch.device = "cpu",
+                 act_dtype: torch.dtype | None = None, fast: bool = True) -> Runner:
+    """The target in ``dtype`` (already resolved from ``auto``). ``float32`` is the eager HF
+    path the engine had before static caches; every other dtype runs the lean forward."""
+    device = torch.device(device)
+    if dtype == "float32":
+        return HFRunner(load_causal_lm(model_dir, "target", device=device))
+    arch = lean_arch(read_config(model_dir))
+    if arch is None:
+        if dtype in LOW_BIT:
+            raise ModelError(f"dtype {dtype} needs a Llama, Qwen2 or Mistral target",
+                             "set dtype = \"bfloat16\" or \"float32\" in the pool")
+        model = load_causal_lm(model_dir, "target", dtype=FLOAT_DTYPES[dtype], device=device)
+        return HFRunner(model)
+    if dtype in LOW_BIT and device.type != "cpu":
+        raise ModelError(f"dtype {dtype} has CPU kernels only", "use bfloat16 on this device")
+    act = act_dtype or (FLOAT_DTYPES.get(dtype) or default_act_dtype(device))
+    weights = {k: v.to(device) for k, v in load_state_dict(model_dir).items()}
+    return accelerate(LeanLM.from_weights(arch, weights, dtype, act, fuse=True), fast)
+
+
+def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = None,
+                fast: bool = True):
+    """The pool's target in its resolved precision, wrapped in an engine; plus the tokenizer
+    and the dtype actually used (``auto`` resolved, see precision.py)."""
+    tokenizer = load_tokenizer(pool.target)
+    chosen = resolve_dtype(dtype or pool.dtype, pool.target, device)
+    target = build_target(pool.target, chosen, device, fast=fast)
+    engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma,
+                        max_context=pool.max_context)
+    return engine, tokenizer, chosen
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:

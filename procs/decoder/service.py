@@ -94,7 +94,7 @@ class EngineSlots:
         buf = self.buffers[slot]
         buf.generation, buf.draft = generation, draft
         bound = bind_draft(draft, self.pool.draft(draft).path, buf, self.files[draft].layout,
-                           target_vocab=self.engine.vocab)
+                           target_vocab=self.engine.vocab, parts=self.engine.target_parts)
         self.engine.add_draft(bound)
 
     def unbind(self, draft: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +17,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
+from memspec.procs.decoder.cudagraph import GraphLM
+from memspec.procs.decoder.head import (
+    HEAD_KIND,
+    HeadRunner,
+    TargetParts,
+    is_head,
+    read_head_config,
+)
+from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
+from memspec.procs.decoder.native import NativeLM
+from memspec.procs.decoder.runners import HFRunner, Runner, accelerate, lean_arch
 
 META_PREFIX = "memspec."  # tensors in a draft file that are ours, not the model's
 ID_MAP_KEY = "memspec.draft_to_target"  # draft vocab index -> target token id
@@ -42,6 +54,20 @@ class SlotBuffer:
         self.capacity = self.data.numel()
         self.generation = 0
         self.draft: str | None = None
+        self._kv: KVCache | None = None
+
+    def kv_cache(self, model: LeanLM | NativeLM | GraphLM | HeadRunner, capacity: int
+                 ) -> KVCache:
+        """The static KV cache of the draft this slot holds: allocated once, reused by every
+        later draft of the same shape (a rollback or a new request is a length change)."""
+        a = getattr(model, "cache_arch", model.arch)
+        dtype = model.cache_dtype or model.act_dtype
+        kv = self._kv
+        if kv is None or kv.v.shape[:2] + kv.v.shape[3:] != (a.layers, a.kv_heads, a.head_dim) \
+                or kv.capacity < capacity or kv.k.dtype != dtype \
+                or kv.k_blocked != model.k_blocked:
+            kv = self._kv = alloc_cache(a, capacity, dtype, model.device, model.k_blocked)
+        return kv
 
     def fill_from_file(self, layout: Layout) -> int:
         """Copy the file's data section verbatim (in-process path; the loader process streams)."""
@@ -65,17 +91,38 @@ class SlotBuffer:
 
 @dataclass
 class BoundDraft:
-    """A draft whose parameters are views into a slot, plus its vocabulary map."""
+    """A draft whose weights are views into a slot, plus its vocabulary map.
+
+    ``runner`` is what the hot loop calls: the lean forward over the slot's views when the
+    architecture has one, else the HF module. ``model`` (an HF module over the same views)
+    is built on first use, for offline tools such as teacher-forced acceptance tables.
+    """
 
     name: str
-    model: nn.Module
+    runner: Runner
     slot: SlotBuffer
     generation: int
     to_target: torch.Tensor | None  # [V_draft] target ids, None: same vocabulary
     to_draft: torch.Tensor | None  # [V_target] draft ids (unknown -> 0)
+    config: Any = None
+    weights: dict[str, torch.Tensor] | None = None
 
-    def __post_init__(self) -> None:
-        self.model.eval()
+    @property
+    def kind(self) -> str:
+        return HEAD_KIND if isinstance(self.runner, HeadRunner) else "model"
+
+    def new_cache(self, capacity: int) -> Any:
+        if isinstance(self.runner, (LeanLM, NativeLM, GraphLM, HeadRunner)):
+            return self.slot.kv_cache(self.runner, capacity)
+        return self.runner.new_cache(capacity)
+
+    @property
+    def model(self) -> nn.Module:
+        if isinstance(self.runner, HFRunner):
+            return self.runner.model
+        if self.weights is None or self.config is None:
+            raise ModelError(f"draft '{self.name}' has no HF module", "bind it again")
+        return _hf_module(self.name, self.config, self.weights, self.slot.data.device)
 
 
 def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
@@ -92,14 +139,9 @@ def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
         model.set_submodule(name, fresh)
 
 
-def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | None = None,
-               config=None, target_vocab: int | None = None) -> BoundDraft:
-    """Build the draft on ``meta`` and point every parameter at the slot's bytes."""
-    model_dir = Path(model_dir)
-    layout = layout or read_layout(draft_weights_file(model_dir))
-    config = config or AutoConfig.from_pretrained(model_dir)
-    views = views_into(slot.data, layout)
-    weights = {k: v for k, v in views.items() if not k.startswith(META_PREFIX)}
+def _hf_module(name: str, config: Any, weights: dict[str, torch.Tensor],
+               device: torch.device) -> nn.Module:
+    """The draft as an HF module whose parameters are the given slot views (no copy)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
@@ -111,25 +153,79 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
                          "rebuild the draft's model.safetensors from its config")
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    _materialise_buffers(model, slot.data.device)
+    _materialise_buffers(model, device)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ModelError(f"draft '{name}' has unbound parameter {leftover[0]}",
                          "rebuild the draft's weight file")
+    return model.eval()
+
+
+def _lean_runner(name: str, config: Any, weights: dict[str, torch.Tensor]) -> LeanLM | None:
+    """The lean forward over the slot views (dense, in the file's dtype: no copy)."""
+    arch = lean_arch(config.to_dict())
+    if arch is None:
+        return None
+    dtype = weights["model.embed_tokens.weight"].dtype if "model.embed_tokens.weight" in \
+        weights else torch.float32
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    fmt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    try:
+        return LeanLM.from_weights(arch, weights, fmt, dtype, fuse=False)
+    except ModelError as exc:
+        raise ModelError(f"draft '{name}' weights do not match its config ({exc.problem})",
+                         "rebuild the draft's model.safetensors from its config") from None
+
+
+def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | None = None,
+               config=None, target_vocab: int | None = None,
+               parts: TargetParts | None = None) -> BoundDraft:
+    """Point a draft's forward at the slot's bytes: views, never copies. A head draft also
+    needs ``parts``: what it reads from the resident target."""
+    model_dir = Path(model_dir)
+    layout = layout or read_layout(draft_weights_file(model_dir))
+    views = views_into(slot.data, layout)
+    weights = {k: v for k, v in views.items() if not k.startswith(META_PREFIX)}
     to_target = views.get(ID_MAP_KEY)
-    to_draft = None
     if to_target is not None:
         to_target = to_target.to(torch.long)
+        if target_vocab is not None and int(to_target.max()) >= target_vocab:
+            raise ModelError(f"draft '{name}' maps to token ids beyond the target's "
+                             f"vocabulary of {target_vocab}", "rebuild it for this target")
+    if is_head(model_dir):
+        arch, config = read_head_config(model_dir)
+        if parts is None:
+            raise ModelError(f"draft '{name}' is a head and needs the target to run",
+                             "bind it through an engine (SpecEngine.target_parts)")
+        if to_target is None or to_target.numel() != arch.vocab:
+            raise ModelError(f"head '{name}' has no draft-vocabulary id map of {arch.vocab}",
+                             "rebuild the head with `memspec zoo drafts`")
+        runner: Runner = HeadRunner(name, arch, weights, parts, to_target)
+        return BoundDraft(name, runner, slot, slot.generation, to_target, None, config,
+                          weights)
+    config = config or AutoConfig.from_pretrained(model_dir)
+    lean = _lean_runner(name, config, weights)
+    if lean is not None:
+        if lean.vocab != weights["model.embed_tokens.weight"].shape[0]:
+            raise ModelError(f"draft '{name}' weights do not match its config (vocab)",
+                             "rebuild the draft's model.safetensors from its config")
+        runner = accelerate(lean)
+    else:
+        runner = HFRunner(_hf_module(name, config, weights, slot.data.device))
+    to_draft = None
+    if to_target is not None:
         vocab = max(target_vocab or 0, int(to_target.max()) + 1)
         to_draft = torch.zeros(max(vocab, 1), dtype=torch.long, device=to_target.device)
         to_draft[to_target] = torch.arange(to_target.numel(), device=to_target.device)
-    return BoundDraft(name, model, slot, slot.generation, to_target, to_draft)
+    return BoundDraft(name, runner, slot, slot.generation, to_target, to_draft, config, weights)
 
 
 def load_into_slot(name: str, model_dir: Path, slot: SlotBuffer,
-                   target_vocab: int | None = None) -> BoundDraft:
+                   target_vocab: int | None = None, parts: TargetParts | None = None
+                   ) -> BoundDraft:
     """In-process load: copy the file into the slot, then bind (engine tests, `generate`)."""
     layout = read_layout(draft_weights_file(model_dir))
     slot.fill_from_file(layout)
     slot.draft = name
-    return bind_draft(name, model_dir, slot, layout, target_vocab=target_vocab)
+    return bind_draft(name, model_dir, slot, layout, target_vocab=target_vocab, parts=parts)

@@ -1,0 +1,516 @@
+// The lean Llama-family forward for CPUs, as one C++ call per forward.
+//
+// Why C++: at batch 1 a decode step on a CPU is a pass over the weights (the matmuls,
+// done by PyTorch's own dense / int8 / int4 kernels) plus ~50 small operators per layer
+// (norms, rotary, cache writes, attention, SiLU). From Python each of those costs a few
+// microseconds of dispatch; over 30 layers that is as much time as the weights. Here the
+// small operators are plain loops over fp32, and each query row is computed alone with a
+// fixed order of operations, so a token's logits do not depend on how many tokens were
+// batched with it (a verify of gamma+1 tokens agrees bit for bit with single steps).
+//
+// Layout: residual stream fp32 [T, hidden]; matmul inputs/outputs in the activation dtype
+// (bf16 on CPUs with native bf16, else fp32); KV caches [kv_heads, capacity, head_dim] per
+// layer in the activation dtype; rotary in the half-split layout of HF Llama.
+
+#include <torch/extension.h>
+
+#include "qgemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t KB = 16;  // keys per K-cache block (one AVX-512 register of fp32)
+
+struct Lin {
+  int64_t kind = 0;
+  // 0 dense (BLAS), 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (VNNI), 5 bf16 (AVX-512 BF16)
+  at::Tensor w, aux, bias;
+  memspec::PackedQ4 q4;
+  memspec::PackedQ8 q8;
+
+  int64_t pad_rows = 0;  // dense: run up to this many rows as exactly this many (see below)
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
+    switch (kind) {
+      case 0: return dense(x);
+      case 2: y = at::_weight_int4pack_mm_for_cpu(x, w, memspec::QGROUP, aux); break;
+      case 3: y = memspec::gemm_q4(x, q4); break;
+      case 4: y = memspec::gemm_q8(x, q8); break;
+      case 5: y = memspec::gemm_bf16(x, w); break;
+      default: TORCH_CHECK(false, "unknown weight format ", kind);
+    }
+    if (bias.defined()) y.add_(bias.to(y.scalar_type()));
+    return y;
+  }
+
+  // Dense BLAS kernels pick their blocking by the number of rows, so a row's result can
+  // differ between a 1-row step and a 5-row verify; padded to a fixed row count, the same
+  // kernel runs for both and every row comes out the same bit for bit.
+  at::Tensor dense(const at::Tensor& x) const {
+    const int64_t M = x.size(0);
+    if (pad_rows <= M) return bias.defined() ? at::linear(x, w, bias) : at::linear(x, w);
+    at::Tensor xp = at::zeros({pad_rows, x.size(1)}, x.options());
+    xp.slice(0, 0, M).copy_(x);
+    at::Tensor y = bias.defined() ? at::linear(xp, w, bias) : at::linear(xp, w);
+    return y.slice(0, 0, M);
+  }
+};
+
+Lin make_lin(const py::tuple& t) {
+  Lin l;
+  l.kind = t[0].cast<int64_t>();
+  auto tensor = [&](int i) { return t[i].is_none() ? at::Tensor() : t[i].cast<at::Tensor>(); };
+  if (!t[4].is_none()) l.bias = t[4].cast<at::Tensor>();
+  if (l.kind == 3) {
+    l.q4 = memspec::pack_q4(tensor(1), tensor(2), tensor(3));
+  } else if (l.kind == 4) {
+    l.q8 = memspec::pack_q8(tensor(1), tensor(2));
+  } else {
+    l.w = tensor(1);
+    l.aux = tensor(2);
+  }
+  return l;
+}
+
+struct Layer {
+  at::Tensor ln1, ln2;  // fp32
+  std::vector<Lin> qkv, gate_up;
+  Lin o, down;
+};
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+// exp for softmax and SiLU: range reduction to 2^k * e^r and a degree-6 polynomial (relative
+// error ~2e-7), written so the compiler vectorises it; libm's expf is a scalar call, and
+// with ~250k of them per decode step it would cost more than the attention arithmetic.
+inline float fexp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// out[r, :] = act(x[r, :] * rsqrt(mean(x^2) + eps) * w)
+template <typename S>
+void rmsnorm(const float* x, const float* w, S* out, int64_t rows, int64_t n, float eps,
+             int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    S* o = out + r * out_stride;
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<S>(xr[i] * inv * w[i]);
+  }
+}
+
+// Dimensions and the per-layer kernels shared by the target model and draft heads.
+class Core {
+ public:
+  Core(py::tuple dims, double rope_theta, const std::string& act_dtype) {
+    hidden_ = dims[0].cast<int64_t>();
+    heads_ = dims[1].cast<int64_t>();
+    kvh_ = dims[2].cast<int64_t>();
+    hd_ = dims[3].cast<int64_t>();
+    inter_ = dims[4].cast<int64_t>();
+    eps_ = dims[5].cast<double>();
+    act_ = act_dtype == "bfloat16" ? at::kBFloat16 : act_dtype == "float16" ? at::kHalf
+                                                                         : at::kFloat;
+    const int64_t half = hd_ / 2;
+    inv_freq_.resize(half);
+    for (int64_t i = 0; i < half; ++i)
+      inv_freq_[i] = static_cast<float>(1.0 / std::pow(rope_theta, static_cast<double>(i) / half));
+  }
+
+ protected:
+  void check_cache(const at::Tensor& vc, int64_t pos, int64_t T) {
+    TORCH_CHECK(pos + T <= vc.size(1), "context exceeds the KV cache");
+    TORCH_CHECK(vc.size(1) % KB == 0, "KV cache capacity must be a multiple of 16");
+  }
+
+  void rope_tables(int64_t pos, int64_t T, std::vector<float>& cosv, std::vector<float>& sinv) {
+    const int64_t half = hd_ / 2;
+    cosv.resize(T * half);
+    sinv.resize(T * half);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = static_cast<float>(pos + t) * inv_freq_[i];
+        cosv[t * half + i] = std::cos(a);
+        sinv[t * half + i] = std::sin(a);
+      }
+  }
+
+  // One decoder layer after its input norm: attention over the cache (K/V of positions
+  // pos.. written), residual into x (fp32 [T, hidden]), then the MLP block.
+  void layer_body(at::Tensor& x, const at::Tensor& a_in, const std::vector<Lin>& qkv_lins,
+                  const Lin& o, const at::Tensor& ln2, const std::vector<Lin>& gate_up,
+                  const Lin& down, const at::Tensor& kc, const at::Tensor& vc, int64_t pos,
+                  const std::vector<float>& cosv, const std::vector<float>& sinv) {
+    const int64_t T = x.size(0);
+    auto opts = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor q = at::empty({T, heads_ * hd_}, opts);
+    at::Tensor att = at::empty({T, heads_ * hd_}, opts.dtype(act_));
+    at::Tensor h = at::empty({T, hidden_}, opts.dtype(act_));
+    at::Tensor mid = at::empty({T, inter_}, opts.dtype(act_));
+    at::Tensor qkv = project(qkv_lins, a_in);
+    rope_and_cache(qkv, q, kc, vc, pos, T, cosv, sinv);
+    attend(q, kc, vc, att, pos, T);
+    add_into(x, o(att));
+    norm_into(x, ln2, h);
+    at::Tensor gu = project(gate_up, h);
+    silu_mul(gu, mid, T);
+    add_into(x, down(mid));
+  }
+
+  // final norm + an LM head over residual rows (fp32)
+  at::Tensor head_logits(const at::Tensor& x, const at::Tensor& norm, const Lin& lm) {
+    at::Tensor hn = at::empty({x.size(0), hidden_}, x.options().dtype(act_));
+    norm_into(x, norm, hn);
+    return lm(hn);
+  }
+
+  at::Tensor project(const std::vector<Lin>& lins, const at::Tensor& h) {
+    if (lins.size() == 1) return lins[0](h).contiguous();
+    std::vector<at::Tensor> parts;
+    for (const auto& l : lins) parts.push_back(l(h));
+    return at::cat(parts, 1);
+  }
+
+  // rows of x (fp32 [R, hidden]) normalised into out (activation dtype), whose rows may be
+  // wider than hidden (a draft head writes two halves of one input row)
+  void norm_into(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "rmsnorm", [&] {
+      rmsnorm<scalar_t>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                        x.size(0), hidden_, static_cast<float>(eps_), out.stride(0));
+    });
+  }
+
+  void add_into(at::Tensor& x, const at::Tensor& y) {
+    at::Tensor yc = y.contiguous();
+    float* xp = x.data_ptr<float>();
+    const int64_t n = x.numel();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, yc.scalar_type(), "add", [&] {
+      const scalar_t* yp = yc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < n; ++i) xp[i] += f32(yp[i]);
+    });
+  }
+
+  void silu_mul(const at::Tensor& gu, at::Tensor& out, int64_t T) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu", [&] {
+      const scalar_t* g = gu.data_ptr<scalar_t>();
+      scalar_t* o = out.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        const scalar_t* gr = g + t * 2 * inter_;
+        const scalar_t* ur = gr + inter_;
+        scalar_t* orow = o + t * inter_;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < inter_; ++i) {
+          const float a = f32(gr[i]);
+          orow[i] = static_cast<scalar_t>(a / (1.f + fexp(-a)) * f32(ur[i]));
+        }
+      }
+    });
+  }
+
+  // q (fp32, rotated, pre-scaled by 1/sqrt(hd)) out of the fused projection; rotated k and
+  // v written into the fp32 caches at positions pos..pos+T-1.
+  void rope_and_cache(const at::Tensor& qkv, at::Tensor& q, const at::Tensor& kc,
+                      const at::Tensor& vc, int64_t pos, int64_t T,
+                      const std::vector<float>& cosv, const std::vector<float>& sinv) {
+    const int64_t half = hd_ / 2, nq = heads_ * hd_, nk = kvh_ * hd_, width = qkv.size(1);
+    const int64_t cap = vc.size(1);
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd_));
+    float* qp = q.data_ptr<float>();
+    float* kp = kc.data_ptr<float>();  // [kvh, cap / KB, hd, KB]
+    float* vp = vc.data_ptr<float>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope", [&] {
+      const scalar_t* src = qkv.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        const float* c = cosv.data() + t * half;
+        const float* s = sinv.data() + t * half;
+        const scalar_t* row = src + t * width;
+        for (int64_t h = 0; h < heads_; ++h) {
+          const scalar_t* x = row + h * hd_;
+          float* o = qp + t * nq + h * hd_;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+            o[i] = (x1 * c[i] - x2 * s[i]) * scale;
+            o[i + half] = (x2 * c[i] + x1 * s[i]) * scale;
+          }
+        }
+        for (int64_t h = 0; h < kvh_; ++h) {
+          const scalar_t* x = row + nq + h * hd_;
+          const scalar_t* v = row + nq + nk + h * hd_;
+          const int64_t l = pos + t;  // lane l % KB of key block l / KB
+          float* ko = kp + ((h * (cap / KB) + l / KB) * hd_) * KB + l % KB;
+          float* vo = vp + (h * cap + l) * hd_;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+            ko[i * KB] = x1 * c[i] - x2 * s[i];
+            ko[(i + half) * KB] = x2 * c[i] + x1 * s[i];
+          }
+          for (int64_t i = 0; i < hd_; ++i) vo[i] = f32(v[i]);
+        }
+      }
+    });
+  }
+
+  // Causal GQA attention over fp32 caches: K is stored in blocks of KB keys, each block
+  // [hd, KB] contiguous, so scores for KB consecutive keys are KB lanes of one FMA chain
+  // over 4 KB read in order (a plain [hd, capacity] layout strides by the capacity and
+  // thrashes L1), and V row-major
+  // so the weighted sum is a broadcast FMA; neither needs a horizontal reduction. Every
+  // query of a KV head's group (all T rows) reuses each key block while it is in L1, and
+  // each query's own arithmetic (dot products in d order, its softmax, its sum in key
+  // order) is the same whatever T is.
+  void attend(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
+              int64_t pos, int64_t T) {
+    const int64_t g = heads_ / kvh_, cap = vc.size(1), hd = hd_, nq = heads_ * hd_;
+    const int64_t rows = T * g, n_max = pos + T, n_pad = (n_max + KB - 1) / KB * KB;
+    const float* qp = q.data_ptr<float>();
+    const float* kp = kc.data_ptr<float>();
+    const float* vp = vc.data_ptr<float>();
+    std::vector<float> sc(rows * n_pad), acc(rows * hd);
+    std::vector<const float*> qr(rows);
+    std::vector<int64_t> lim(rows);
+    for (int64_t j = 0; j < kvh_; ++j) {
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < g; ++i) {
+          qr[t * g + i] = qp + t * nq + (j * g + i) * hd;
+          lim[t * g + i] = pos + t + 1;
+        }
+      const float* kb = kp + j * cap * hd;  // [cap / KB, hd, KB]
+      const float* vb = vp + j * cap * hd;  // [cap, hd]
+      for (int64_t l0 = 0; l0 < n_pad; l0 += KB) {
+        const float* blk = kb + l0 * hd;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (l0 >= lim[r]) continue;
+          const float* qv = qr[r];
+          float s[KB] = {0.f};
+          for (int64_t d = 0; d < hd; ++d) {
+            const float qd = qv[d];
+            const float* k = blk + d * KB;
+#pragma omp simd
+            for (int64_t i = 0; i < KB; ++i) s[i] += qd * k[i];
+          }
+          std::copy(s, s + KB, sc.data() + r * n_pad + l0);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = sc.data() + r * n_pad;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < lim[r]; ++l) mx = sr[l] > mx ? sr[l] : mx;
+        const int64_t n = lim[r];
+#pragma omp simd
+        for (int64_t l = 0; l < n; ++l) sr[l] = fexp(sr[l] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t l = 0; l < n; ++l) sum += sr[l];
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t l = 0; l < n; ++l) sr[l] *= inv;
+        std::fill(acc.begin() + r * hd, acc.begin() + (r + 1) * hd, 0.f);
+      }
+      for (int64_t l = 0; l < n_max; ++l) {
+        const float* vr = vb + l * hd;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (l >= lim[r]) continue;
+          const float p = sc[r * n_pad + l];
+          float* a = acc.data() + r * hd;
+#pragma omp simd
+          for (int64_t d = 0; d < hd; ++d) a[d] += p * vr[d];
+        }
+      }
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "att", [&] {
+        scalar_t* op = out.data_ptr<scalar_t>();
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = 0; i < g; ++i) {
+            const float* a = acc.data() + (t * g + i) * hd;
+            scalar_t* o = op + t * nq + (j * g + i) * hd;
+            for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<scalar_t>(a[d]);
+          }
+      });
+    }
+  }
+
+  int64_t hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0;
+  double eps_ = 1e-6;
+  at::ScalarType act_ = at::kFloat;
+  std::vector<float> inv_freq_;
+};
+
+class Model : public Core {
+ public:
+  Model(py::tuple dims, at::Tensor embed, py::object embed_scale, py::list layers,
+        at::Tensor norm, py::tuple head, double rope_theta, std::string act_dtype)
+      : Core(dims, rope_theta, act_dtype), embed_(embed),
+        norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
+    if (!embed_scale.is_none()) embed_scale_ = embed_scale.cast<at::Tensor>().to(at::kFloat);
+    for (auto item : layers) {
+      auto t = item.cast<py::tuple>();
+      Layer L;
+      L.ln1 = t[0].cast<at::Tensor>().to(at::kFloat).contiguous();
+      L.ln2 = t[1].cast<at::Tensor>().to(at::kFloat).contiguous();
+      for (auto q : t[2].cast<py::list>()) L.qkv.push_back(make_lin(q.cast<py::tuple>()));
+      L.o = make_lin(t[3].cast<py::tuple>());
+      for (auto q : t[4].cast<py::list>()) L.gate_up.push_back(make_lin(q.cast<py::tuple>()));
+      L.down = make_lin(t[5].cast<py::tuple>());
+      layers_.push_back(std::move(L));
+    }
+  }
+
+  // logits [T or 1, vocab] for ids [T] at positions pos..pos+T-1. With `feat` defined
+  // ([capacity, capture.size() * hidden] fp32), the residual stream after each layer in
+  // `capture` is written to rows pos..pos+T-1: the features draft heads read.
+  at::Tensor forward(const at::Tensor& ids, int64_t pos, const std::vector<at::Tensor>& kc,
+                     const std::vector<at::Tensor>& vc, bool last_only,
+                     const std::vector<int64_t>& capture, const c10::optional<at::Tensor>& feat) {
+    at::NoGradGuard no_grad;
+    const int64_t T = ids.numel();
+    TORCH_CHECK(kc.size() == layers_.size() && vc.size() == layers_.size(),
+                "one K and one V cache per layer");
+    check_cache(vc[0], pos, T);
+    at::Tensor x = embed(ids);  // fp32 [T, hidden]
+    std::vector<float> cosv, sinv;
+    rope_tables(pos, T, cosv, sinv);
+    at::Tensor h = at::empty({T, hidden_}, x.options().dtype(act_));
+    const bool want_feat = feat.has_value() && feat->defined() && !capture.empty();
+    size_t next_cap = 0;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& L = layers_[li];
+      norm_into(x, L.ln1, h);
+      layer_body(x, h, L.qkv, L.o, L.ln2, L.gate_up, L.down, kc[li], vc[li], pos, cosv, sinv);
+      while (want_feat && next_cap < capture.size() &&
+             capture[next_cap] == static_cast<int64_t>(li)) {
+        feat->slice(0, pos, pos + T).slice(1, next_cap * hidden_, (next_cap + 1) * hidden_)
+            .copy_(x);
+        ++next_cap;
+      }
+    }
+    return head_logits(last_only ? x.slice(0, T - 1, T).contiguous() : x, norm_, head_);
+  }
+
+  void set_pad_rows(int64_t n) {
+    for (auto& L : layers_) {
+      for (auto& l : L.qkv) l.pad_rows = n;
+      for (auto& l : L.gate_up) l.pad_rows = n;
+      L.o.pad_rows = L.down.pad_rows = n;
+    }
+    head_.pad_rows = n;
+  }
+
+  // token embeddings as fp32 rows (a draft head's token input)
+  at::Tensor embed(const at::Tensor& ids) {
+    at::NoGradGuard no_grad;
+    at::Tensor rows = embed_.index_select(0, ids).to(at::kFloat);
+    if (embed_scale_.defined()) {  // Q8_0 rows: one scale per 32 values
+      const int64_t T = rows.size(0);
+      rows = (rows.view({T, -1, memspec::QGROUP}) *
+              embed_scale_.index_select(0, ids).unsqueeze(2)).view({T, hidden_});
+    }
+    return rows.contiguous();
+  }
+
+ private:
+  at::Tensor embed_, embed_scale_, norm_;
+  Lin head_;
+  std::vector<Layer> layers_;
+};
+
+// An EAGLE-style draft head: one decoder layer over [norm(token embedding); norm(g)], where g
+// is fc(target features) for positions the target has seen and the head's own previous
+// output for its own proposals; the residual runs on g; logits come from the target's
+// final norm and the target's LM-head rows of the draft vocabulary.
+class Head : public Core {
+ public:
+  Head(py::tuple dims, py::tuple fc, at::Tensor norm_e, at::Tensor norm_g, py::list qkv,
+       py::tuple o, at::Tensor ln2, py::list gate_up, py::tuple down, at::Tensor final_norm,
+       py::tuple lm, double rope_theta, std::string act_dtype)
+      : Core(dims, rope_theta, act_dtype), fc_(make_lin(fc)),
+        norm_e_(norm_e.to(at::kFloat).contiguous()), norm_g_(norm_g.to(at::kFloat).contiguous()),
+        o_(make_lin(o)), ln2_(ln2.to(at::kFloat).contiguous()), down_(make_lin(down)),
+        final_norm_(final_norm.to(at::kFloat).contiguous()), lm_(make_lin(lm)) {
+    for (auto q : qkv) qkv_.push_back(make_lin(q.cast<py::tuple>()));
+    for (auto q : gate_up) gate_up_.push_back(make_lin(q.cast<py::tuple>()));
+  }
+
+  at::Tensor fc(const at::Tensor& feats) {
+    at::NoGradGuard no_grad;
+    return fc_(feats.to(at::kFloat).contiguous()).to(at::kFloat).contiguous();
+  }
+
+  // emb, g: fp32 [T, hidden] for positions pos..pos+T-1 -> (logits of the last row or all
+  // rows, the layer's output rows: the g of the next proposal)
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& emb, const at::Tensor& g,
+                                             int64_t pos, const at::Tensor& kc,
+                                             const at::Tensor& vc, bool last_only) {
+    at::NoGradGuard no_grad;
+    const int64_t T = emb.size(0);
+    check_cache(vc, pos, T);
+    std::vector<float> cosv, sinv;
+    rope_tables(pos, T, cosv, sinv);
+    at::Tensor e32 = emb.to(at::kFloat).contiguous();
+    at::Tensor x = g.to(at::kFloat).contiguous().clone();
+    at::Tensor a_in = at::empty({T, 2 * hidden_}, x.options().dtype(act_));
+    at::Tensor left = a_in.slice(1, 0, hidden_), right = a_in.slice(1, hidden_, 2 * hidden_);
+    norm_into(e32, norm_e_, left);
+    norm_into(x, norm_g_, right);
+    layer_body(x, a_in, qkv_, o_, ln2_, gate_up_, down_, kc, vc, pos, cosv, sinv);
+    at::Tensor rows = last_only ? x.slice(0, T - 1, T).contiguous() : x;
+    return {head_logits(rows, final_norm_, lm_), rows};
+  }
+
+ private:
+  Lin fc_;
+  at::Tensor norm_e_, norm_g_;
+  std::vector<Lin> qkv_, gate_up_;
+  Lin o_;
+  at::Tensor ln2_;
+  Lin down_;
+  at::Tensor final_norm_;
+  Lin lm_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Model>(m, "Model")
+      .def(py::init<py::tuple, at::Tensor, py::object, py::list, at::Tensor, py::tuple, double,
+                    std::string>())
+      .def("forward", &Model::forward)
+      .def("set_pad_rows", &Model::set_pad_rows)
+      .def("embed", &Model::embed);
+  py::class_<Head>(m, "Head")
+      .def(py::init<py::tuple, py::tuple, at::Tensor, at::Tensor, py::list, py::tuple, at::Tensor,
+                    py::list, py::tuple, at::Tensor, py::tuple, double, std::string>())
+      .def("fc", &Head::fc)
+      .def("forward", &Head::forward);
+  m.def("qgemm_available", &memspec::qgemm_available);
+  m.def("bf16_available", &memspec::bf16_available);
+  // one linear layer on its own: the bare-matmul floor in `memspec bench engine`
+  py::class_<Lin>(m, "Linear")
+      .def(py::init([](py::tuple t) { return make_lin(t); }))
+      .def("__call__", [](const Lin& l, const at::Tensor& x) {
+        at::NoGradGuard no_grad;
+        return l(x);
+      });
+}

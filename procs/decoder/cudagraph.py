@@ -1,0 +1,90 @@
+"""CUDA graphs for the lean forward: every decode call is one replay.
+
+A decode step or verify is a few hundred small kernels; launched one by one from Python,
+the launches cost more than the arithmetic on a GPU. The graph is captured once per KV
+cache for a fixed number of rows (8: a step, or a verify of up to gamma+1 = 8 tokens, runs
+as 8 rows with the rest ignored) over the whole cache, with the positions as device data:
+K/V are written with ``index_copy_`` and attention masks keys past each row's position.
+Fixed shapes also make every token's logits independent of how many tokens were batched
+with it, which keeps speculative decoding token-identical to target-only decoding.
+Prompt prefill and long draft catch-ups (more rows) run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memspec.procs.decoder.lean import KVCache, LeanLM
+
+ROWS = 8
+
+
+class _Graph:
+    def __init__(self, lean: LeanLM, cache: KVCache, rows: int) -> None:
+        dev = lean.device
+        self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)
+        self.rows = rows
+        keys = cache.capacity
+        cos_t, sin_t = lean._tables(keys + rows)
+        offsets = torch.arange(rows, device=dev)
+
+        def body() -> torch.Tensor:
+            positions = self.pos + offsets
+            bias = lean.causal_bias(positions, keys)
+            x = lean.layers_forward(lean.embed(self.ids), positions, cache, cos_t[positions],
+                                    sin_t[positions], bias, keys)
+            return lean.head(x)
+
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS handles)
+                body()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = body()
+
+    def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        T = ids.numel()
+        self.ids[:T].copy_(ids)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.out[:T]
+
+
+class GraphLM:
+    """Same interface as :class:`LeanLM`; decode calls replay a captured CUDA graph.
+
+    The KV cache holds ``ROWS`` positions more than asked: the padding rows of a replay
+    write (ignored) keys just past the valid length."""
+
+    def __init__(self, lean: LeanLM, rows: int = ROWS) -> None:
+        self.lean, self.arch, self.vocab = lean, lean.arch, lean.vocab
+        self.device, self.act_dtype = lean.device, lean.act_dtype
+        self.cache_dtype, self.k_blocked = lean.cache_dtype, lean.k_blocked
+        self.rows = rows
+        self._graphs: dict[int, _Graph] = {}
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return self.lean.new_cache(capacity + self.rows)
+
+    def forward(self, ids: torch.Tensor, pos: int, cache: KVCache,
+                last_only: bool = False) -> torch.Tensor:
+        T = ids.numel()
+        if self.rows < T or pos + self.rows > cache.capacity:
+            return self.lean.forward(ids, pos, cache, last_only)
+        graph = self._graphs.get(id(cache.k))
+        if graph is None:
+            graph = self._graphs[id(cache.k)] = _Graph(self.lean, cache, self.rows)
+        out = graph(ids, pos)
+        return out[-1:] if last_only else out
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.lean.weight_bytes
+
+
+def accelerate_cuda(lean: LeanLM) -> LeanLM | GraphLM:
+    return GraphLM(lean) if lean.device.type == "cuda" else lean

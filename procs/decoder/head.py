@@ -1,0 +1,283 @@
+"""Draft heads (``kind = "head"``): EAGLE-style drafts that read the target's features.
+
+A head is one decoder layer. Its input at position j is the target's token embedding of
+token j beside ``g``: for a position the target has processed, ``g = fc(f)`` where ``f``
+is the target's residual stream after a few layers (``feature_layers``) at position j-1;
+for the head's own proposals, ``g`` is the head's previous output. The residual runs on
+``g``; logits come from the *target's* final norm and the target's LM-head rows of the
+draft vocabulary (the id map). So a slot holds only the head's own weights (fc + one
+layer, ~10 MB in bf16) while the embedding and LM head are read from the resident target.
+
+File (``model.safetensors`` beside a ``config.json`` with ``"memspec_kind": "head"``):
+``fc.weight`` [h, n*h], ``norm_e.weight``, ``norm_g.weight`` [h], ``q_proj/k_proj/v_proj``
+[*, 2h], ``o_proj`` [h, h], ``post_attention_layernorm.weight`` [h], ``gate_proj/up_proj``
+[I, h], ``down_proj`` [h, I] (all ``.weight``), and ``memspec.draft_to_target`` [V_draft].
+
+The head's KV cache holds real (target-featured) positions only up to the committed length
+minus one: after every iteration the accepted tokens are re-run with the target's
+features, as EAGLE does, instead of keeping K/V computed from the head's own guesses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memspec.common.errors import ModelError
+from memspec.procs.decoder.lean import (
+    Arch,
+    KVCache,
+    LeanLM,
+    _attend,
+    _rope,
+    _rope_tables,
+    alloc_cache,
+)
+from memspec.procs.decoder.linear import DenseLinear, Int8Linear, Linear
+from memspec.procs.decoder.native import NativeLM, extension, linear_spec
+
+HEAD_KIND = "head"
+HEAD_TENSORS = ("fc", "norm_e", "norm_g", "q_proj", "k_proj", "v_proj", "o_proj",
+                "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class HeadArch:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    rope_theta: float
+    feature_layers: tuple[int, ...]
+    vocab: int  # draft vocabulary (rows of the target's LM head it reads)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> HeadArch:
+        try:
+            return cls(hidden=int(cfg["hidden_size"]), heads=int(cfg["num_attention_heads"]),
+                       kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]),
+                       intermediate=int(cfg["intermediate_size"]),
+                       eps=float(cfg["rms_norm_eps"]), rope_theta=float(cfg["rope_theta"]),
+                       feature_layers=tuple(int(x) for x in cfg["feature_layers"]),
+                       vocab=int(cfg["draft_vocab"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"head config is missing or has a bad field ({exc})",
+                             "rebuild the head with `memspec zoo drafts`") from None
+
+    def as_arch(self) -> Arch:
+        """The one-layer shape its KV cache needs."""
+        return Arch(hidden=self.hidden, layers=1, heads=self.heads, kv_heads=self.kv_heads,
+                    head_dim=self.head_dim, intermediate=self.intermediate, vocab=self.vocab,
+                    eps=self.eps, rope_theta=self.rope_theta, tie=False, qkv_bias=False,
+                    max_pos=1 << 30)
+
+    @property
+    def features(self) -> int:
+        return len(self.feature_layers) * self.hidden
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        h, nq, nk = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"fc": (h, self.features), "norm_e": (h,), "norm_g": (h,), "q_proj": (nq, 2 * h),
+                "k_proj": (nk, 2 * h), "v_proj": (nk, 2 * h), "o_proj": (h, nq),
+                "post_attention_layernorm": (h,), "gate_proj": (self.intermediate, h),
+                "up_proj": (self.intermediate, h), "down_proj": (h, self.intermediate)}
+
+
+def is_head(model_dir: Path) -> bool:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return cfg.get("memspec_kind") == HEAD_KIND
+
+
+def read_head_config(model_dir: Path) -> tuple[HeadArch, dict]:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {model_dir}/config.json ({exc})",
+                         "rebuild the head with `memspec zoo drafts`") from None
+    return HeadArch.from_config(cfg), cfg
+
+
+def check_weights(name: str, arch: HeadArch, weights: Mapping[str, torch.Tensor]) -> None:
+    shapes = arch.shapes()
+    for key, shape in shapes.items():
+        w = weights.get(f"{key}.weight")
+        if w is None:
+            raise ModelError(f"head '{name}' has no tensor {key}.weight",
+                             "rebuild the head's model.safetensors")
+        if tuple(w.shape) != shape:
+            raise ModelError(f"head '{name}' tensor {key}.weight has shape {tuple(w.shape)}, "
+                             f"its config says {shape}", "rebuild the head's model.safetensors")
+    extra = sorted(set(weights) - {f"{k}.weight" for k in shapes})
+    if extra:
+        raise ModelError(f"head '{name}' has an unexpected tensor {extra[0]}",
+                         "rebuild the head's model.safetensors")
+
+
+class TargetParts:
+    """What a head reads from the resident target: embeddings, final norm, LM-head rows."""
+
+    def __init__(self, target: Any) -> None:
+        lean = getattr(target, "lean", target)
+        self.target = target
+        if isinstance(lean, LeanLM):
+            self.norm = lean.norm.float()
+            self.eps = lean.arch.eps
+            self._head = lean.lm_head
+            self._embed = lean.embed if not hasattr(target, "model") else \
+                (lambda ids: target.model.embed(ids))
+        else:  # HF module
+            model = target.model
+            inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+            self.norm = inner.norm.weight.detach().float()
+            self.eps = float(getattr(model.config, "rms_norm_eps", 1e-6))
+            self._head = DenseLinear(model.get_output_embeddings().weight.detach())
+            self._embed = model.get_input_embeddings()
+        self._subsets: dict[int, Linear] = {}
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._embed(ids).float()
+
+    def lm_rows(self, to_target: torch.Tensor) -> Linear:
+        """The LM head restricted to the draft vocabulary, built once per id map."""
+        key = hash(tuple(to_target[:64].tolist())) ^ int(to_target.sum()) ^ to_target.numel()
+        lin = self._subsets.get(key)
+        if lin is None:
+            head = self._head
+            if isinstance(head, Int8Linear):
+                sub = Int8Linear.__new__(Int8Linear)
+                sub.q, sub.d = head.q[to_target].contiguous(), head.d[to_target].contiguous()
+                sub.act_dtype, sub.bias, sub._dense = head.act_dtype, None, None
+                lin = sub
+            elif isinstance(head, DenseLinear):
+                lin = DenseLinear(head.weight[to_target].contiguous())
+            else:  # int4 heads: go through dequantised rows
+                lin = DenseLinear(head.dequantize()[to_target].to(torch.bfloat16).contiguous())
+            self._subsets[key] = lin
+        return lin
+
+
+class HeadRunner:
+    """Runs one bound head; the engine calls :meth:`teacher` then :meth:`step`."""
+
+    kind = HEAD_KIND
+    cache_dtype: torch.dtype | None = None
+    k_blocked = False
+
+    def __init__(self, name: str, arch: HeadArch, weights: Mapping[str, torch.Tensor],
+                 parts: TargetParts, to_target: torch.Tensor) -> None:
+        check_weights(name, arch, weights)
+        self.name, self.arch, self.parts = name, arch, parts
+        self.vocab = arch.vocab
+        self.cache_arch = arch.as_arch()
+        self.device = weights["fc.weight"].device
+        self.act_dtype = weights["fc.weight"].dtype
+        self.w = {k[:-len(".weight")]: v for k, v in weights.items()}
+        self.lm = parts.lm_rows(to_target.to(torch.long))
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+        self.native = _native_head(self)
+        if self.native is not None:
+            self.cache_dtype, self.k_blocked = torch.float32, True
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return alloc_cache(self.cache_arch, capacity, self.cache_dtype or self.act_dtype,
+                           self.device, self.k_blocked)
+
+    # ---- the two calls the engine makes ------------------------------------------------
+    def teacher(self, ids: torch.Tensor, pos: int, cache: KVCache, feats: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for committed tokens ``ids`` at pos.. with the target's features of the
+        positions before each; returns the last row's logits and output."""
+        emb = self.parts.embed(ids)
+        if self.native is not None:
+            g = self.native.fc(feats)
+            return self._native_forward(emb, g, pos, cache)
+        g = F.linear(feats.to(self.act_dtype), self.w["fc"]).float()
+        return self._forward(emb, g, pos, cache)
+
+    def step(self, token: torch.Tensor, pos: int, cache: KVCache, hidden: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One proposal after another: the token just proposed, the head's last output."""
+        emb = self.parts.embed(token)
+        if self.native is not None:
+            return self._native_forward(emb, hidden, pos, cache)
+        return self._forward(emb, hidden, pos, cache)
+
+    def _native_forward(self, emb, g, pos, cache):
+        logits, rows = self.native.forward(emb, g, pos, cache.k[0], cache.v[0], True)
+        return logits, rows
+
+    # ---- the reference forward (PyTorch) ----------------------------------------------
+    def _forward(self, emb: torch.Tensor, g: torch.Tensor, pos: int, cache: KVCache
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        a, w = self.arch, self.w
+        T = emb.shape[0]
+        end = pos + T
+        if end > cache.capacity:
+            raise ModelError(f"context of {end} tokens exceeds the head's KV cache",
+                             "raise max_context in the pool")
+        if end > self._rope_len:
+            n = max(end, 2 * self._rope_len, 256)
+            self._cos, self._sin = _rope_tables(self.cache_arch, n, self.act_dtype, self.device)
+            self._rope_len = n
+        cos, sin = self._cos[pos:end], self._sin[pos:end]
+        dt = self.act_dtype
+        x = g.float()
+        a_in = torch.cat([F.rms_norm(emb, (a.hidden,), w["norm_e"].float(), a.eps),
+                          F.rms_norm(x, (a.hidden,), w["norm_g"].float(), a.eps)], -1).to(dt)
+        q = _rope(F.linear(a_in, w["q_proj"]).view(T, a.heads, a.head_dim), cos, sin)
+        k = _rope(F.linear(a_in, w["k_proj"]).view(T, a.kv_heads, a.head_dim), cos, sin)
+        v = F.linear(a_in, w["v_proj"]).view(T, a.kv_heads, a.head_dim)
+        kc, vc = cache.k[0], cache.v[0]
+        kc[:, pos:end] = k.transpose(0, 1)
+        vc[:, pos:end] = v.transpose(0, 1)
+        bias = None
+        if T > 1:
+            hidden = torch.arange(end, device=self.device)[None, :] > \
+                torch.arange(pos, end, device=self.device)[:, None]
+            bias = torch.zeros(hidden.shape, dtype=dt, device=self.device).masked_fill_(
+                hidden, float("-inf"))
+        x = x + F.linear(_attend(q, kc[:, :end], vc[:, :end], bias), w["o_proj"]).float()
+        h = F.rms_norm(x, (a.hidden,), w["post_attention_layernorm"].float(), a.eps).to(dt)
+        x = x + F.linear(F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]),
+                         w["down_proj"]).float()
+        last = x[-1:]
+        hn = F.rms_norm(last, (a.hidden,), self.parts.norm, self.parts.eps)
+        return self.lm(hn.to(self._lm_dtype())).float(), last
+
+    def _lm_dtype(self) -> torch.dtype:
+        return getattr(self.lm, "act_dtype", None) or self.lm.weight.dtype
+
+
+def _native_head(runner: HeadRunner):
+    """The C++ head when the target runs the C++ forward (same kernels, same build)."""
+    if not isinstance(runner.parts.target, NativeLM) or runner.device.type != "cpu":
+        return None
+    ext = extension()
+    if ext is None:
+        return None
+    a, w = runner.arch, runner.w
+    vnni, bf16 = bool(ext.qgemm_available()), bool(ext.bf16_available())
+
+    def lin(t: torch.Tensor) -> tuple:
+        return linear_spec(DenseLinear(t), vnni, bf16)
+
+    act = "float32" if runner.act_dtype == torch.float32 or bf16 else "bfloat16"
+    return ext.Head((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.eps),
+                    lin(w["fc"]), w["norm_e"], w["norm_g"],
+                    [lin(w["q_proj"]), lin(w["k_proj"]), lin(w["v_proj"])], lin(w["o_proj"]),
+                    w["post_attention_layernorm"], [lin(w["gate_proj"]), lin(w["up_proj"])],
+                    lin(w["down_proj"]), runner.parts.norm, linear_spec(runner.lm, vnni, bf16),
+                    a.rope_theta, act)

@@ -1,0 +1,147 @@
+"""Weight formats for the lean model's linear layers: dense, int8 and int4, in blocks of 32.
+
+Decoding one token is a pass over every weight, so on a CPU the step time is set by the
+bytes of weights read: int8 halves bf16's bytes and int4 quarters them. Both low-bit
+formats are the GGUF block formats, quantised per 32 inputs of each output:
+- int4 (Q4_1): w = d * q + m with q in [0, 15]; weights that were dequantised from a Q4_1
+  file (the demo target) come back to exactly their blocks, so int4 loses nothing there;
+- int8 (Q8_0): w = d * q with q in [-127, 127].
+The C++ forward (native.py) runs them with its own VNNI kernels; the PyTorch forward here
+uses ``_weight_int4pack_mm_for_cpu`` for int4 and a dequantised copy for int8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+INT4_GROUP = GROUP
+
+
+class Linear:
+    """y = x @ W.T (+ b); subclasses hold W in one storage format."""
+
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    """Dense weights; calls of up to ``pad_rows`` rows run as exactly ``pad_rows`` rows,
+    because BLAS picks its blocking by the row count and a token's logits must not depend
+    on whether it was verified with others or stepped alone."""
+
+    pad_rows = 8
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m >= self.pad_rows:
+            return F.linear(x, self.weight, self.bias)
+        xp = x.new_zeros((self.pad_rows, x.shape[1]))
+        xp[:m] = x
+        return F.linear(xp, self.weight, self.bias)[:m]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def _groups(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"block formats need in_features divisible by {GROUP}, got {k}")
+    return w.float().view(n, k // GROUP, GROUP)
+
+
+class Int4Linear(Linear):
+    """Q4_1 blocks: per (output, 32 inputs) a scale d and a minimum m (fp16, as in GGUF)."""
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
+        g = _groups(weight)
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        d = ((hi - lo) / 15.0).half().float()
+        m = lo.half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        self.q = torch.round((g - m[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+        self.q = self.q.view(weight.shape).contiguous()
+        self.d, self.m = d, m  # [N, K/32] fp32 holding fp16 values
+        self.act_dtype = act_dtype
+        self.bias = None if bias is None else bias.to(act_dtype)
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _torch_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """PyTorch's int4 layout: w = (q - 8) * scale + zero, so zero = m + 8d."""
+        if self._packed is None:
+            packed = torch._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32), 1)
+            sz = torch.stack([self.d.t(), (self.m + 8.0 * self.d).t()], dim=-1)
+            self._packed = (packed, sz.to(self.act_dtype).contiguous())
+        return self._packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        packed, sz = self._torch_pack()
+        y = torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        g = self.q.view(n, k // GROUP, GROUP).float()
+        return (g * self.d[..., None] + self.m[..., None]).view(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() // 2 + 2 * 2 * self.d.numel()
+
+
+class Int8Linear(Linear):
+    """Q8_0 blocks: per (output, 32 inputs) one fp16 scale."""
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
+        g = _groups(weight)
+        d = (g.abs().amax(dim=2) / 127.0).half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        self.q = torch.round(g / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        self.q = self.q.view(weight.shape).contiguous()
+        self.d = d
+        self.act_dtype = act_dtype
+        self.bias = None if bias is None else bias.to(act_dtype)
+        self._dense: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is None:  # the PyTorch path has no kernel for Q8_0 blocks
+            self._dense = self.dequantize().to(self.act_dtype)
+        return F.linear(x, self._dense, self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.view(n, k // GROUP, GROUP).float() * self.d[..., None]).view(n, k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantised rows (an embedding lookup from the tied LM head)."""
+        q = self.q[ids].float()
+        return (q.view(len(ids), -1, GROUP) * self.d[ids][..., None]).view(len(ids), -1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * self.d.numel()
+
+
+def make_linear(weight: torch.Tensor, fmt: str, act_dtype: torch.dtype,
+                bias: torch.Tensor | None = None) -> Linear:
+    """``fmt``: a float dtype name (weights cast to the activation dtype) or int8 / int4."""
+    if fmt == "int8":
+        return Int8Linear(weight, act_dtype, bias)
+    if fmt == "int4":
+        return Int4Linear(weight, act_dtype, bias)
+    dt = act_dtype
+    return DenseLinear(weight.to(dt).contiguous(), None if bias is None else bias.to(dt))

@@ -1,0 +1,165 @@
+"""One forward interface for the engine: the lean Llama-family model or any HF causal LM.
+
+A runner computes logits for ``ids`` at positions ``pos..pos+T-1`` over a cache that the
+caller owns, and the caller tracks how much of that cache is valid: the lean model writes
+K/V in place into a static cache (rollback is free), while :class:`HFRunner` keeps a
+``DynamicCache`` and crops it lazily to ``pos``, so architectures the lean forward does not
+cover still decode losslessly through the same engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from memspec.common.errors import ModelError
+from memspec.procs.decoder.cudagraph import GraphLM
+from memspec.procs.decoder.lean import Arch, LeanLM, UnsupportedArch
+from memspec.procs.decoder.native import accelerate as native_accelerate
+
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOW_BIT = ("int8", "int4")
+DTYPES = ("auto", *FLOAT_DTYPES, *LOW_BIT)
+
+
+class Runner(Protocol):
+    vocab: int
+    device: torch.device
+
+    def new_cache(self, capacity: int) -> Any: ...
+
+    def forward(self, ids: torch.Tensor, pos: int, cache: Any,
+                last_only: bool = False) -> torch.Tensor: ...
+
+
+_CACHE_KW: dict[type, str] = {}
+
+
+def forward_with_cache(model: torch.nn.Module, ids: torch.Tensor, cache: DynamicCache, **kw):
+    """Call an HF causal LM with a KV cache under whichever keyword its version takes."""
+    key = _CACHE_KW.get(type(model))
+    if key is None:
+        params = inspect.signature(model.forward).parameters
+        key = _CACHE_KW[type(model)] = "cache" if "cache" in params else "past_key_values"
+    return model(ids, use_cache=True, **{key: cache}, **kw)
+
+
+class HFRunner:
+    """Any HF causal LM (eager, ``DynamicCache``): the reference path and the fallback."""
+
+    feature_layers: list[int] = []
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+
+    def new_cache(self, capacity: int) -> DynamicCache:
+        cache = DynamicCache()
+        hidden = int(self.model.config.hidden_size)
+        cache.feat = torch.zeros(capacity, len(self.feature_layers) * hidden,
+                                 device=self.device) if self.feature_layers else None
+        return cache
+
+    def forward(self, ids: torch.Tensor, pos: int, cache: DynamicCache,
+                last_only: bool = False) -> torch.Tensor:
+        held = cache.get_seq_length()
+        if held > pos:
+            cache.crop(pos - held)  # negative: tokens to remove (transformers 4 and 5)
+        elif held < pos:
+            raise RuntimeError(f"KV cache holds {held} tokens, forward starts at {pos}")
+        feat = getattr(cache, "feat", None)
+        kw: dict = {"logits_to_keep": 1} if last_only else {}
+        if feat is not None:
+            kw["output_hidden_states"] = True
+        out = forward_with_cache(self.model, ids.view(1, -1), cache, **kw)
+        if feat is not None:
+            T, h = ids.numel(), int(self.model.config.hidden_size)
+            for j, layer in enumerate(self.feature_layers):
+                feat[pos:pos + T, j * h:(j + 1) * h] = out.hidden_states[layer + 1][0].float()
+        return out.logits[0]
+
+
+def set_feature_layers(runner: Runner, layers: list[int]) -> None:
+    """Make the runner's caches keep features of ``layers`` (caches made before are dropped
+    so the next one has room for them)."""
+    lean = getattr(runner, "lean", runner)
+    lean.feature_layers = list(layers)
+    if hasattr(lean, "_cache"):
+        lean._cache = None
+    if hasattr(runner, "_cache"):
+        runner._cache = None
+    if hasattr(runner, "_graphs"):
+        runner._graphs.clear()
+
+
+def as_runner(model: Runner | torch.nn.Module) -> Runner:
+    return HFRunner(model) if isinstance(model, torch.nn.Module) else model
+
+
+def read_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {model_dir}/config.json ({exc})",
+                         "point the pool at a Hugging Face model folder") from None
+
+
+def lean_arch(config: dict) -> Arch | None:
+    """The lean forward's view of a config, or None when only the HF path can run it."""
+    try:
+        return Arch.from_config(config)
+    except UnsupportedArch:
+        return None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, on the CPU."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise ModelError(f"no safetensors weights in {model_dir}",
+                         "save the model with safe_serialization=True")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            out.update(load_file(f))
+        except Exception as exc:  # safetensors raises its own error types on corrupt files
+            raise ModelError(f"cannot read {f} ({str(exc)[:120]})",
+                             "rebuild or re-copy the weight file") from None
+    return out
+
+
+def accelerate(lean: LeanLM, enabled: bool = True) -> Runner:
+    """The fastest forward for the model's device: the C++ forward on CPUs (when it can be
+    built), CUDA graphs on GPUs; ``enabled=False`` keeps the plain PyTorch forward."""
+    if not enabled:
+        return lean
+    if lean.device.type == "cuda":
+        return GraphLM(lean)
+    return native_accelerate(lean)
+
+
+def default_act_dtype(device: torch.device) -> torch.dtype:
+    """Activations for low-bit weights: bf16 where the CPU has native bf16, else fp32."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None and fn():
+            return True
+    return False
