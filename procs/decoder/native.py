@@ -8,6 +8,7 @@ results up to rounding, more Python overhead per step.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -36,7 +37,11 @@ def extension(build: bool = True, verbose: bool = False) -> Any:
     _TRIED = True
     from torch.utils.cpp_extension import load
 
-    out = memspec_home() / "build" / f"lean_cpu-torch{torch.__version__.replace('+', '_')}"
+    digest = hashlib.sha256(str(CSRC).encode())  # one build per checkout and source text
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    tag = f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:10]}"
+    out = memspec_home() / "build" / f"lean_cpu-{tag}"
     if not build and not any(out.glob("*.so")):
         return None
     out.mkdir(parents=True, exist_ok=True)
