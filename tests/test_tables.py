@@ -330,3 +330,49 @@ def test_split_prompts_and_traces_path(monkeypatch, tmp_path):
     assert traces_path(pool, "dev") == tmp_path / "traces" / "dev.jsonl"
     other = PoolConfig(target=tmp_path / "other-target", drafts=())
     assert traces_path(other, "test").name == "test-other-target.jsonl"
+
+
+# --------------------------------------------------------------------------- runtime tables
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tmp_path_factory):
+    from tinymodels import make_tiny_head
+
+    return make_tiny_head(tmp_path_factory.mktemp("rt-head") / "h", seed=3)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "bfloat16", "int8-torch"])
+def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype):
+    """Tables from the engine's own runners (model drafts and heads) replay every
+    iteration's accepted count of real runs, static and switching schedules alike."""
+    from memspec.procs.decoder.models import build_target
+    from memspec.zoo.tables import runtime_table
+
+    fmt, _, path = dtype.partition("-")
+    gamma = 3
+    eng = SpecEngine(build_target(tiny_dir / "target", fmt, fast=path != "torch"), (),
+                     gamma=gamma)
+    for n in DRAFTS:
+        eng.add_draft(load_into_slot(n, tiny_dir / n, SlotBuffer(1 << 20), TINY_VOCAB))
+    eng.add_draft(load_into_slot("head", tiny_head, SlotBuffer(1 << 20), TINY_VOCAB,
+                                 eng.target_parts))
+    names = [*DRAFTS, "head"]
+    for prompt in PROMPTS:
+        tokens, _ = eng.generate(prompt, MAX_NEW)
+        tables = {n: runtime_table(eng, eng.drafts[n], prompt, tokens) for n in names}
+        assert any(tables["self"])
+        for name in names:
+            accepts, _ = _engine_accepts(eng, prompt, tokens, lambda s, n=name: n)
+            assert replay_static({name: tables[name]}, name, gamma).accepted == accepts, name
+        order = itertools.cycle(["head", "small", "head", None, "self", "random"])
+        out, stats = eng.generate(prompt, MAX_NEW, select=lambda s, o=order: next(o))
+        assert out == tokens
+        recs = [r for r in stats.records if r.draft]
+        pos = 0
+        for r in stats.records:
+            if r.draft:
+                want = min(tables[r.draft][pos], len(tokens) - pos)
+                assert min(r.accepted, len(tokens) - pos) == want, (r.draft, pos)
+            pos += r.emitted
+        assert {r.draft for r in recs} == set(names)

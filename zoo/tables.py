@@ -1,10 +1,14 @@
-"""Measuring acceptance tables A_d(t): one teacher-forced pass of a draft per trajectory.
+"""Measuring acceptance tables A_d(t) over a target trajectory, as the engine would see them.
 
 With greedy decoding the committed tokens are the target's greedy trajectory whatever the
-draft, so one pass of d over prompt + trajectory yields, for every position t, how many
-consecutive trajectory tokens from t the draft would propose correctly (capped at gamma and
-at the remaining length). The replay over these tables, which the runtime's oracles and the
-simulator use, lives on the runtime side: procs/decoder/replay.py.
+draft, so A_d(t) (how many consecutive trajectory tokens from t draft d would propose
+correctly, capped at gamma and the remaining length) depends only on d and the trajectory.
+For a draft model whose context is the committed tokens, one teacher-forced pass gives
+every position. A head's 2nd..gamma-th proposals read its own previous outputs, so each
+position is unrolled as the engine does it. :func:`runtime_table` runs the engine's own
+runners (whose kernels give a row the same numbers however rows are batched), so its tables
+are the engine's; :func:`acceptance_table` is the older pass through an HF module. The
+replay over tables (runtime oracles, simulator) lives in procs/decoder/replay.py.
 """
 
 from __future__ import annotations
@@ -56,6 +60,59 @@ def acceptance_table(draft_model: torch.nn.Module, prompt_ids: Sequence[int],
     """A_d(t) for t in [0, len(tokens)) from one teacher-forced pass of the draft."""
     return table_from_correct(draft_correct(draft_model, prompt_ids, tokens, to_draft,
                                             to_target, vocab), gamma)
+
+
+# --------------------------------------------------------------------------- the engine's runners
+
+
+@torch.inference_mode()
+def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    """A_d(t) for t in [0, len(tokens)), computed with the engine's target and draft runners.
+
+    ``engine`` is a SpecEngine whose target is in the dtype the runtime uses (the target
+    runs only for a head, whose inputs are the target's features); ``bound`` is a draft
+    bound in a slot (procs/decoder/slots.py)."""
+    gamma, n = engine.gamma, len(tokens)
+    if n == 0:
+        return []
+    seq = list(prompt_ids) + list(tokens)
+    dev = engine.device
+    ids = torch.tensor(seq, dtype=torch.long, device=dev)
+    P = len(prompt_ids)
+    if bound.kind != "head":
+        inp = ids[:-1] if bound.to_draft is None else bound.to_draft[ids[:-1]]
+        logits = bound.runner.forward(inp, 0, bound.new_cache(len(seq) + gamma + 1))
+        logits = logits[P - 1:]
+        if bound.to_target is None:
+            logits = logits[:, :engine.vocab]
+        pred = logits.argmax(-1)
+        if bound.to_target is not None:
+            pred = bound.to_target[pred]
+        correct = (pred.cpu() == torch.tensor(list(tokens), dtype=torch.long)).tolist()
+        return table_from_correct(correct, gamma)
+    # a head: the target's features for every position first (one pass: the same rows the
+    # engine's steps and verifies write), then per start position the engine's calls
+    tcache = engine.target.new_cache(len(seq) + gamma + 1)
+    engine.target.forward(ids[:-1], 0, tcache)
+    feat = tcache.feat
+    head, to_target = bound.runner, bound.to_target
+    cache = bound.new_cache(len(seq) + gamma + 1)
+    zero = torch.zeros_like(feat[:1])
+    out = []
+    logits, hidden = head.teacher(ids[:P], 0, cache, torch.cat([zero, feat[:P - 1]]))
+    for t in range(n):
+        L = P + t  # committed tokens before this iteration
+        if t:  # the engine catches up on the newly committed token with its feature
+            logits, hidden = head.teacher(ids[L - 1:L], L - 1, cache, feat[L - 2:L - 1])
+        a, lg, hid = 0, logits, hidden
+        for k in range(min(gamma, n - t)):
+            if int(to_target[lg[-1].argmax()]) != tokens[t + k]:
+                break
+            a += 1
+            if k < gamma - 1 and t + k + 1 < n:
+                lg, hid = head.step(ids[L + k:L + k + 1], L + k, cache, hid)
+        out.append(a)
+    return out
 
 
 # --------------------------------------------------------------------------- the engine's view
