@@ -266,7 +266,7 @@ def test_status_and_abort_are_answered_between_intervals(sup, reference):
             seen["status"] = DECODER_REPLIES.decode(direct.recv_multipart())
             seen["at"] = n
         elif n > seen["at"] + 8 and "aborted" not in seen:  # type: ignore[operator]
-            sup.abort(req.req_id)
+            sup.cancel(req.req_id)
             seen["aborted"] = n
 
     try:
