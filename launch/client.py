@@ -109,8 +109,8 @@ class Connection:
                                        f"{_start_hint(self.endpoint)} and resubmit")
             elif time.monotonic() >= deadline:
                 raise MemspecError(f"the server at {self.endpoint} has not {what} for "
-                                   f"{wait:g}s", "see its log; `memspec status` shows its "
-                                   "processes")
+                                   f"{wait:g}s", "it may be stuck or overloaded: see its "
+                                   "log, or wait longer (--timeout, --idle-timeout)")
 
     def close(self) -> None:
         self.sock.disable_monitor()
