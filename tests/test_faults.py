@@ -144,9 +144,9 @@ def test_hostile_frames_on_every_socket_cause_no_crash_and_no_restart(sup, refer
     assert {n: p.pid for n, p in sup.procs.items()} == pids
     assert {n: p.restarts for n, p in sup.procs.items()} == restarts
     assert all(p.state == "ready" and p.popen.poll() is None for p in sup.procs.values())
-    for name in PROCS:  # rate-limited: a flood leaves a few dozen lines, not thousands
-        lines = sup.log_path(name).read_text(errors="replace").splitlines()
-        assert len(lines) < 200, (name, len(lines))
+    lines = {n: len(sup.log_path(n).read_text(errors="replace").splitlines()) for n in PROCS}
+    print(f"log lines after the flood: {lines}")
+    assert max(lines.values()) < 200  # rate-limited: a few dozen lines, not thousands
     done = run(sup, first_prompts()["code"], "memspec", max_new_tokens=MAX_NEW)
     assert isinstance(done, Done) and done.token_ids == reference["code"][:MAX_NEW]
     # `memspec status` still prints what the supervisor says, forged Status or not
@@ -202,7 +202,7 @@ def test_random_kill9_alters_or_loses_no_completed_request(sup, reference):
 
     # fixed counts in a random order: each decoder restart costs a target load (~10 s
     # here), which bounds the suite's time
-    victims = ["decoder"] * 4 + ["loader"] * 9 + ["predictor"] * (KILLS - 13)
+    victims = ["decoder"] * 3 + ["loader"] * 9 + ["predictor"] * (KILLS - 12)
     rng.shuffle(victims)
     for victim in victims:
         while len(sup.queue) + (sup.in_flight is not None) < 2:
