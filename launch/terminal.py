@@ -58,12 +58,13 @@ class Interrupted(MemspecError):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM set `signum`; the caller's loop sees it within one tick and stops
-    every process. Callable, so it serves as a `stop()` predicate."""
+    """SIGINT, SIGTERM and SIGHUP (the terminal closed) set `signum`; the caller's loop sees
+    it within one tick and stops every process cleanly. Callable, so it serves as a
+    `stop()` predicate."""
 
     def __init__(self) -> None:
         self.signum = 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._set)
 
     def _set(self, signum: int, _frame: object) -> None:

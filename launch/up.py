@@ -90,7 +90,7 @@ class StdinPrompts:
 
 def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
           cold_start: bool = False, tcp: bool = False, max_queue: int = MAX_QUEUE) -> int:
-    """Serve until SIGINT (exit code 130) or SIGTERM (0)."""
+    """Serve until SIGINT (exit code 130), SIGTERM or SIGHUP (0)."""
     stop = StopSignals()
     endpoint = endpoint or default_endpoint()
     sup = Supervisor(pool, client_endpoint=endpoint, cold_start=cold_start, tcp=tcp,
