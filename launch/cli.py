@@ -170,7 +170,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.messages import main_bench_messages
 
         return main_bench_messages(args)
-    raise MemspecError(f"unknown benchmark '{args.what}'", "use engine, pipeline or messages")
+    if args.what == "gpu":
+        from memspec.bench.gpu import main_bench_gpu
+
+        return main_bench_gpu(args)
+    raise MemspecError(f"unknown benchmark '{args.what}'",
+                       "use eval, engine, pipeline, messages or gpu")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -254,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_predictor)
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline", "messages"],
+    b.add_argument("what", nargs="?", default="eval",
+                   choices=["eval", "engine", "pipeline", "messages", "gpu"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
@@ -275,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
                         "instead of measuring it; reproduces a committed run's figures")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
+    b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
+    b.add_argument("--target", default=None,
+                   help="gpu: target model folder (default: the pool's)")
+    b.add_argument("--random-weights", action="store_true",
+                   help="gpu: random weights of the target's architecture (timings only; for "
+                        "a machine without the checkpoint)")
     b.set_defaults(func=cmd_bench)
     return ap
 
