@@ -48,16 +48,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int) -> dict:
     from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.detok import StreamDecoder
     from memspec.procs.decoder.inprocess import build_local, run_request
 
     rt = build_local(pool, with_drafts=policy != "target-only")
     stream = None
+    detok = StreamDecoder(rt.tokenizer)
     if not args.json:
         def stream(ids: list[int]) -> None:
-            sys.stdout.write(rt.tokenizer.decode(ids, skip_special_tokens=True))
+            sys.stdout.write(detok.push(ids))
             sys.stdout.flush()
     params = SamplingParams(args.temperature, args.top_p, args.seed)
-    return run_request(rt, args.prompt, policy, max_new, params, stream)
+    out = run_request(rt, args.prompt, policy, max_new, params, stream)
+    if not args.json:
+        sys.stdout.write(detok.flush())
+    return out
 
 
 def cmd_up(args: argparse.Namespace) -> int:
