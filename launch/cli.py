@@ -57,15 +57,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int) -> dict:
     from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.detok import StreamDecoder
     from memspec.procs.decoder.inprocess import build_local, run_request
 
     rt = build_local(pool, with_drafts=policy != "target-only")
     stream = None
+    detok = StreamDecoder(rt.tokenizer)
     if not args.json:
         def stream(ids: list[int]) -> None:
-            CONSOLE.text(rt.tokenizer.decode(ids, skip_special_tokens=True))
+            CONSOLE.text(detok.push(ids))
     params = SamplingParams(args.temperature, args.top_p, args.seed)
-    return run_request(rt, args.prompt, policy, max_new, params, stream)
+    out = run_request(rt, args.prompt, policy, max_new, params, stream)
+    if not args.json:
+        CONSOLE.text(detok.flush())
+    return out
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -203,7 +208,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.messages import main_bench_messages
 
         return main_bench_messages(args)
-    raise MemspecError(f"unknown benchmark '{args.what}'", "use engine, pipeline or messages")
+    if args.what == "gpu":
+        from memspec.bench.gpu import main_bench_gpu
+
+        return main_bench_gpu(args)
+    raise MemspecError(f"unknown benchmark '{args.what}'",
+                       "use eval, engine, pipeline, messages or gpu")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -290,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_predictor)
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline", "messages"],
+    b.add_argument("what", nargs="?", default="eval",
+                   choices=["eval", "engine", "pipeline", "messages", "gpu"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
@@ -311,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
                         "instead of measuring it; reproduces a committed run's figures")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
+    b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
+    b.add_argument("--target", default=None,
+                   help="gpu: target model folder (default: the pool's)")
+    b.add_argument("--random-weights", action="store_true",
+                   help="gpu: random weights of the target's architecture (timings only; for "
+                        "a machine without the checkpoint)")
     b.set_defaults(func=cmd_bench)
     ap.add_argument("--debug", action="store_true", help="print tracebacks")
     for p in sub.choices.values():  # also after the command; SUPPRESS keeps a top-level one

@@ -126,6 +126,16 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
         assert done.token_ids == reference[d], (policy, d)
         used |= set(done.stats.drafts_used)
     assert used, f"{policy} never ran a draft"
+
+
+def test_streamed_text_adds_up_to_the_final_text(sup, reference):
+    """Tokens carry text pieces from incremental detokenisation: together the full text."""
+    for d, prompt in first_prompts().items():
+        pieces: list[Tokens] = []
+        done = run(sup, prompt, "general-static", on_token=pieces.append)
+        assert isinstance(done, Done), done
+        assert [t for p in pieces for t in p.ids] == done.token_ids == reference[d]
+        assert "".join(p.text for p in pieces) == done.text
     pids = {n: p.pid for n, p in sup.procs.items()}
     assert all(p.state == "ready" for p in sup.procs.values()) and all(pids.values())
 
