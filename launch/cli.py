@@ -78,6 +78,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from memspec.launch.up import serve
 
+    if args.max_queue < 1:
+        raise MemspecError(f"--max-queue {args.max_queue} is below 1",
+                           "let at least one request wait")
     if not args.no_stdin:  # in the background, reading the terminal fails instead of stopping
         signal.signal(signal.SIGTTIN, signal.SIG_IGN)
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
