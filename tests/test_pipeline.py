@@ -102,14 +102,19 @@ def sup(tmp_path_factory):
     s.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference(sup) -> dict[str, list[int]]:
+def greedy_reference(sup: Supervisor) -> dict[str, list[int]]:
+    """Target-only greedy tokens of the first prompt of each domain."""
     ref = {}
     for d, prompt in first_prompts().items():
         done = run(sup, prompt, "target-only")
         assert isinstance(done, Done), done
         ref[d] = done.token_ids
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(sup) -> dict[str, list[int]]:
+    return greedy_reference(sup)
 
 
 @pytest.mark.parametrize("policy", ["memspec", "mab-async", "prediction-only", "general-static"])
@@ -276,7 +281,7 @@ def test_status_and_abort_are_answered_between_intervals(sup, reference):
             seen["status"] = DECODER_REPLIES.decode(direct.recv_multipart())
             seen["at"] = n
         elif n > seen["at"] + 8 and "aborted" not in seen:  # type: ignore[operator]
-            sup.abort(req.req_id)
+            sup.cancel(req.req_id)
             seen["aborted"] = n
 
     try:
