@@ -83,8 +83,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                            "let at least one request wait")
     if not args.no_stdin:  # in the background, reading the terminal fails instead of stopping
         signal.signal(signal.SIGTTIN, signal.SIG_IGN)
+    if args.api_key and not args.http:
+        raise MemspecError("--api-key needs --http", "add e.g. --http 127.0.0.1:8000")
+    api_key = args.api_key or os.environ.get("MEMSPEC_API_KEY") or None
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
-                 cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue)
+                 cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue,
+                 http=args.http, api_key=api_key)
 
 
 def _timeouts(args: argparse.Namespace):  # noqa: ANN202
@@ -255,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one; more get a "
                         "'server busy' error (default 16)")
+    u.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API, /health and /metrics "
+                        "(e.g. 127.0.0.1:8000; a bare PORT is loopback)")
+    u.add_argument("--api-key", default=None,
+                   help="HTTP clients must send `Authorization: Bearer KEY` on /v1 "
+                        "(default: $MEMSPEC_API_KEY, else no key)")
     u.set_defaults(func=cmd_up)
 
     sm = sub.add_parser("submit", help="send a prompt to a running `memspec up`")
