@@ -124,7 +124,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     st = status(args.endpoint, _timeouts(args))
     if args.json:
-        print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots)}))
+        print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots),
+                          "totals": as_json(st.totals)}))
     else:
         for name, p in st.procs.items():
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
@@ -132,6 +133,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         for slot in st.slots:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
+        if st.totals is not None:
+            t = st.totals
+            outcomes = ", ".join(f"{n} {k}" for k, n in sorted(t.requests.items())) or "none"
+            print(f"requests: {outcomes}; running {t.running}, queued {t.queued}; "
+                  f"{t.generation_tokens} tokens generated, mean acceptance length "
+                  f"{t.mean_acceptance_length:.2f}")
     return 0
 
 
@@ -219,8 +226,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.gpu import main_bench_gpu
 
         return main_bench_gpu(args)
+    if args.what == "http":
+        from memspec.bench.http import main_bench_http
+
+        return main_bench_http(args)
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use eval, engine, pipeline, messages or gpu")
+                       "use eval, engine, pipeline, messages, gpu or http")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -314,10 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
-                   choices=["eval", "engine", "pipeline", "messages", "gpu"],
+                   choices=["eval", "engine", "pipeline", "messages", "gpu", "http"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
-    b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
+    b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
     b.add_argument("--dtypes", default=None,
                    help="engine: target precisions to compare (default int4,int8,bfloat16,"
                         "float32; the pool's choice always first)")

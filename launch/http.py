@@ -64,13 +64,14 @@ API_KEY_ENV = "MEMSPEC_API_KEY"
 
 
 def parse_address(value: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[V6]:PORT` or `PORT` (loopback)."""
+    """`HOST:PORT`, `[V6]:PORT` or `PORT` (loopback); port 0 takes any free port (the
+    start-up line names it)."""
     host, sep, port = value.rpartition(":")
     if not sep:
         host, port = DEFAULT_HOST, value
     host = host.strip("[]") or DEFAULT_HOST
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise MemspecError(f"--http {value!r} is not HOST:PORT with a port 1-65535",
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise MemspecError(f"--http {value!r} is not HOST:PORT with a port 0-65535",
                            "use e.g. --http 127.0.0.1:8000")
     return host, int(port)
 
