@@ -304,11 +304,7 @@ class App:
         streaming = False
         try:
             item = await relay.next()
-            if isinstance(item, MemspecError):
-                raise refused(item)
-            if isinstance(item, Error):
-                raise failed(item)
-            if item is GONE:
+            if _gone(item):
                 return Response(status_code=499)  # nobody reads it
             if call.stream:
                 streaming = True
@@ -317,11 +313,7 @@ class App:
                                                   "X-Accel-Buffering": "no"})
             while not isinstance(item, Done):
                 item = await relay.next()
-                if isinstance(item, MemspecError):
-                    raise refused(item)
-                if isinstance(item, Error):
-                    raise failed(item)
-                if item is GONE:
+                if _gone(item):
                     return Response(status_code=499)
             return _json(response(call, item))
         finally:
@@ -352,6 +344,15 @@ class App:
         except MemspecError as exc:
             raise refused(exc) from None
         return Response(prometheus.render(st, self.drafts), media_type=prometheus.CONTENT_TYPE)
+
+
+def _gone(item: Any) -> bool:
+    """True when the client has gone; a refusal or an Error raises its HTTP answer."""
+    if isinstance(item, MemspecError):
+        raise refused(item)
+    if isinstance(item, Error):
+        raise failed(item)
+    return item is GONE
 
 
 def _states(states: dict[str, str]) -> str:

@@ -139,17 +139,17 @@ def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
 def _http_server(pool: str | None, address: str, api_key: str | None) -> HttpServer:
     """The HTTP front end for the pool's target, its port bound (nothing started yet)."""
     from memspec.common.config import POLICIES, load_pool
-    from memspec.launch.http import App, HttpServer, is_loopback, parse_address  # noqa: F811
+    from memspec.launch.http import App, HttpServer, is_loopback  # noqa: F811
 
     cfg = load_pool(pool)
-    host, _ = parse_address(address)
-    if not api_key and not is_loopback(host):
-        CONSOLE.note(f"warning: HTTP on {host} without --api-key: anyone who reaches it "
-                     "can use it")
     app = App(Bridge(), cfg.target.name, [d.name for d in cfg.drafts], api_key,
               info={"general": cfg.general, "K": cfg.K, "policy": cfg.policy,
                     "policies": list(POLICIES)})
-    return HttpServer(app, address)
+    web = HttpServer(app, address)
+    if not api_key and not is_loopback(web.host):
+        CONSOLE.note(f"warning: HTTP on {web.host} without --api-key: anyone who reaches it "
+                     "can use it")
+    return web
 
 
 def _stdout_reply(msg: Message) -> None:

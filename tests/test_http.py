@@ -131,6 +131,28 @@ def _read_events(s: socket.socket, n: int) -> bytes:
     return got
 
 
+def test_up_http_command_line_errors_are_one_line(tmp_path):
+    _ready_pool()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cases = {f"127.0.0.1:{port}": "is in use", "nohost:port": "is not HOST:PORT",
+             "256.1.1.1:80": "cannot resolve"}
+    try:
+        for address, what in cases.items():
+            r = subprocess.run([*MEMSPEC, "up", "--no-stdin", "--endpoint",
+                                f"ipc://{tmp_path}/e.sock", "--http", address],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and r.stderr.startswith("memspec: error: "), r.stderr
+            assert what in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        r = subprocess.run([*MEMSPEC, "up", "--api-key", "k"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and "--api-key needs --http" in r.stderr
+    finally:
+        taken.close()
+
+
 # ---- the same tokens as `memspec generate` ------------------------------------------------
 def test_chat_stream_matches_generate(server):
     ref = server.reference
