@@ -122,7 +122,7 @@ def default_plans(minutes: float | None) -> dict[str, TrainPlan]:
 
 
 def drafts_dir() -> Path:
-    return PACKAGE_ROOT / "drafts"
+    return PACKAGE_ROOT / "drafts" / "models"
 
 
 def work_dir() -> Path:
