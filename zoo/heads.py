@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -109,10 +108,6 @@ def default_plans(minutes: float | None = None) -> dict[str, HeadPlan]:
 
 def heads_dir() -> Path:
     return PACKAGE_ROOT / "drafts" / "heads"
-
-
-def records_dir() -> Path:
-    return work_dir() / "records"
 
 
 # --------------------------------------------------------------------------- files
@@ -298,11 +293,16 @@ def dev_domains(name: str) -> tuple[str, ...]:
     return tuple(DOMAINS) if name == "general" else (name,)
 
 
-def train_one(data: HeadData, shape: HeadShape, plan: HeadPlan, out_root: Path) -> dict:
+def train_one(data: HeadData, shape: HeadShape, plan: HeadPlan, dirs: dict[str, Path] | Path
+              ) -> dict:
+    """Train one head, keep its best dev checkpoint in ``dirs[plan.name]`` (a folder of
+    head folders also works), with its training record beside it."""
+    if isinstance(dirs, Path):
+        dirs = {n: dirs / n for n in (plan.name, plan.init_from) if n}
     arch = shape.arch(read_config(data.target_dir))
     model = new_trainable(data.rt, arch, data.to_target, plan.seed)
     if plan.init_from:
-        weights, parent_map = read_head_weights(out_root / plan.init_from)
+        weights, parent_map = read_head_weights(dirs[plan.init_from])
         if not np.array_equal(parent_map, data.to_target):
             raise RuntimeError(f"{plan.init_from}'s vocabulary differs from this build's; "
                                "retrain it first (--force)")
@@ -326,11 +326,10 @@ def train_one(data: HeadData, shape: HeadShape, plan: HeadPlan, out_root: Path) 
     rec, best = train_head(model, batches, to_draft, plan, evaluate,
                            lambda m: log(plan.name, m))
     shutil.rmtree(scratch, ignore_errors=True)
-    size = save_head(best, data.to_target, arch, out_root / plan.name, data.target_dir)
+    size = save_head(best, data.to_target, arch, dirs[plan.name], data.target_dir)
     out = asdict(rec) | {"size_bytes": size, "eval_s": eval_s[0], "arch": asdict(arch),
                          "shape": asdict(shape), "data": data.summary}
-    records_dir().mkdir(parents=True, exist_ok=True)
-    (records_dir() / f"{plan.name}.json").write_text(json.dumps(out, indent=2))
+    (dirs[plan.name] / "training.json").write_text(json.dumps(out, indent=2) + "\n")
     log(plan.name, f"saved {size:,} bytes: best dev {rec.best_dev:.4f} at step "
         f"{rec.best_step} ({rec.steps} steps, {rec.wall_s:.0f}s training, "
         f"{eval_s[0]:.0f}s dev scoring; {rec.stopped})")
@@ -339,11 +338,11 @@ def train_one(data: HeadData, shape: HeadShape, plan: HeadPlan, out_root: Path) 
     return out
 
 
-def dev_report(data: HeadData, names: Sequence[str], root: Path) -> dict:
+def dev_report(data: HeadData, names: Sequence[str], dirs: dict[str, Path]) -> dict:
     """Every head on every dev domain, with the oracle ratios (the eval's own maths)."""
     from memspec.zoo.evaluate import acceptance_report
 
-    tables = {n: data.dev.tables(n, root / n) for n in names}
+    tables = {n: data.dev.tables(n, dirs[n]) for n in names}
     rows = data.dev.rows
     trajs = [{"domain": r.domain, "tokens": r.tokens} for r in rows]
     domains = [d for d in DOMAINS if any(r.domain == d for r in rows)]
@@ -355,36 +354,150 @@ def dev_report(data: HeadData, names: Sequence[str], root: Path) -> dict:
 
 def build_heads(names: Sequence[str] | None = None, minutes: float | None = None,
                 force: bool = False, shape: HeadShape | None = None,
-                target_dir: Path | None = None, out_root: Path | None = None,
+                target_dir: Path | None = None, dirs: dict[str, Path] | None = None,
                 train_per_domain: int | None = None) -> dict:
-    """Steps a-e; heads already on disk are kept unless ``force``."""
+    """Steps a-e; heads already on disk are kept unless ``force``. ``dirs``: each head's
+    folder (default drafts/heads/<name>)."""
     torch.set_num_threads(min(torch.get_num_threads(), 2))  # the issue's 2-core budget
     shape, target_dir = shape or HeadShape(), target_dir or default_target_dir()
-    out_root = out_root or heads_dir()
-    names = list(HEAD_NAMES if names is None else names)
+    dirs = dirs or {n: heads_dir() / n for n in HEAD_NAMES}
+    names = [n for n in HEAD_NAMES if n in (names or HEAD_NAMES)]
     t0 = time.perf_counter()
     data = prepare(shape, target_dir, train_per_domain)
     plans = default_plans(minutes)
-    for name in HEAD_NAMES:
-        if name not in names:
-            continue
-        if (out_root / name / "model.safetensors").is_file() and not force:
+    for name in names:
+        if (dirs[name] / "model.safetensors").is_file() and not force:
             log(name, "present, skipped (use --force to retrain)")
             continue
         log("d", f"training {name} ({time.perf_counter() - t0:.0f}s elapsed)")
-        train_one(data, shape, plans[name], out_root)
-    present = [n for n in HEAD_NAMES if (out_root / n / "model.safetensors").is_file()]
+        train_one(data, shape, plans[name], dirs)
+    present = [n for n in HEAD_NAMES if n in dirs and (dirs[n] / "model.safetensors").is_file()]
     log("e", "dev acceptance of every head")
-    report = dev_report(data, present, out_root)
+    report = dev_report(data, present, dirs)
     (work_dir() / "dev_acceptance.json").write_text(json.dumps(report, indent=2))
-    total = sum((out_root / n / "model.safetensors").stat().st_size for n in present)
+    write_cards(dirs, present, report, PACKAGE_ROOT / "docs" / "zoo_eval.json")
+    total = sum((dirs[n] / "model.safetensors").stat().st_size for n in present)
     log("e", f"pool {total:,} bytes; done in {time.perf_counter() - t0:.0f}s")
     if total > MAX_POOL_BYTES:
         raise RuntimeError(f"heads total {total:,} bytes > {MAX_POOL_BYTES:,}")
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - thin wrapper
-    report = build_heads(argv or None)
-    print(json.dumps(report), file=sys.stdout)
+def main_heads(args, pool) -> int:
+    """`memspec zoo drafts` on a pool of heads: each head is written to its pool path."""
+    from memspec.common.errors import ConfigError
+
+    dirs = {d.name: d.path for d in pool.drafts}
+    unknown = sorted(set(dirs) - set(HEAD_NAMES))
+    if unknown:
+        raise ConfigError(f"no training recipe for head '{unknown[0]}'",
+                          f"name the pool's heads {', '.join(HEAD_NAMES)}")
+    only = [s.strip() for s in args.only.split(",")] if getattr(args, "only", None) else None
+    bad = [n for n in only or [] if n not in dirs]
+    if bad:
+        raise ConfigError(f"unknown head '{bad[0]}'", f"choose from {', '.join(dirs)}")
+    report = build_heads(only, getattr(args, "minutes", None), getattr(args, "force", False),
+                         target_dir=pool.target, dirs=dirs)
+    print(json.dumps(report))
     return 0
+
+
+# --------------------------------------------------------------------------- model cards
+
+
+def _acc_table(rep: dict, name: str) -> str:
+    mal = rep["mean_acceptance_length"]
+    gen = mal.get("general", {})
+    rows = [f"| {d} | {mal[name][d]:.3f} | {gen.get(d, float('nan')):.3f} |"
+            for d in rep["domains"] if d in mal.get(name, {})]
+    return "| domain | this head | general head |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def write_card(name: str, rec: dict, out_dir: Path, dev: dict | None,
+               test: dict | None) -> None:
+    """README.md: what a reader needs to trust (or redo) the head."""
+    plan, arch, data = rec["plan"], rec["arch"], rec["data"]
+    mix = ", ".join(f"{src} ({'all domains' if dom == ALL else dom}) {w:.2f}"
+                    for src, dom, w in plan["mix"])
+    origin = "trained from a random initialisation" if not plan.get("init_from") else \
+        f"fine-tuned from `{plan['init_from']}`"
+    cov = data.get("vocab_coverage_dev", {})
+    evals = ", ".join(f"{e['step']}: {e['dev']:.3f}" for e in rec["evals"])
+    sections = [f"""# memspec draft head `{name}`
+
+A draft **head** (`kind = "head"`) for speculative decoding with SmolLM2-135M-Instruct,
+{origin} by `memspec zoo drafts`. It is one decoder layer that reads the target's own
+residual streams (after layers {', '.join(map(str, arch['feature_layers']))}) and token
+embeddings, and scores the draft vocabulary with the target's final norm and LM-head rows,
+so only its own weights are in this folder (procs/decoder/head.py describes the maths).
+
+## Architecture
+One Llama-style layer: fc {arch['hidden'] * len(arch['feature_layers'])} -> {arch['hidden']},
+attention over [embedding; features] ({arch['heads']} heads / {arch['kv_heads']} KV heads,
+head dim {arch['head_dim']}), MLP {arch['intermediate']}; draft vocabulary {arch['vocab']}
+target ids (frequency-ranked, `memspec.draft_to_target`), bfloat16 weights.
+File size: {rec['size_bytes']:,} bytes ({rec['size_bytes'] / 1e6:.2f} MB).
+
+## Data
+All from the runtime target ({data.get('target_dtype', '?')} weights, the precision the
+decoder runs on this machine), never from dev or test prompts:
+- the target's greedy responses (engine, batch 1, up to {RESPONSE_TOKENS} new tokens) to
+  {data['train_prompts']} train prompts (`prompts/train.jsonl`): {data['response_tokens']:,}
+  response tokens; {data['response_rows']:,} teacher-forced rows with the prompts
+- {data['corpus_windows']} windows of domain train corpora ({data['corpus_rows']:,} rows)
+- per row: the target's residual streams, its argmax and (recomputed from its last layer)
+  its distribution over the draft vocabulary: the soft labels
+- batch mix: {mix}
+- draft-vocabulary coverage of the dev responses' tokens:
+  {', '.join(f'{k} {v:.4f}' for k, v in cov.items())}
+
+## Training
+- loss: soft-label cross-entropy against the target's distribution, unrolled
+  {plan['unroll']} steps on the head's own outputs (training-time test), step weights
+  {plan['step_decay']}^s
+- seed: {plan['seed']}
+- steps: {rec['steps']} (best checkpoint at step {rec['best_step']}, chosen on dev)
+- rows seen: {rec['rows_seen']:,}
+- optimiser: AdamW lr {plan['lr']}, betas (0.9, 0.95), warm-up {plan['warmup_steps']}
+  steps, cosine to 10% over the budget of {plan['minutes']:.0f} min
+- wall time: {rec['wall_s']:.0f} s of training ({rec['stopped']}), plus
+  {rec['eval_s']:.0f} s scoring checkpoints on dev
+- machine: {rec['machine']} (a shared machine: other jobs ran at the same time)
+- dev mean acceptance length by step: {evals}
+"""]
+    if dev:
+        sections.append(f"""## Measured acceptance: dev (choice of checkpoints)
+Greedy, gamma = 4, tables through the engine's own runners (zoo/tables.py), up to
+{EVAL_TOKENS} new tokens, {dev.get('prompts_per_domain')} dev prompts per domain. Mean
+acceptance length (1 + accepted / iterations):
+
+{_acc_table(dev, name)}
+""")
+    if test:
+        sections.append(f"""## Measured acceptance: test (`memspec zoo eval --split test`)
+{test.get('prompts_per_domain')} test prompts per domain, greedy, gamma = 4, the
+{test.get('target_dtype', '')} target's own trajectories, up to {test.get('max_new_tokens')}
+new tokens:
+
+{_acc_table(test, name)}
+""")
+    (out_dir / "README.md").write_text("\n".join(sections))
+
+
+def write_cards(dirs: dict[str, Path], names: Sequence[str], dev: dict | None,
+                test_report: Path | None = None) -> None:
+    """Cards for every head with a training record; the test table only when the eval
+    report was made with these very weights."""
+    from memspec.common.files import sha256_file
+
+    test = None
+    if test_report is not None and test_report.is_file():
+        test = json.loads(test_report.read_text())
+    for name in names:
+        path = dirs[name] / "training.json"  # committed beside the weights
+        if not path.is_file():
+            continue
+        rec = json.loads(path.read_text())
+        sha = sha256_file(dirs[name] / "model.safetensors")
+        use = test if test and test.get("fingerprint", {}).get(name) == sha else None
+        write_card(name, rec, dirs[name], dev, use)
