@@ -50,7 +50,8 @@ class TrainableHead(nn.Module):
     """Weights named as in the head's model.safetensors (``<name>.weight``)."""
 
     def __init__(self, arch: HeadArch, embed: torch.Tensor, lm_rows: torch.Tensor,
-                 target_norm: torch.Tensor, target_eps: float, seed: int) -> None:
+                 target_norm: torch.Tensor, target_eps: float, seed: int,
+                 warm: bool = True) -> None:
         super().__init__()
         a = self.arch = arch
         h, nq, nk = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
@@ -68,6 +69,13 @@ class TrainableHead(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
         self.gate_proj, self.up_proj = lin(a.intermediate, h), lin(a.intermediate, h)
         self.down_proj = lin(h, a.intermediate)
+        if warm:  # start as "the target's state from its highest feature layer": logits at
+            # the target's scale from step 0; the branches then learn the next position
+            with torch.no_grad():
+                self.fc.zero_()
+                self.fc[:, -h:] = torch.eye(h)
+                self.o_proj.zero_()
+                self.down_proj.zero_()
         # frozen: what the runtime reads from the resident target
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("lm_rows", lm_rows.float(), persistent=False)
@@ -90,10 +98,13 @@ class TrainableHead(nn.Module):
         cos, sin = self._rope
         return cos[:T], sin[:T]
 
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """x through the target's final norm: what the LM-head rows read."""
+        return F.rms_norm(x.float(), (x.shape[-1],), self.target_norm, self.target_eps)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of head outputs x [..., h]."""
-        hn = F.rms_norm(x, (x.shape[-1],), self.target_norm, self.target_eps)
-        return hn @ self.lm_rows.t()
+        return self.normed(x) @ self.lm_rows.t()
 
     def target_logits(self, last: torch.Tensor) -> torch.Tensor:
         """The target's own logits over the draft vocabulary, from its last-layer stream."""
@@ -102,8 +113,8 @@ class TrainableHead(nn.Module):
     def _qkv(self, emb: torch.Tensor, g: torch.Tensor, cos, sin):
         a, eps = self.arch, self.arch.eps
         B, T, h = g.shape
-        a_in = torch.cat([F.rms_norm(emb, (h,), self.norm_e, eps),
-                          F.rms_norm(g, (h,), self.norm_g, eps)], -1)
+        a_in = torch.cat([F.rms_norm(emb.float(), (h,), self.norm_e, eps),
+                          F.rms_norm(g.float(), (h,), self.norm_g, eps)], -1)
         q = (a_in @ self.q_proj.t()).view(B, T, a.heads, a.head_dim).transpose(1, 2)
         k = (a_in @ self.k_proj.t()).view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
         v = (a_in @ self.v_proj.t()).view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
@@ -112,9 +123,10 @@ class TrainableHead(nn.Module):
     def _finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         a = self.arch
         B, H, T, D = attn.shape
-        x = g + attn.transpose(1, 2).reshape(B, T, H * D) @ self.o_proj.t()
+        x = g.float() + (attn.transpose(1, 2).reshape(B, T, H * D) @ self.o_proj.t()).float()
         hh = F.rms_norm(x, (a.hidden,), self.post_attention_layernorm, a.eps)
-        return x + (F.silu(hh @ self.gate_proj.t()) * (hh @ self.up_proj.t())) @ self.down_proj.t()
+        mlp = (F.silu(hh @ self.gate_proj.t()) * (hh @ self.up_proj.t())) @ self.down_proj.t()
+        return x + mlp.float()
 
     # ---- the unrolled forward ----------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor, steps: int

@@ -67,15 +67,21 @@ SEED = 20261
 class HeadShape:
     """What the heads are, beyond the target's own dimensions."""
 
-    feature_layers: tuple[int, ...] = (2, 15, 27)  # low / mid / high, as EAGLE-3
+    # low / mid / top (EAGLE-3 fuses three); the top is the last layer's stream, the state
+    # the target's LM head reads, which the head's output is also trained to continue
+    feature_layers: tuple[int, ...] = (2, 15, 29)
     intermediate: int = 1536
-    vocab: int = 8192
+    vocab: int = 16384
+    extract: tuple[int, ...] = (2, 15, 27, 29)  # rows kept per position (a superset)
 
     def extract_layers(self, target_cfg: dict) -> tuple[int, ...]:
-        """The feature layers, then the last layer (its stream gives the soft labels)."""
+        """Layers the target rows keep: the feature layers and the last layer (whose
+        stream gives the soft labels); ``extract`` when it holds them (cached rows)."""
         last = int(target_cfg["num_hidden_layers"]) - 1
-        return (*self.feature_layers, last) if last not in self.feature_layers else \
-            self.feature_layers
+        need = (*self.feature_layers, last)
+        if set(need) <= set(self.extract):
+            return self.extract
+        return tuple(sorted(set(need)))
 
     def arch(self, target_cfg: dict) -> HeadArch:
         h = int(target_cfg["hidden_size"])
@@ -267,7 +273,8 @@ def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = N
     log("b", f"{shape.vocab} ids cover {coverage(to_target, dev_tokens):.4f} of the dev "
         f"responses' tokens (the target's argmax): {', '.join(f'{d} {c:.4f}' for d, c in cov.items())}")
     log("c", "target rows")
-    responses = Shard.concat(response_shards(rt, train_rows, "train"))
+    responses = Shard.concat(response_shards(rt, [r for r in train_rows if r["tokens"]],
+                                             "train"))
     corpus = Shard.concat([corpus_shard(rt, d, corpora[d], CORPUS_WINDOWS, 1000 + i)
                            for i, d in enumerate(DOMAINS)])
     dev = DevSet(rt, dev_rows)

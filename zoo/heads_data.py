@@ -137,7 +137,7 @@ def teacher_rows(rt: RuntimeTarget, seq: Sequence[int]) -> tuple[np.ndarray, np.
 
 
 def build_shard(rt: RuntimeTarget, seqs: Sequence[Sequence[int]], starts: Sequence[int],
-                domains: Sequence[str], label: str) -> Shard:
+                domains: Sequence[str], label: str, quiet: bool = False) -> Shard:
     inp, nxt, feat, arg, offs = [], [], [], [], [0]
     t0 = time.perf_counter()
     for i, seq in enumerate(seqs):
@@ -147,7 +147,7 @@ def build_shard(rt: RuntimeTarget, seqs: Sequence[Sequence[int]], starts: Sequen
         feat.append(f)
         arg.append(a)
         offs.append(offs[-1] + len(seq) - 1)
-        if (i + 1) % 10 == 0 or i + 1 == len(seqs):
+        if not quiet and ((i + 1) % 10 == 0 or i + 1 == len(seqs)):
             log("features", f"{label}: {i + 1}/{len(seqs)} sequences, "
                 f"{offs[-1] / (time.perf_counter() - t0):.0f} positions/s")
     return Shard(np.concatenate(inp), np.concatenate(nxt), np.concatenate(feat),
@@ -155,23 +155,26 @@ def build_shard(rt: RuntimeTarget, seqs: Sequence[Sequence[int]], starts: Sequen
                  np.asarray(starts, dtype=np.int64), np.asarray(domains))
 
 
-def response_shards(rt: RuntimeTarget, rows: Sequence[dict], name: str, per_shard: int = 50
-                    ) -> list[Shard]:
-    """Features of prompt + response sequences, cached ``per_shard`` sequences a file."""
+def response_shards(rt: RuntimeTarget, rows: Sequence[dict], name: str) -> list[Shard]:
+    """Features of prompt + response sequences, cached one file per prompt id (responses
+    arrive one by one, and a partial set is still a training set)."""
     out = []
-    for k in range(0, len(rows), per_shard):
-        part = rows[k:k + per_shard]
-        path = work_dir() / "features" / f"{name}-{rt.tag}-{k // per_shard:03d}.npz"
+    folder = work_dir() / "features" / f"{name}-{rt.tag}"
+    t0, done = time.perf_counter(), 0
+    for r in rows:
+        path = folder / f"{r['id']}.npz"
         if path.is_file():
-            shard = Shard.load(path)
-            if shard.sequences == len(part):
-                out.append(shard)
-                continue
-        seqs = [r["prompt_ids"] + r["tokens"] for r in part]
-        shard = build_shard(rt, seqs, [len(r["prompt_ids"]) - 1 for r in part],
-                            [r["domain"] for r in part], f"{name} shard {k // per_shard}")
+            out.append(Shard.load(path))
+            continue
+        shard = build_shard(rt, [r["prompt_ids"] + r["tokens"]], [len(r["prompt_ids"]) - 1],
+                            [r["domain"]], "", quiet=True)
         shard.save(path)
         out.append(shard)
+        done += 1
+        if done % 10 == 0:
+            log("features", f"{name}: {done} new sequences, "
+                f"{sum(int(s.offsets[-1]) for s in out[-done:]) / (time.perf_counter() - t0):.0f} "
+                "positions/s")
     return out
 
 
