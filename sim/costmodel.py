@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.metrics import LoadEvent, Summary
+from memspec.procs.decoder.loadplan import PlanCosts
 from memspec.sim.loadqueue import LoadQueue
 
 
@@ -64,6 +65,15 @@ class CostModel:
         scale = ratio * it / base if base > 0 else 0.0
         return CostModel(**{**asdict(self), "load_s": {d: s * scale
                                                        for d, s in self.load_s.items()}})
+
+    def load_over_iteration(self, draft: str) -> float:
+        """A load of `draft` in SD iterations (the edge-emulated profile's ratio)."""
+        return self.load_s[draft] / (self.mean_iteration_s or self.spec_s[draft])
+
+    def plan_costs(self) -> PlanCosts:
+        """oracle-dynamic's beliefs, as the runtime forms them from a pinned pool (its
+        load/iteration ratio is this model's; the rest are the planner's defaults)."""
+        return PlanCosts(load={d: self.load_over_iteration(d) for d in self.load_s})
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
