@@ -62,9 +62,10 @@ def draft_architectures(pool: PoolConfig) -> dict[str, str]:
 
 def calibrate(pool: PoolConfig, pool_path: str | None, prompts: Sequence[dict],
               max_new_tokens: int, out: Path,
-              policies: Sequence[str] = ("general-static", "memspec", "mab-async")
+              policies: Sequence[str] = ("target-only", "general-static", "memspec", "mab-async")
               ) -> CostModel:
-    """Fit the cost model from traced requests of `policies` on `prompts` (training set)."""
+    """Fit the cost model from traced requests of `policies` on `prompts` (training set);
+    target-only runs give the target step its own samples (not only cold-start steps)."""
     reqs = [RealRequest(pol, p["id"], p["domain"], p["prompt"], max_new_tokens)
             for pol in policies for p in prompts]
     runs = run_real(reqs, out, pool_path)

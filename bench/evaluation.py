@@ -35,7 +35,7 @@ from memspec.bench.calibrate import calibrate
 from memspec.bench.figures import draw_all
 from memspec.bench.realruns import RealResult, interleaved, pinned_pool, run_real
 from memspec.bench.report import summary_text, write_readme, write_results
-from memspec.bench.stats import HEADLINE, headline_ratios, pooled_rate
+from memspec.bench.stats import HEADLINE, Runs, headline_ratios
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
@@ -281,16 +281,16 @@ def headline(per: Mapping[str, Mapping[str, Mapping[str, Any]]], opt: Mapping[st
     return out
 
 
-def per_prompt_rates(ids: Sequence[str], stats: Sequence[RunStats | Summary],
-                     key: str = "steady") -> dict[str, float]:
-    """Tokens/s per prompt id, pooled over that prompt's runs (repeats)."""
-    tok: dict[str, list[float]] = {}
-    sec: dict[str, list[float]] = {}
+def per_prompt_runs(ids: Sequence[str], stats: Sequence[RunStats | Summary],
+                    key: str = "steady") -> dict[str, list[tuple[float, float]]]:
+    """(tokens, seconds) of every run (repeat) per prompt id; seconds of decode (steady)
+    or of the whole request (e2e)."""
+    out: dict[str, list[tuple[float, float]]] = {}
     for pid, s in zip(ids, stats):
         r = s.report() if isinstance(s, RunStats) else s
-        tok.setdefault(pid, []).append(r.generated_tokens)
-        sec.setdefault(pid, []).append(r.time.decode if key == "steady" else r.time.e2e)
-    return {p: pooled_rate(tok[p], sec[p]) for p in tok}
+        sec = r.time.decode if key == "steady" else r.time.e2e
+        out.setdefault(pid, []).append((float(r.generated_tokens), sec))
+    return out
 
 
 def oracle_checks(per: Mapping[str, Mapping[str, Mapping[str, Any]]], tol: float = 0.0
@@ -332,8 +332,8 @@ def sim_section(reqs: Sequence[SimRequest], cost: CostModel, cfg: SimConfig,
     per, raw = evaluate_policies(reqs, cost, cfg, ucb, SIM_POLICIES)
     ids = [r.prompt_id for r in reqs]
     strata = {r.prompt_id: r.domain for r in reqs}
-    rates = {p: per_prompt_rates(ids, raw[p]) for p in raw}
-    gm, ci = headline_ratios(rates, strata)
+    runs: Runs = {p: per_prompt_runs(ids, raw[p]) for p in raw}
+    gm, ci = headline_ratios(runs, strata)
     out: dict[str, Any] = {
         "prompts": len(reqs),
         "domains": list(dict.fromkeys(r.domain for r in reqs)),
@@ -478,10 +478,10 @@ def real_section(reqs: Sequence[SimRequest], rows: Mapping[str, RealResult],
     policies = list(dict.fromkeys(p for _, p, _ in keys))
     stats = {p: [rows[k].stats for k, pol, _ in keys if pol == p] for p in policies}
     ids = {p: [pid for _, pol, pid in keys if pol == p] for p in policies}
-    rates = {p: per_prompt_rates(ids[p], stats[p]) for p in policies}
-    rates_e2e = {p: per_prompt_rates(ids[p], stats[p], "e2e") for p in policies}
-    gm, ci = headline_ratios(rates, strata)
-    gm_e2e, _ = headline_ratios(rates_e2e, strata, n=0)
+    runs: Runs = {p: per_prompt_runs(ids[p], stats[p]) for p in policies}
+    gm, ci = headline_ratios(runs, strata)
+    gm_e2e, _ = headline_ratios({p: per_prompt_runs(ids[p], stats[p], "e2e")
+                                 for p in policies}, strata, n=0)
     mismatches = sum(1 for k, _p, pid in keys
                      if rows[k].token_ids != trajs[pid]["tokens"][:cfg.max_new_tokens or None])
     real: dict[str, Any] = {
@@ -499,9 +499,8 @@ def real_section(reqs: Sequence[SimRequest], rows: Mapping[str, RealResult],
     }
     # the simulator on exactly these prompts, the same statistic
     sim_raw = {p: run_sim(p, reqs, cost, cfg, ucb.get(p, 2.0)) for p in policies}
-    sim_rates = {p: per_prompt_rates([r.prompt_id for r in reqs], sim_raw[p])
-                 for p in policies}
-    sim_gm, _ = headline_ratios(sim_rates, strata, n=0)
+    sim_gm, _ = headline_ratios({p: per_prompt_runs([r.prompt_id for r in reqs], sim_raw[p])
+                                 for p in policies}, strata, n=0)
     beside = {"ratios": {k: {"real": gm[k], "sim": sim_gm.get(k),
                              "rel_error": sim_gm[k] / gm[k] - 1 if gm.get(k) else None}
                          for k in gm if k in sim_gm},

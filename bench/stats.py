@@ -3,8 +3,10 @@
 One statistic for the real runs and for the simulator's value beside them, so the two are
 compared like for like: for every prompt, each policy's tokens/s pooled over its repeats
 (total tokens over total decode time), the ratio of two policies on that prompt, then the
-geometric mean over prompts. The 95% interval resamples prompts with replacement (within
-each domain, so every resample keeps the domain mix) and takes the 2.5/97.5 percentiles.
+geometric mean over prompts. The 95% interval is a two-level bootstrap: prompts resampled
+with replacement within each domain (every resample keeps the domain mix), and each
+chosen prompt's repeats resampled per policy (the machine's run-to-run noise), then the
+2.5/97.5 percentiles of the GMEAN.
 """
 
 from __future__ import annotations
@@ -25,51 +27,52 @@ HEADLINE = {  # the issue's ratios: numerator, denominator
 }
 
 
-def log_ratios(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
-    """log(a/b) per prompt id present (and positive) in both."""
-    return {p: math.log(a[p] / b[p]) for p in a if p in b and a[p] > 0 and b[p] > 0}
+Runs = Mapping[str, Mapping[str, Sequence[tuple[float, float]]]]  # policy -> id -> repeats
 
 
-def gmean_ci(logs: Mapping[str, float], strata: Mapping[str, str], n: int = BOOTSTRAP,
-             seed: int = 0) -> tuple[float, tuple[float, float]]:
-    """(GMEAN, (lo, hi)) of exp(logs) over prompts; stratified percentile bootstrap
-    (`n` = 0: no interval)."""
-    nan = float("nan")
-    if not logs:
-        return nan, (nan, nan)
-    by: dict[str, list[float]] = defaultdict(list)
-    for p, v in sorted(logs.items()):
-        by[strata.get(p, "")].append(v)
-    groups = list(by.values())
-    total = sum(len(g) for g in groups)
-    mean = sum(sum(g) for g in groups) / total
-    if n < 1:
-        return math.exp(mean), (nan, nan)
-    rng = random.Random(seed)
-    means = []
-    for _ in range(n):
-        s = 0.0
-        for g in groups:
-            s += sum(g[rng.randrange(len(g))] for _ in g)
-        means.append(s / total)
-    means.sort()
-    lo, hi = means[int(0.025 * (n - 1))], means[int(round(0.975 * (n - 1)))]
-    return math.exp(mean), (math.exp(lo), math.exp(hi))
+def _rate(runs: Sequence[tuple[float, float]]) -> float:
+    t = sum(sec for _, sec in runs)
+    return sum(tok for tok, _ in runs) / t if t > 0 else 0.0
 
 
-def headline_ratios(per_prompt: Mapping[str, Mapping[str, float]], strata: Mapping[str, str],
-                    pairs: Mapping[str, tuple[str, str]] = HEADLINE, n: int = BOOTSTRAP
-                    ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """({ratio: GMEAN}, {ratio: [lo, hi]}) from {policy: {prompt id: tokens/s}}."""
+def headline_ratios(runs: Runs, strata: Mapping[str, str],
+                    pairs: Mapping[str, tuple[str, str]] = HEADLINE, n: int = BOOTSTRAP,
+                    seed: int = 0) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """({ratio: GMEAN}, {ratio: [lo, hi]}) from {policy: {prompt id: [(tokens, seconds) per
+    repeat]}}; `n` = 0 skips the interval (NaN bounds)."""
+    pairs = {k: ab for k, ab in pairs.items() if ab[0] in runs and ab[1] in runs}
+    ids = {k: sorted(p for p in runs[a] if p in runs[b] and _rate(runs[a][p]) > 0
+                     and _rate(runs[b][p]) > 0) for k, (a, b) in pairs.items()}
     gm: dict[str, float] = {}
     ci: dict[str, list[float]] = {}
-    for key, (a, b) in pairs.items():
-        if a in per_prompt and b in per_prompt:
-            g, (lo, hi) = gmean_ci(log_ratios(per_prompt[a], per_prompt[b]), strata, n)
-            gm[key], ci[key] = g, [lo, hi]
+    nan = float("nan")
+    for k, (a, b) in pairs.items():
+        logs = [math.log(_rate(runs[a][p]) / _rate(runs[b][p])) for p in ids[k]]
+        gm[k] = math.exp(sum(logs) / len(logs)) if logs else nan
+        ci[k] = [nan, nan]
+    if n < 1:
+        return gm, ci
+    rng = random.Random(seed)
+    samples: dict[str, list[float]] = {k: [] for k in pairs}
+    for _ in range(n):
+        for k, (a, b) in pairs.items():
+            by: dict[str, list[str]] = defaultdict(list)
+            for p in ids[k]:
+                by[strata.get(p, "")].append(p)
+            total, count = 0.0, 0
+            for group in by.values():
+                for _ in group:
+                    p = group[rng.randrange(len(group))]
+                    ra, rb = runs[a][p], runs[b][p]
+                    num = _rate([ra[rng.randrange(len(ra))] for _ in ra])
+                    den = _rate([rb[rng.randrange(len(rb))] for _ in rb])
+                    if num > 0 and den > 0:
+                        total, count = total + math.log(num / den), count + 1
+            if count:
+                samples[k].append(total / count)
+    for k, xs in samples.items():
+        if xs:
+            xs.sort()
+            lo, hi = xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]
+            ci[k] = [math.exp(lo), math.exp(hi)]
     return gm, ci
-
-
-def pooled_rate(tokens: Sequence[float], seconds: Sequence[float]) -> float:
-    t = sum(seconds)
-    return sum(tokens) / t if t > 0 else 0.0

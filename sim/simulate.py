@@ -274,5 +274,6 @@ def _run(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig, ucb
 def build_policy(name: str, req: SimRequest, cfg: SimConfig, position: Callable[[], int],
                  ucb_c: float = 2.0) -> Policy:
     """The runtime's policy object, with an oracle plan over this request's tables."""
-    plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position, cfg.K, cfg.plan)
+    plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position, cfg.K, cfg.plan,
+                     req.prompt_len)
     return make_policy(name, ucb_c=ucb_c, oracle_plan=plan)

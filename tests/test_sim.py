@@ -15,7 +15,7 @@ from memspec.procs.decoder.replay import oracle_static, replay_static, step_acce
 from memspec.sim.costmodel import CostModel, fit, linear_fit
 from memspec.sim.loadqueue import LoadQueue
 from memspec.sim.optimum import optimum
-from memspec.sim.simulate import SimConfig, SimRequest, simulate
+from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
 from memspec.zoo.tables import table_from_correct
 
 DRAFTS = ("general", "code", "math", "law", "medical")
@@ -278,3 +278,40 @@ def test_oracle_dynamic_bounds_the_online_policies(seed):
               for name in POLICY_NAMES if name != "target-only"}
     for name, v in steady.items():
         assert steady["oracle-dynamic"] >= v * (1 - 0.01), (name, steady)
+
+
+def test_oracle_dynamic_replans_when_loads_run_late():
+    """The plan believes loads take 1 iteration; they take 5: it re-plans from the real
+    state at every scheduling point, never runs a draft that is not resident, and finishes."""
+    tab = phases(2)
+    slow = cost(load=0.45)
+    cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=PlanCosts.uniform(DRAFTS, 1.0))
+    st = simulate_traced("oracle-dynamic", SimRequest("p", "x", 40, tab), slow, cfg)
+    assert st.generated_tokens == len(tab["general"]) and st.num_drafts > 0
+    loaded: set[str] = set()
+    its = iter(st.trace.iterations)
+    for ev in st.trace.loads:  # every drafted iteration ran a draft that had landed
+        if ev.kind == "loaded":
+            loaded.add(ev.draft)
+    assert {r.draft for r in st.trace.iterations if r.draft} <= loaded
+    assert next(its).draft is None  # the cold start: target alone until the first load lands
+
+
+def test_plan_cost_meter_learns_the_runtimes_costs():
+    """oracle-dynamic's beliefs from finished requests: iterations are the unit, catch-up a
+    line over tokens, loads as the loader timed them; the prior until there is data."""
+    from memspec.procs.decoder.oracle import PlanCostMeter
+
+    prior = PlanCosts.uniform(DRAFTS, 2.7)
+    meter = PlanCostMeter(prior)
+    assert meter.costs({}) is prior
+    recs = [IterationRecord("code", 4, 2, 3, 0.0, t_draft=0.02, t_verify=0.08,
+                            t_catchup=0.002 + 0.0001 * n, catchup_tokens=n)
+            for n in (10, 50, 100, 150, 200, 250)]
+    recs += [IterationRecord("code", 4, 1, 2, 0.0, t_draft=0.02, t_verify=0.08)] * 10
+    recs += [IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.05)] * 4
+    meter.observe(recs)
+    got = meter.costs({"math": 0.3})
+    assert got.target == pytest.approx(0.5) and got.load["math"] == pytest.approx(3.0)
+    assert got.load["code"] == 2.7  # never loaded: the prior's ratio
+    assert got.switch == pytest.approx(0.02) and got.switch_per_token == pytest.approx(0.001)

@@ -40,7 +40,8 @@ class PlanCosts:
 
     load: Mapping[str, float]  # one load of each draft
     target: float = 1.0  # one target-only step
-    switch: float = 0.25  # (re)activating a draft: its KV catch-up
+    switch: float = 0.25  # (re)activating a draft: its KV catch-up, fixed part
+    switch_per_token: float = 0.0  # ... and per token of context it catches up on
     spec: Mapping[str, float] = field(default_factory=dict)  # per-draft iteration (default 1)
     quantum: float = 0.25  # load time is tracked in these units, rounded up
 
@@ -62,7 +63,8 @@ class LoadPlanner:
     a late load or a state the plan did not expect costs only the new states)."""
 
     def __init__(self, tables: Mapping[str, Table], gamma: int, N: int, K: int,
-                 costs: PlanCosts) -> None:
+                 costs: PlanCosts, prompt_len: int = 0) -> None:
+        self.prompt_len = prompt_len
         self.tables = {d: list(t) for d, t in tables.items()}
         self.drafts = tuple(self.tables)
         self.n = min((len(t) for t in self.tables.values()), default=0)
@@ -118,7 +120,7 @@ class LoadPlanner:
         res = resident - {evict} if evict else resident
         nxt, dt = self._interval(run, pos)
         if run is not None and run != active:
-            dt += self.costs.switch
+            dt += self.costs.switch + self.costs.switch_per_token * (self.prompt_len + pos)
         flight = loading if load is None else (load, self.load_left(load))
         if flight is not None:
             left = self.quantise(flight[1] - dt)
@@ -133,7 +135,10 @@ class LoadPlanner:
         for run, load, evict in self._choices(resident, loading):
             nxt, dt = self._move(state, run, load, evict)
             value = dt + self._best(nxt).value
-            if best is None or value < best.value - 1e-9:
+            # equal plans: the one that loads now (a load started early never costs here,
+            # and lands earlier in the runtime than a plan can count on)
+            if best is None or value < best.value - 1e-9 or \
+                    (value <= best.value + 1e-9 and load is not None and best.load is None):
                 best = Step(run, load, evict, value)
         assert best is not None
         return best
@@ -160,3 +165,14 @@ class LoadPlanner:
     def after(self, state: State, move: Step) -> State:
         """The state the plan expects at the next scheduling point after `move`."""
         return self._move(state, move.run, move.load, move.evict)[0]
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares y = a + b x (b clamped >= 0: costs never fall with more tokens)."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        return (sum(ys) / n if n else 0.0, 0.0)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+    return my - b * mx, b

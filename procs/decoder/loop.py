@@ -146,6 +146,7 @@ class Controller:
         self.scores: dict[str, float] | None = None
         self.running: _Running | None = None
         self.on_slots_changed: Callable[[], None] | None = None
+        self.load_seconds: dict[str, float] = {}  # the latest load of each draft, loader-timed
 
     # ---- replies from the loader and the predictor, and supervisor notices --------------
     def handle(self, msg: Message) -> None:
@@ -188,6 +189,8 @@ class Controller:
             self._changed()
             return
         self._event("loaded", msg.draft, slot.index, msg.seconds, self.clock.now() - t0)
+        if msg.seconds > 0:
+            self.load_seconds[msg.draft] = msg.seconds
         ex = self.running.job.executor if self.running is not None else None
         if ex is not None:
             ex.stats.loads += 1

@@ -13,12 +13,15 @@ decoding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 
 from memspec.common.config import PoolConfig
 from memspec.common.errors import RequestError
+from memspec.common.metrics import IterationRecord
 from memspec.procs.decoder.cache_manager import CacheActions
-from memspec.procs.decoder.loadplan import Loading, LoadPlanner, PlanCosts
+from memspec.procs.decoder.loadplan import Loading, LoadPlanner, PlanCosts, linear_fit
 from memspec.procs.decoder.policies import Decision, OraclePlan, SchedView
 from memspec.procs.decoder.replay import Table, oracle_static
 from memspec.procs.decoder.tablefiles import (
@@ -85,15 +88,16 @@ def _decision(move, view: SchedView, waiting_for: str | None) -> Decision:
 
 
 def dynamic_plan(tables: Mapping[str, Table], gamma: int, interval: int, K: int,
-                 costs: PlanCosts, position: Callable[[], int]) -> DynamicPlan:
+                 costs: PlanCosts, position: Callable[[], int], prompt_len: int = 0
+                 ) -> DynamicPlan:
     """oracle-dynamic: runs and loads planned together from the tables (loadplan.py)."""
-    return DynamicPlan(LoadPlanner(tables, gamma, interval, K, costs), position)
+    return DynamicPlan(LoadPlanner(tables, gamma, interval, K, costs, prompt_len), position)
 
 
 def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None) -> PlanCosts:
-    """What the runtime's oracle-dynamic believes a load costs: the pool's load/iteration
-    ratio for the general draft (edge-emulated storage is paced to it; a benchmark pins the
-    measured one), scaled by each draft's size."""
+    """oracle-dynamic's beliefs before the decoder has measured anything: the pool's
+    load/iteration ratio for the general draft (edge-emulated storage is paced to it; a
+    benchmark pins the measured one), scaled by each draft's size."""
     sizes = draft_bytes or {}
     ref = sizes.get(pool.general) or 0
     load = {d.name: pool.load_iter_ratio * (sizes.get(d.name, ref) / ref if ref else 1.0)
@@ -101,16 +105,51 @@ def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None) -
     return PlanCosts(load=load)
 
 
+class PlanCostMeter:
+    """oracle-dynamic's beliefs, learnt from the decoder's own finished requests: the SD
+    iteration (without catch-up) is the unit; target-only steps, catch-up (a line over the
+    tokens caught up on) and each draft's load (as the loader timed it) in that unit. The
+    simulator's CostModel.plan_costs() is the same thing fitted offline."""
+
+    def __init__(self, prior: PlanCosts, window: int = 4096) -> None:
+        self.prior = prior
+        self.spec: deque[float] = deque(maxlen=window)
+        self.target: deque[float] = deque(maxlen=window)
+        self.catchup: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def observe(self, records: Iterable[IterationRecord]) -> None:
+        for r in records:
+            if r.draft is None:
+                self.target.append(r.duration)
+            else:
+                self.spec.append(r.duration - r.t_catchup)
+                if r.t_catchup > 0 and r.catchup_tokens > 0:
+                    self.catchup.append((float(r.catchup_tokens), r.t_catchup))
+
+    def costs(self, load_s: Mapping[str, float]) -> PlanCosts:
+        """`load_s`: the latest load time of each draft the loader reported."""
+        if len(self.spec) < 8:
+            return self.prior
+        unit = statistics.fmean(self.spec)
+        load = {d: load_s[d] / unit if load_s.get(d) else v for d, v in self.prior.load.items()}
+        target = statistics.fmean(self.target) / unit if self.target else self.prior.target
+        switch, per_token = self.prior.switch, self.prior.switch_per_token
+        if len(self.catchup) >= 5:
+            a, b = linear_fit([n for n, _ in self.catchup], [t for _, t in self.catchup])
+            switch, per_token = max(0.0, a) / unit, b / unit
+        return PlanCosts(load=load, target=target, switch=switch, switch_per_token=per_token)
+
+
 def make_plan(policy: str, tables: Mapping[str, Table], gamma: int, interval: int,
-              position: Callable[[], int], K: int = 2, costs: PlanCosts | None = None
-              ) -> OraclePlan | None:
-    """The plan an oracle policy needs (None for every other policy); `K` and `costs`
-    (default: 2.7 iterations per load) shape oracle-dynamic's loads."""
+              position: Callable[[], int], K: int = 2, costs: PlanCosts | None = None,
+              prompt_len: int = 0) -> OraclePlan | None:
+    """The plan an oracle policy needs (None for every other policy); `K`, `costs`
+    (default: 2.7 iterations per load) and the prompt's length shape oracle-dynamic's."""
     if policy == "oracle-static":
         return static_plan(tables, gamma)
     if policy == "oracle-dynamic":
         costs = costs or PlanCosts.uniform(list(tables), 2.7)
-        return dynamic_plan(tables, gamma, interval, K, costs, position)
+        return dynamic_plan(tables, gamma, interval, K, costs, position, prompt_len)
     return None
 
 

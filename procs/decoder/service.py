@@ -31,6 +31,7 @@ from memspec.procs.decoder.models import encode_prompt
 from memspec.procs.decoder.oracle import (
     ORACLE_POLICIES,
     OracleIndex,
+    PlanCostMeter,
     make_plan,
     oracle_index,
     plan_costs,
@@ -141,7 +142,8 @@ class DecoderService:
         self.current: _Current | None = None
         self._oracles: OracleIndex | None = None
         self.K = len(slots.buffers)
-        self.plan_costs = plan_costs(pool, {d: f.layout.data_size for d, f in slots.files.items()})
+        self.plan_meter = PlanCostMeter(plan_costs(
+            pool, {d: f.layout.data_size for d, f in slots.files.items()}))
 
     @property
     def busy(self) -> bool:
@@ -170,7 +172,8 @@ class DecoderService:
             tables = prompt_tables(self._oracles, policy_name, ids, params.greedy)
             plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
                              lambda: len(self.current.session.generated) if self.current else 0,
-                             self.K, self.plan_costs)
+                             self.K, self.plan_meter.costs(self.controller.load_seconds),
+                             len(ids))
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
@@ -202,6 +205,7 @@ class DecoderService:
         if summary is None:
             return
         self.current = None
+        self.plan_meter.observe(cur.session.stats.records)
         cur.emit(Done(req_id=cur.req.req_id,
                       text=self.tokenizer.decode(cur.session.generated, skip_special_tokens=True),
                       token_ids=cur.session.generated, stats=summary))
