@@ -29,9 +29,14 @@ def _log(msg: str) -> None:
 
 
 def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
-    """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does."""
+    """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does;
+    only the fallback when the traced runs switched too rarely. A head catches up on the
+    target's features, which only a running engine has: none measured here for heads."""
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     spec = pool.general_draft
+    cfg = json.loads((Path(spec.path) / "config.json").read_text())
+    if cfg.get("memspec_kind", "model") != "model":
+        return []
     bound = load_into_slot(spec.name, spec.path, SlotBuffer(slot_capacity(pool)))
     cache = bound.new_cache(max(CATCHUP_TOKENS) + 16)
     out = []

@@ -69,7 +69,7 @@ def real_ratios(result: dict[str, Any], out: Path) -> Path | None:
         ax.set_title(f"{which}: {real[which]['prompts']} prompts x "
                      f"{real[which]['repeats']} repeats{_tag(result)}", fontsize=9)
         ax.set_xlabel("steady-state tokens/s ratio")
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="best")
     return _save(fig, out / "real_ratios.png")
 
 
