@@ -283,7 +283,11 @@ class Controller:
         self.apply(job.policy.decide(self.view(0, None)))
         if job.executor is None:
             assert job.prefill is not None
-            job.executor = job.prefill()
+            try:
+                job.executor = job.prefill()
+            except BaseException:  # a refused request (too long, bad ids) leaves no job behind
+                self.running = None
+                raise
         job.executor.stats.t_prediction += run.t_initial
         run.t_loop = self.clock.now() - job.t_start
 
