@@ -315,16 +315,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default 128 (eval), 64 (engine, pipeline)")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--plots", default=None, help="folder for PNG plots")
-    b.add_argument("--prompts-per-domain", type=int, default=20,
-                   help="eval: held-out prompts per domain in the simulator")
+    b.add_argument("--prompts-per-domain", type=int, default=40,
+                   help="eval: test prompts per domain in the simulator")
+    b.add_argument("--mixed", type=int, default=60, help="eval: mixed prompts in the simulator")
+    b.add_argument("--dev-per-domain", type=int, default=20,
+                   help="eval: dev prompts per domain for UCB's c")
     b.add_argument("--real-per-domain", type=int, default=10,
-                   help="eval: prompts per domain run for real per policy (0: skip)")
+                   help="eval: test prompts per domain run for real (0 with --real-mixed 0: "
+                        "no real runs)")
+    b.add_argument("--real-mixed", type=int, default=30, help="eval: mixed prompts run for real")
+    b.add_argument("--repeats", type=int, default=2, help="eval: real runs per prompt and policy")
     b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
     b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
     b.add_argument("--cost-model", default=None,
                    help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
                         "instead of measuring it; reproduces a committed run's figures")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
+    b.add_argument("--readme", default=None, help="eval: rewrite the figures block of this README")
+    b.add_argument("--from-json", default=None,
+                   help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
     b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
     b.add_argument("--target", default=None,
                    help="gpu: target model folder (default: the pool's)")
