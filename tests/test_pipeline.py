@@ -102,14 +102,19 @@ def sup(tmp_path_factory):
     s.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference(sup) -> dict[str, list[int]]:
+def greedy_reference(sup: Supervisor) -> dict[str, list[int]]:
+    """Target-only greedy tokens of the first prompt of each domain."""
     ref = {}
     for d, prompt in first_prompts().items():
         done = run(sup, prompt, "target-only")
         assert isinstance(done, Done), done
         ref[d] = done.token_ids
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(sup) -> dict[str, list[int]]:
+    return greedy_reference(sup)
 
 
 @pytest.mark.parametrize("policy", ["memspec", "mab-async", "prediction-only", "general-static"])
@@ -121,6 +126,16 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
         assert done.token_ids == reference[d], (policy, d)
         used |= set(done.stats.drafts_used)
     assert used, f"{policy} never ran a draft"
+
+
+def test_streamed_text_adds_up_to_the_final_text(sup, reference):
+    """Tokens carry text pieces from incremental detokenisation: together the full text."""
+    for d, prompt in first_prompts().items():
+        pieces: list[Tokens] = []
+        done = run(sup, prompt, "general-static", on_token=pieces.append)
+        assert isinstance(done, Done), done
+        assert [t for p in pieces for t in p.ids] == done.token_ids == reference[d]
+        assert "".join(p.text for p in pieces) == done.text
     pids = {n: p.pid for n, p in sup.procs.items()}
     assert all(p.state == "ready" for p in sup.procs.values()) and all(pids.values())
 
@@ -266,7 +281,7 @@ def test_status_and_abort_are_answered_between_intervals(sup, reference):
             seen["status"] = DECODER_REPLIES.decode(direct.recv_multipart())
             seen["at"] = n
         elif n > seen["at"] + 8 and "aborted" not in seen:  # type: ignore[operator]
-            sup.abort(req.req_id)
+            sup.cancel(req.req_id)
             seen["aborted"] = n
 
     try:
@@ -381,25 +396,17 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
     """oracle-static/-dynamic in the runtime: same tokens, drafts chosen from the tables;
     an untraced prompt or a sampled request gets a one-line error, not a dead decoder."""
     from memspec.common.paths import memspec_home
-    from memspec.procs.decoder.models import load_causal_lm, load_tokenizer
-    from memspec.zoo.tablestore import pool_fingerprint, trajectories_path
-    from memspec.zoo.trace import build_tables
-    from memspec.zoo.trajectories import build_trajectories
+    from memspec.zoo.trace import Tracer
 
     real_home = str(memspec_home())
     pool_path = write_pool(tmp_path, storage="edge-emulated")
     pool_path.write_text(pool_path.read_text().replace("$MEMSPEC_HOME", real_home))
     monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))  # traces go to a scratch home
     pool = load_pool(pool_path)
-    tok = load_tokenizer(pool.target)
-    target = load_causal_lm(pool.target, "target")
-    prompts = load_prompts("dev", DOMAINS, 1)
-    trajs = build_trajectories(target, tok, pool.target, prompts,
-                               trajectories_path(pool, "dev"), max_new_tokens=MAX_NEW,
-                               progress=False)
-    build_tables(pool, trajs, int(target.get_output_embeddings().weight.shape[0]), "dev",
-                 pool_fingerprint(pool))
-    del target
+    tracer = Tracer(pool)  # the engine's trajectories and tables, in the runtime's dtype
+    trajs, _ = tracer.trace_set("dev", load_prompts("dev", DOMAINS, 1), MAX_NEW)
+    assert all(t["dtype"] == tracer.dtype for t in trajs)
+    del tracer
     s = Supervisor(str(pool_path), cold_start=True)
     try:
         s.start()

@@ -25,18 +25,22 @@ from memspec.common.messages import Done, Error, Load, Message, Submit, Tokens
 from memspec.common.metrics import IterationRecord, RunStats
 from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.procs.decoder.detok import StreamDecoder
 from memspec.procs.decoder.engine import Session, SpecEngine
 from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
 from memspec.procs.decoder.models import encode_prompt
 from memspec.procs.decoder.oracle import (
     ORACLE_POLICIES,
     OracleIndex,
+    PlanCostMeter,
     make_plan,
     oracle_index,
+    plan_costs,
     prompt_tables,
 )
 from memspec.procs.decoder.policies import make_policy
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft, draft_weights_file
+from memspec.procs.decoder.tablefiles import runtime_dtype
 
 Emit = Callable[[Message], None]
 
@@ -124,6 +128,7 @@ class _Current:
     req: Submit
     emit: Emit
     session: Session
+    detok: StreamDecoder
 
 
 class DecoderService:
@@ -138,6 +143,9 @@ class DecoderService:
             self.clock, channels, slots, cold_start=cold_start, log=log)
         self.current: _Current | None = None
         self._oracles: OracleIndex | None = None
+        self.K = len(slots.buffers)
+        self.plan_meter = PlanCostMeter(plan_costs(
+            pool, {d: f.layout.data_size for d, f in slots.files.items()}))
 
     @property
     def busy(self) -> bool:
@@ -160,25 +168,31 @@ class DecoderService:
         plan = None
         if policy_name in ORACLE_POLICIES:
             if self._oracles is None:
-                self._oracles = oracle_index(self.pool)
+                self._oracles = oracle_index(self.pool,
+                                             runtime_dtype(self.pool, self.engine.device))
                 log(f"oracle tables for {len(self._oracles)} traced prompts")
             tables = prompt_tables(self._oracles, policy_name, ids, params.greedy)
             plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
-                             lambda: len(self.current.session.generated) if self.current else 0)
+                             lambda: len(self.current.session.generated) if self.current else 0,
+                             self.K, self.plan_meter.costs(self.controller.load_seconds),
+                             len(ids))
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
-        streamed = [""]
+        detok = StreamDecoder(self.tokenizer)
 
         def stream(new: list[int]) -> None:
-            text = self.tokenizer.decode(session.generated, skip_special_tokens=True)
-            emit(Tokens(req_id=req.req_id, ids=new, text=text[len(streamed[0]):]))
-            streamed[0] = text
+            emit(Tokens(req_id=req.req_id, ids=new, text=detok.push(new)))
 
-        session = self.engine.start(ids, max_new, params, stream)
-        self.current = _Current(req, emit, session)
-        self.controller.start(Job(req.req_id, req.prompt, policy, SessionExecutor(session),
-                                  t_start, trace=req.trace))
+        def prefill() -> SessionExecutor:
+            """The target prefills while the initial loads run (the loop calls this); a
+            request the engine refuses (too long, bad ids) raises its RequestError here."""
+            session = self.engine.start(ids, max_new, params, stream)
+            self.current = _Current(req, emit, session, detok)
+            return SessionExecutor(session)
+
+        self.controller.start(Job(req.req_id, req.prompt, policy, None, t_start,
+                                  trace=req.trace, prefill=prefill))
 
     def step(self) -> None:
         """One scheduling interval of the running request; its Done after the last one."""
@@ -189,6 +203,10 @@ class DecoderService:
         if summary is None:
             return
         self.current = None
+        self.plan_meter.observe(cur.session.stats.records)
+        rest = cur.detok.flush()  # text held back for an incomplete character at the end
+        if rest:
+            cur.emit(Tokens(req_id=cur.req.req_id, ids=[], text=rest))
         cur.emit(Done(req_id=cur.req.req_id,
                       text=self.tokenizer.decode(cur.session.generated, skip_special_tokens=True),
                       token_ids=cur.session.generated, stats=summary))
