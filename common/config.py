@@ -35,7 +35,10 @@ _POOL_KEYS = {
     "memory_budget_mb", "load_iter_ratio", "bandwidth_mb_s", "ucb_c", "predictor_head",
     "max_new_tokens", "dtype", "max_context",
 }
-_DRAFT_KEYS = {"name", "domain", "path"}
+_DRAFT_KEYS = {"name", "domain", "path", "kind"}
+# model: an independent causal LM sharing the tokenizer; head: a one-layer head over the
+# target's features (procs/decoder/head.py)
+DRAFT_KINDS = ("model", "head")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class DraftSpec:
     name: str
     domain: str
     path: Path
+    kind: str = "model"
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def _parse_drafts(items: Any, base: Path) -> tuple[DraftSpec, ...]:
         extra = set(item) - _DRAFT_KEYS
         if extra:
             raise ConfigError(f"drafts[{i}] has unknown field '{sorted(extra)[0]}'",
-                              "allowed fields: name, domain, path")
+                              "allowed fields: name, domain, path, kind")
         for key in ("name", "path"):
             if not isinstance(item.get(key), str) or not item[key]:
                 raise ConfigError(f"drafts[{i}].{key} is missing", f"give each draft a {key}")
@@ -124,7 +128,12 @@ def _parse_drafts(items: Any, base: Path) -> tuple[DraftSpec, ...]:
         domain = item.get("domain", name)
         if not isinstance(domain, str):
             raise ConfigError(f"drafts[{i}].domain must be a string", "e.g. domain = \"code\"")
-        drafts.append(DraftSpec(name=name, domain=domain, path=expand_path(item["path"], base)))
+        kind = item.get("kind", "model")
+        if kind not in DRAFT_KINDS:
+            raise ConfigError(f"draft '{name}' has unknown kind {kind!r}",
+                              "use kind = \"model\" or kind = \"head\"")
+        drafts.append(DraftSpec(name=name, domain=domain, path=expand_path(item["path"], base),
+                                kind=kind))
     return tuple(drafts)
 
 
@@ -223,6 +232,7 @@ def check_paths(pool: PoolConfig) -> None:
         if not (d.path / "config.json").is_file():
             raise ConfigError(f"draft '{d.name}' not found at {d.path}",
                               "fix drafts.path or run `memspec zoo drafts`")
+        check_kind(d)
         draft_tok = tokenizer_fingerprint(d.path)
         if draft_tok is None:
             raise ConfigError(f"draft '{d.name}' has no tokenizer.json",
@@ -230,3 +240,19 @@ def check_paths(pool: PoolConfig) -> None:
         if target_tok is not None and draft_tok != target_tok:
             raise ConfigError(f"draft '{d.name}' uses a different tokenizer than the target",
                               "drafts must share the target's tokenizer; retrain or remove it")
+
+
+def folder_kind(model_dir: Path) -> str:
+    """What a draft folder holds, from its config.json (heads say ``memspec_kind``)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "model"
+    return "head" if isinstance(cfg, dict) and cfg.get("memspec_kind") == "head" else "model"
+
+
+def check_kind(d: DraftSpec) -> None:
+    actual = folder_kind(d.path)
+    if actual != d.kind:
+        raise ConfigError(f"draft '{d.name}' is kind = \"{d.kind}\" in the pool but {d.path} "
+                          f"holds a {actual}", f"set kind = \"{actual}\" for it or fix its path")
