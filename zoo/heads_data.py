@@ -43,7 +43,9 @@ def log(step: str, msg: str) -> None:
 
 
 def work_dir() -> Path:
-    return memspec_home() / "head_work"
+    path = memspec_home() / "head_work"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 # --------------------------------------------------------------------------- the target
