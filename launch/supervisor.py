@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import zmq
 
+from memspec.common.config import check_submit
 from memspec.common.errors import MemspecError
 from memspec.common.memory import process_info
 from memspec.common.messages import (
@@ -37,6 +38,7 @@ from memspec.common.messages import (
     Heartbeat,
     Message,
     PeerRestarted,
+    PredictorInfo,
     ProcInfo,
     ProcStatus,
     ProtocolError,
@@ -47,6 +49,7 @@ from memspec.common.messages import (
 )
 from memspec.common.slotmem import cleanup_shm
 from memspec.common.sockets import RejectLog, configure, endpoint, make_run_dir, recv, send
+from memspec.procs.predictor import FALLBACK
 
 PROCS = ("loader", "predictor", "decoder")
 HELPER_NICE = 10  # loader and predictor run at lower priority (see bench pipeline: interference)
@@ -118,6 +121,8 @@ class Supervisor:
         self.queue: deque[tuple[Submit, Reply]] = deque()
         self.in_flight: tuple[Submit, Reply] | None = None
         self.slots: list[SlotStatus] = []
+        self.quarantined: dict[str, str] = {}  # the decoder's, as of its last Status
+        self._said: set[tuple[str, str]] = set()  # quarantines already logged
         self.decoder_token = ""
         self.rejected = RejectLog(_log)
 
@@ -235,13 +240,25 @@ class Supervisor:
                 self.procs[msg.proc].last_beat = time.monotonic()
             elif isinstance(msg, Status):
                 self.slots = msg.slots
+                self._on_quarantined(msg.quarantined)
             elif isinstance(msg, Error):
                 _log(f"a process reported: {msg.message}")
+
+    def _on_quarantined(self, quarantined: dict[str, str]) -> None:
+        """Log each quarantine once (a restarted decoder finds the same ones again)."""
+        self.quarantined = dict(quarantined)
+        for item in sorted(quarantined.items()):
+            if item not in self._said:
+                self._said.add(item)
+                _log(f"draft '{item[0]}' quarantined: {item[1]}")
 
     def _on_ready(self, p: Proc, msg: Ready) -> None:
         if p.pid != msg.pid:
             return  # a Ready from a process we already replaced
         restarted = p.state == "restarting"
+        if (isinstance(msg.info, PredictorInfo) and msg.info.head.startswith(FALLBACK)
+                and p.info is None):  # said once, not at every restart
+            _log(msg.info.head[len(FALLBACK):])
         p.state, p.last_beat, p.info = "ready", time.monotonic(), msg.info
         p.ready_at = p.last_beat
         if restarted:
@@ -294,6 +311,12 @@ class Supervisor:
 
     # ---- public -----------------------------------------------------------------------
     def submit(self, req: Submit, reply: Reply) -> None:
+        """Queue a request; one with a bad field is answered at once, never queued."""
+        try:
+            check_submit(req)
+        except MemspecError as exc:
+            reply(Error(req_id=req.req_id, message=str(exc)))
+            return
         self.queue.append((req, reply))
 
     def run(self, req: Submit, on_reply: Reply | None = None,
@@ -335,7 +358,7 @@ class Supervisor:
         procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
                                **(process_info(p.pid) if p.pid else {}))
                  for n, p in self.procs.items()}
-        return Status(procs=procs, slots=self.slots)
+        return Status(procs=procs, slots=self.slots, quarantined=self.quarantined)
 
     def tick(self, timeout_ms: int = 50) -> None:
         self._poll_control(timeout_ms)
