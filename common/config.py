@@ -155,7 +155,9 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
     if not isinstance(raw.get("target"), str):
         raise ConfigError("pool.target is missing", "set target = \"<path to an HF model dir>\"")
     drafts = _parse_drafts(data.get("drafts", []), base)
-    general = raw.get("general", "general")
+    names = [d.name for d in drafts]
+    # general-static's draft: "general" when there is one, else the first listed
+    general = raw.get("general", "general" if "general" in names or not names else names[0])
     policy = _choice(raw, "policy", "memspec", POLICIES)
     if drafts and not any(d.name == general for d in drafts):
         names = ", ".join(d.name for d in drafts)
