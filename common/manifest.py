@@ -60,6 +60,15 @@ class WeightsEntry:
                              _fix(layout.path.parent))
 
 
+    def check_bytes(self, data: bytes | memoryview, where: str) -> None:
+        """A copy of the data section in memory (a slot's first bytes) is this file's."""
+        check = RangeVerifier(self.ranges, where)
+        check.update(0, memoryview(data)[:self.data_size])
+        if not check.complete:
+            raise ModelError(f"{where}: holds {len(data)} of {self.data_size} bytes",
+                             "re-copy the weight file")
+
+
 @dataclass(frozen=True)
 class Manifest:
     folder: Path

@@ -295,3 +295,18 @@ def test_status_shows_quarantined_in_one_line(monkeypatch, capsys):
                        'manifest"}')
     assert cli(["status", "--endpoint", "ipc:///x", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quarantined"] == st.quarantined
+
+
+def test_in_process_loads_are_checked_too(draft):
+    from memspec.procs.decoder.inprocess import check_slot
+    from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
+
+    mf.write_manifest(draft)
+    slot = SlotBuffer(1 << 20)
+    load_into_slot("mine", draft, slot, TINY_VOCAB)
+    check_slot("mine", draft, slot)
+    corrupt(draft / "model.safetensors", middle_of_data(draft / "model.safetensors"))
+    load_into_slot("mine", draft, slot, TINY_VOCAB)
+    with pytest.raises(ModelError, match="draft 'mine': tensor .* differs from its manifest"):
+        check_slot("mine", draft, slot)
+    assert slot.draft is None

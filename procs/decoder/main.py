@@ -29,7 +29,6 @@ import zmq
 
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
-from memspec.common.manifest import RangeVerifier
 from memspec.common.memory import process_rss_mb, slots_for_budget
 from memspec.common.messages import (
     DECODER_REQUESTS,
@@ -149,8 +148,8 @@ def _calibrate_iteration_s(engine: SpecEngine, tokenizer, pool, slot: SlotBuffer
     spec = pool.general_draft if pool.general in files else pool.draft(next(iter(files)))
     layout = files[spec.name].layout
     slot.fill_from_file(layout)
-    RangeVerifier(files[spec.name].entry.ranges, f"draft '{spec.name}'").update(
-        0, slot.data[:layout.data_size].numpy())  # the bytes it runs are the checked ones
+    files[spec.name].entry.check_bytes(slot.data[:layout.data_size].numpy(),
+                                       f"draft '{spec.name}'")  # it runs checked bytes only
     engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab,
                                 parts=engine.target_parts))
     ids = encode_prompt(tokenizer, "Describe the ocean in two sentences.")
