@@ -30,6 +30,7 @@ FORMAT = "memspec-manifest/1"
 NAME = "manifest.json"
 CHUNK = 1 << 20
 PADDING = "(padding)"  # a range of data-section bytes no tensor claims
+DOCS = (".md",)  # listed, checked by `memspec manifest --check`, not before a draft runs
 
 
 def _fix(folder: Path) -> str:
@@ -242,14 +243,17 @@ def verify_section(path: Path, entry: WeightsEntry) -> None:
         pos += len(chunk)
 
 
-def verify(manifest: Manifest, stamps: Path | None = None) -> None:
+def verify(manifest: Manifest, stamps: Path | None = None, docs: bool = False) -> None:
     """Every file the manifest lists has its size and bytes: a safetensors file header and
-    tensor by tensor (a mismatch names the tensor), any other file by its sha256. With
-    ``stamps`` (a JSON file), a file whose (size, mtime, inode) matches its last good check
-    is not read again: the large target is hashed once per change, not at every start."""
+    tensor by tensor (a mismatch names the tensor), any other file by its sha256. Model
+    cards (``*.md``) are skipped unless ``docs``: editing one must not quarantine a draft.
+    With ``stamps`` (a JSON file), a file whose (size, mtime, inode) matches its last good
+    check is not read again: the large target is hashed once per change, not every start."""
     seen = _read_stamps(stamps)
     fresh = {}
     for rel, (size, digest) in manifest.files.items():
+        if not docs and rel.endswith(DOCS):
+            continue
         p = manifest.folder / rel
         try:
             st = p.stat()
@@ -296,7 +300,7 @@ def check_folder(folder: Path) -> list[str]:
         man = read_manifest(folder)
         if man is None:
             return [f"{Path(folder) / NAME} not found (write one: memspec manifest {folder})"]
-        verify(man)
+        verify(man, docs=True)
     except ModelError as exc:
         return [str(exc)]
     return []

@@ -310,3 +310,12 @@ def test_in_process_loads_are_checked_too(draft):
     with pytest.raises(ModelError, match="draft 'mine': tensor .* differs from its manifest"):
         check_slot("mine", draft, slot)
     assert slot.draft is None
+
+
+def test_a_model_card_edit_does_not_quarantine(draft, tmp_path, tiny_dir):
+    (draft / "README.md").write_text("# my draft\n")
+    mf.write_manifest(draft)
+    (draft / "README.md").write_text("# my draft, better described\n")
+    files, quarantined = open_drafts(_pool(tmp_path, tiny_dir, {"d": draft}), TINY_VOCAB)
+    assert quarantined == {} and "d" in files
+    assert "README.md" in mf.check_folder(draft)[0]  # the full check still sees it
