@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from memspec.common.messages import (
+    CLIENT_REPLIES,
     CLIENT_REQUESTS,
     CONTROL,
     DECODER_REPLIES,
@@ -34,6 +35,7 @@ from memspec.common.messages import (
     Message,
     PeerRestarted,
     ProcStatus,
+    Queued,
     Ranking,
     Ready,
     Shutdown,
@@ -98,12 +100,14 @@ def samples() -> dict[str, tuple[Message, Codec]]:
         "StatusRequest": StatusRequest(),
         "Shutdown": Shutdown(reason="bench"),
         "PeerRestarted": PeerRestarted(proc="loader", pid=4321),
+        "Queued": Queued(req_id="a1b2c3d4e5f6", ahead=2),
     }
     codecs = {"Submit": CLIENT_REQUESTS, "StatusRequest": CLIENT_REQUESTS,
               "Shutdown": DECODER_REQUESTS, "PeerRestarted": DECODER_REQUESTS,
               "Snapshot": PREDICTOR_REQUESTS, "Ranking": PREDICTOR_REPLIES,
               "Load": LOADER_REQUESTS, "Cancel": LOADER_REQUESTS, "Loaded": LOADER_REPLIES,
-              "LoadFailed": LOADER_REPLIES, "Heartbeat": CONTROL, "Ready": CONTROL}
+              "LoadFailed": LOADER_REPLIES, "Heartbeat": CONTROL, "Ready": CONTROL,
+              "Queued": CLIENT_REPLIES}
     return {name: (m, codecs.get(name, DECODER_REPLIES)) for name, m in msgs.items()}
 
 

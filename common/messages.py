@@ -174,6 +174,16 @@ class Submit(Message):
     ucb_c: float | None = None  # mab-* exploration constant (None: the pool's)
 
 
+class Queued(Message):
+    """Supervisor -> client: the request was accepted and `ahead` requests run before it
+    (0: it is running). Sent at once and again every few seconds until it ends, so a client
+    tells a long queue from a server that is gone, and the supervisor notices a client
+    that left (its request is then cancelled)."""
+
+    req_id: str
+    ahead: int
+
+
 class Abort(Message):
     """Supervisor -> decoder: stop this request at the next scheduling point."""
 
@@ -292,7 +302,7 @@ DECODER_REQUESTS: Codec[Submit | Abort | StatusRequest | PeerRestarted | Shutdow
 DECODER_REPLIES: Codec[Tokens | Done | Error | Status] = Codec(
     "decoder-reply", Tokens, Done, Error, Status)
 CLIENT_REQUESTS: Codec[Submit | StatusRequest] = Codec("client", Submit, StatusRequest)
-CLIENT_REPLIES: Codec[Tokens | Done | Error | Status] = Codec(
-    "client-reply", Tokens, Done, Error, Status)
+CLIENT_REPLIES: Codec[Queued | Tokens | Done | Error | Status] = Codec(
+    "client-reply", Queued, Tokens, Done, Error, Status)
 CONTROL: Codec[Ready | Heartbeat | Status | Error] = Codec(
     "control", Ready, Heartbeat, Status, Error)

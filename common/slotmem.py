@@ -36,23 +36,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memspec.common.errors import MemspecError
+from memspec.common.shmclean import (  # noqa: F401 - re-exported
+    PREFIX,
+    SHM_DIR,
+    SlotMemoryError,
+    cleanup_shm,
+)
 
 SHM = "shm"
 CUDA_IPC = "cuda-ipc"
 TRANSPORTS = (SHM, CUDA_IPC)
 ENV_TRANSPORT = "MEMSPEC_SLOT_TRANSPORT"
-SHM_DIR = Path("/dev/shm")
-PREFIX = "memspec-"
 TEGRA_RELEASE = Path("/etc/nv_tegra_release")
 STAGING_BYTES = 4 << 20  # per pinned staging buffer (cuda-ipc); two alternate
 _SHM_NAME = re.compile(r"memspec-[A-Za-z0-9_.-]{1,200}")
 _IPC_FIELDS = ("device", "handle", "size", "offset", "ref_handle", "ref_offset",
                "event_handle", "event_sync")
-
-
-class SlotMemoryError(MemspecError):
-    """Slot memory cannot be created or opened (bad handle, no space, wrong size)."""
 
 
 def new_run_token() -> str:
@@ -89,26 +88,6 @@ def choose_transport(device: str | torch.device = "cpu") -> str:
     if getattr(torch.cuda.get_device_properties(index), "is_integrated", False):
         return SHM
     return CUDA_IPC
-
-
-def cleanup_shm(prefix: str = PREFIX) -> list[str]:
-    """Unlink leftover segments whose name starts with ``prefix`` (crash recovery, shutdown)."""
-    if not prefix.startswith(PREFIX) or "/" in prefix:
-        raise SlotMemoryError(f"refusing to clean shm prefix {prefix!r}",
-                              f"prefixes must start with {PREFIX!r}")
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return removed
-    for name in sorted(names):
-        if name.startswith(prefix):
-            try:
-                os.unlink(SHM_DIR / name)
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-    return removed
 
 
 def _map_shm(name: str, capacity: int, create: bool) -> mmap.mmap:

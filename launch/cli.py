@@ -1,4 +1,5 @@
-"""The `memspec` command. Errors a user can fix print as one line, never a traceback."""
+"""The `memspec` command. Every error prints as one line (`memspec: error: ...`); the
+traceback of an unexpected one goes to a file, or to stderr under `--debug`."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from memspec.common.errors import MemspecError
 from memspec.common.metrics import as_json
+from memspec.launch.terminal import CONSOLE, Interrupted, check_utf8
+
+FAST_EXIT = ("generate", "up")  # torch is loaded: skip its second-long teardown at exit
 
 
 def _add_pool(p: argparse.ArgumentParser) -> None:
@@ -21,6 +27,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from memspec.common.errors import ConfigError
     from memspec.procs.decoder.acceptance import SamplingParams
 
+    check_utf8(args.prompt, "the prompt")
     pool = load_pool(args.pool)
     policy = args.policy or pool.policy
     if policy not in POLICIES:
@@ -40,59 +47,80 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         s = out["stats"]
-        print(f"\n[{policy}] {s['generated_tokens']} tokens, {s['tokens_per_s_steady']:.1f} tok/s "
-              f"steady, {s['tokens_per_s_e2e']:.1f} tok/s e2e, mean acceptance length "
-              f"{s['mean_acceptance_length']:.2f}, drafts {s['drafts_used']}", file=sys.stderr)
+        CONSOLE.end_text()
+        CONSOLE.message(f"[{policy}] {s['generated_tokens']} tokens, "
+                        f"{s['tokens_per_s_steady']:.1f} tok/s steady, "
+                        f"{s['tokens_per_s_e2e']:.1f} tok/s e2e, mean acceptance length "
+                        f"{s['mean_acceptance_length']:.2f}, drafts {s['drafts_used']}")
     return 0
 
 
 def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int) -> dict:
     from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.detok import StreamDecoder
     from memspec.procs.decoder.inprocess import build_local, run_request
 
     rt = build_local(pool, with_drafts=policy != "target-only")
     stream = None
+    detok = StreamDecoder(rt.tokenizer)
     if not args.json:
         def stream(ids: list[int]) -> None:
-            sys.stdout.write(rt.tokenizer.decode(ids, skip_special_tokens=True))
-            sys.stdout.flush()
+            CONSOLE.text(detok.push(ids))
     params = SamplingParams(args.temperature, args.top_p, args.seed)
-    return run_request(rt, args.prompt, policy, max_new, params, stream)
+    out = run_request(rt, args.prompt, policy, max_new, params, stream)
+    if not args.json:
+        CONSOLE.text(detok.flush())
+    return out
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
     from memspec.launch.up import serve
 
+    if args.max_queue < 1:
+        raise MemspecError(f"--max-queue {args.max_queue} is below 1",
+                           "let at least one request wait")
+    if not args.no_stdin:  # in the background, reading the terminal fails instead of stopping
+        signal.signal(signal.SIGTTIN, signal.SIG_IGN)
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
-                 cold_start=args.cold_start, tcp=args.tcp)
+                 cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue)
+
+
+def _timeouts(args: argparse.Namespace):  # noqa: ANN202
+    from memspec.launch.client import Timeouts
+
+    for flag in ("connect_timeout", "timeout", "idle_timeout"):
+        if getattr(args, flag) <= 0:
+            raise MemspecError(f"--{flag.replace('_', '-')} must be above 0 seconds",
+                               "pass a number of seconds such as 10")
+    return Timeouts(args.connect_timeout, args.timeout, args.idle_timeout)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from memspec.common.config import check_sampling
     from memspec.launch.client import submit
 
-    def show(tok) -> None:  # noqa: ANN001
-        sys.stdout.write(tok.text)
-        sys.stdout.flush()
-
-    from memspec.common.config import check_sampling
-
+    check_utf8(args.prompt, "the prompt")
     check_sampling(args.temperature, args.top_p, args.seed)  # before anything is sent
     _check_max_new(args.max_new_tokens)
     kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
-    done = submit(args.endpoint, args.prompt, None if args.json else show, **kw)
+    done = submit(args.endpoint, args.prompt,
+                  None if args.json else lambda tok: CONSOLE.text(tok.text),
+                  _timeouts(args), **kw)
     if args.json:
         print(json.dumps({"text": done.text, "token_ids": done.token_ids,
                           "stats": as_json(done.stats)}))
     else:
-        print()
+        CONSOLE.end_text()
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from memspec.launch.client import status
 
-    st = status(args.endpoint)
+    st = status(args.endpoint, _timeouts(args))
     if args.json:
         print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots),
                           "quarantined": st.quarantined}))
@@ -137,6 +165,18 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default=None,
+                   help="the server's endpoint (default: `memspec up`'s default)")
+    p.add_argument("--connect-timeout", type=float, default=5.0,
+                   help="seconds to reach the server (default 5)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds until the server first answers (default 10)")
+    p.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds of silence from the server mid-request; it sends a "
+                        "keep-alive every 2 s while the request waits (default 30)")
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:
@@ -189,12 +229,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.messages import main_bench_messages
 
         return main_bench_messages(args)
+    if args.what == "gpu":
+        from memspec.bench.gpu import main_bench_gpu
+
+        return main_bench_gpu(args)
     if args.what == "soak":
         from memspec.bench.soak import main_bench_soak
 
         return main_bench_soak(args)
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use engine, pipeline, messages or soak")
+                       "use eval, engine, pipeline, messages, gpu or soak")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -230,16 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loopback TCP between the processes instead of ipc:// sockets")
     u.add_argument("--cold-start", action="store_true",
                    help="empty the draft slots before every request (paper's method)")
+    u.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait behind the running one; more get a "
+                        "'server busy' error (default 16)")
     u.set_defaults(func=cmd_up)
 
     sm = sub.add_parser("submit", help="send a prompt to a running `memspec up`")
-    sm.add_argument("--endpoint", required=True)
+    _add_client_args(sm)
     _add_request_args(sm)
     sm.add_argument("prompt")
     sm.set_defaults(func=cmd_submit)
 
     st = sub.add_parser("status", help="processes and slots of a running `memspec up`")
-    st.add_argument("--endpoint", required=True)
+    _add_client_args(st)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
@@ -284,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_predictor)
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", nargs="?", default="eval", choices=["eval", "engine", "pipeline", "messages",
-                                                        "soak"],
+    b.add_argument("what", nargs="?", default="eval",
+                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
@@ -308,7 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
                         "instead of measuring it; reproduces a committed run's figures")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
+    b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
+    b.add_argument("--target", default=None,
+                   help="gpu: target model folder (default: the pool's)")
+    b.add_argument("--random-weights", action="store_true",
+                   help="gpu: random weights of the target's architecture (timings only; for "
+                        "a machine without the checkpoint)")
     b.set_defaults(func=cmd_bench)
+    ap.add_argument("--debug", action="store_true", help="print tracebacks")
+    for p in sub.choices.values():  # also after the command; SUPPRESS keeps a top-level one
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="print tracebacks")
     return ap
 
 
@@ -318,13 +375,41 @@ def main(argv: list[str] | None = None, run: Callable | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see launch/supervisor.py
     args = build_parser().parse_args(argv)
+    fast = args.command in FAST_EXIT
     try:
-        return (run or args.func)(args)
+        code = (run or args.func)(args)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        CONSOLE.message(f"memspec: {exc if isinstance(exc, Interrupted) else 'interrupted'}")
+        code, fast = getattr(exc, "exit_code", 130), True
     except MemspecError as exc:
-        print(f"memspec: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        CONSOLE.error(str(exc))
+        code = 2
+    except Exception as exc:  # a bug: one line here, the traceback in a file
+        code = 1
+        if args.debug:
+            CONSOLE.message("")
+            traceback.print_exc()
+        where = "printed above" if args.debug else _save_traceback()
+        first = (str(exc).splitlines() or [""])[0][:200]
+        CONSOLE.error(f"internal error ({type(exc).__name__}: {first}); traceback {where}; "
+                      "please report it")
+    if fast:
+        from memspec.common.procexit import fast_exit
+
+        fast_exit(code)
+    return code
+
+
+def _save_traceback() -> str:
+    from memspec.common.sockets import run_root
+
+    path = Path(run_root()) / f"memspec-{os.getuid()}" / "last-error.log"
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.write_text(traceback.format_exc())
+    except OSError:
+        return "not saved (run with --debug to see it)"
+    return f"in {path}"
 
 
 if __name__ == "__main__":

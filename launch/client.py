@@ -1,13 +1,21 @@
-"""Clients of a running supervisor: `memspec submit` and `memspec status`."""
+"""Clients of a running supervisor: `memspec submit` and `memspec status`.
+
+No wait is unbounded. Connecting ends at the ZeroMQ handshake, or at once when nothing
+listens (a missing or stale socket file, a refused port), or after `connect` seconds. The
+server acknowledges a request with `Queued` within `first` seconds and repeats it every
+few seconds while the request waits, so a silence of `idle` seconds means it is stuck. A
+server that goes away mid-request is seen at once, through the socket's monitor.
+"""
 
 from __future__ import annotations
 
 import secrets
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from memspec.common.errors import MemspecError
 from memspec.common.messages import (
@@ -21,74 +29,160 @@ from memspec.common.messages import (
     Submit,
     Tokens,
 )
-from memspec.common.sockets import configure, recv, send
+from memspec.common.sockets import configure, send
+from memspec.launch.endpoint import check_endpoint, default_endpoint, ipc_path
 
-NO_SERVER = "start one with `memspec up --endpoint E`"
+PROC_NAMES = ("loader", "predictor", "decoder")
+SLOT_STATES = ("free", "loading", "resident")
 
 
-def _connect(endpoint: str) -> tuple[zmq.Context, zmq.Socket]:
-    if endpoint.startswith("ipc://") and not Path(endpoint[6:]).exists():
-        raise MemspecError(f"no memspec server at {endpoint}", NO_SERVER)
-    ctx = zmq.Context()
-    sock = configure(ctx.socket(zmq.DEALER))
-    sock.connect(endpoint)
-    return ctx, sock
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 5.0  # until the ZeroMQ handshake
+    first: float = 10.0  # until the server's first reply (Queued, or a Status)
+    idle: float = 30.0  # between two replies; the server sends one every 2 s
+
+
+def _start_hint(endpoint: str) -> str:
+    flag = "" if endpoint == default_endpoint(create=False) else f" --endpoint {endpoint}"
+    return f"start one with `memspec up{flag}`"
+
+
+class Connection:
+    """A DEALER connected to a memspec server, with a monitor that reports a lost peer."""
+
+    def __init__(self, endpoint: str, timeouts: Timeouts) -> None:
+        self.endpoint, self.timeouts = check_endpoint(endpoint), timeouts
+        path = ipc_path(endpoint)
+        if path is not None and not path.exists():
+            raise MemspecError(f"no memspec server at {endpoint} (no socket file)",
+                               _start_hint(endpoint))
+        self.ctx = zmq.Context()
+        self.sock = configure(self.ctx.socket(zmq.DEALER))
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
+        try:
+            self.sock.connect(endpoint)
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self) -> None:
+        deadline = time.monotonic() + self.timeouts.connect
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.monitor.poll(int(left * 1000) + 1):
+                break
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
+            if event == zmq.EVENT_CONNECT_RETRIED:  # refused: nothing listens there
+                what = "stale socket file" if self.endpoint.startswith("ipc://") \
+                    else "connection refused"
+                raise MemspecError(f"no memspec server at {self.endpoint} ({what})",
+                                   _start_hint(self.endpoint))
+        raise MemspecError(f"{self.endpoint} did not complete a ZeroMQ handshake in "
+                           f"{self.timeouts.connect:g}s", "check that it is a memspec server")
+
+    def request(self, msg: Message, on_msg: Callable[[Message], bool]) -> None:
+        """Send `msg`, then hand every reply to `on_msg` until it returns True."""
+        send(self.sock, msg)
+        wait, what = self.timeouts.first, "answered"
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            events = dict(poller.poll(max(0, int(left * 1000)) + 1)) if left > 0 else {}
+            if self.sock in events:
+                if on_msg(_checked(_decode(self.sock.recv_multipart()))):
+                    return
+                wait, what = self.timeouts.idle, "sent anything"
+                deadline = time.monotonic() + wait
+            elif self.monitor in events:
+                if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                    if self.sock.poll(0):  # its last words (a final Error) first
+                        continue
+                    raise MemspecError(f"the server at {self.endpoint} went away during the "
+                                       "request (stopped or killed)",
+                                       f"{_start_hint(self.endpoint)} and resubmit")
+            elif time.monotonic() >= deadline:
+                raise MemspecError(f"the server at {self.endpoint} has not {what} for "
+                                   f"{wait:g}s", "it may be stuck or overloaded: see its "
+                                   "log, or wait longer (--timeout, --idle-timeout)")
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.ctx.destroy(linger=0)
+
+
+def _checked(reply: Message | ProtocolError) -> Message:
+    if isinstance(reply, ProtocolError):
+        raise MemspecError(f"malformed reply from the server: {reply}",
+                           "use the same memspec version for client and server")
+    return reply
+
+
+def _decode(frames: list[bytes]) -> Message | ProtocolError:
+    try:
+        return CLIENT_REPLIES.decode(frames)
+    except ProtocolError as exc:
+        return exc
 
 
 def _request(endpoint: str, msg: Message, on_msg: Callable[[Message], bool],
-             timeout_s: float) -> None:
-    ctx, sock = _connect(endpoint)
+             timeouts: Timeouts) -> None:
+    conn = Connection(endpoint, timeouts)
     try:
-        try:
-            send(sock, msg, flags=0 if endpoint.startswith("tcp://") else zmq.NOBLOCK)
-        except zmq.Again:
-            raise MemspecError(f"no memspec server at {endpoint}", NO_SERVER) from None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(min(left, 1.0) * 1000)):
-                if left <= 0:
-                    raise MemspecError(f"no reply from {endpoint} in {timeout_s:.0f}s",
-                                       "check `memspec status` or " + NO_SERVER)
-                continue
-            _, reply = recv(sock, CLIENT_REPLIES)
-            if isinstance(reply, ProtocolError):
-                raise MemspecError(f"malformed reply from server: {reply}", "check the versions")
-            if on_msg(reply):
-                return
+        conn.request(msg, on_msg)
     finally:
-        ctx.destroy(linger=0)
+        conn.close()
 
 
-def submit(endpoint: str, prompt: str, on_tokens: Callable[[Tokens], None] | None = None,
-           timeout_s: float = 3600, **kw) -> Done:
+def submit(endpoint: str | None, prompt: str, on_tokens: Callable[[Tokens], None] | None = None,
+           timeouts: Timeouts = Timeouts(), **kw) -> Done:
+    endpoint = endpoint or default_endpoint(create=False)
     req = Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw)
-    result: list[Message] = []
+    result: list[Done | Error] = []
 
     def on_msg(m: Message) -> bool:
-        if isinstance(m, Tokens) and on_tokens:
+        if isinstance(m, Tokens) and m.req_id == req.req_id and on_tokens:
             on_tokens(m)
-        if isinstance(m, (Done, Error)):
+        if isinstance(m, (Done, Error)) and m.req_id in (req.req_id, ""):
             result.append(m)
             return True
         return False
 
-    _request(endpoint, req, on_msg, timeout_s)
+    _request(endpoint, req, on_msg, timeouts)
     if isinstance(result[0], Error):
-        raise MemspecError(f"request failed: {result[0].message}", "see the server's log")
-    return result[0]  # type: ignore[return-value]
+        raise MemspecError(f"request failed: {result[0].message}")
+    return result[0]
 
 
-def status(endpoint: str, timeout_s: float = 10) -> Status:
+def status(endpoint: str | None, timeouts: Timeouts = Timeouts()) -> Status:
+    endpoint = endpoint or default_endpoint(create=False)
     out: list[Status] = []
 
     def on_msg(m: Message) -> bool:
         if isinstance(m, Status):
-            out.append(m)
+            out.append(validated(m))
             return True
         if isinstance(m, Error):
-            raise MemspecError(f"status failed: {m.message}", "check the server")
+            raise MemspecError(f"status failed: {m.message}", "check the server's log")
         return False
 
-    _request(endpoint, StatusRequest(), on_msg, timeout_s)
+    _request(endpoint, StatusRequest(), on_msg, timeouts)
     return out[0]
+
+
+def validated(st: Status) -> Status:
+    """A Status fit to print: the three processes, known slot states, printable names."""
+    if set(st.procs) != set(PROC_NAMES):
+        raise MemspecError(f"the server's status names processes {sorted(st.procs)}",
+                           "use the same memspec version for client and server")
+    for slot in st.slots:
+        if slot.state not in SLOT_STATES or not (slot.draft or "").isprintable():
+            raise MemspecError(f"the server's status has a bad slot {slot.slot}",
+                               "see the server's log")
+    return st

@@ -1,9 +1,17 @@
 """Supervisor: spawns decoder, loader and predictor, watches them, restarts the one that dies.
 
-It also routes requests: prompts from stdin or from clients on a ZeroMQ endpoint are queued
-here and handed to the decoder one at a time, so a decoder crash costs only the request in
-flight (it gets an Error reply) and the queue is served by the restarted decoder. Clients
-may send only Submit and StatusRequest; anything else gets an Error reply.
+It also routes requests: prompts from stdin, from in-process code (`submit` / `cancel` /
+`status`) or from clients on a ZeroMQ endpoint are queued here (bounded: a full queue is a
+`ServerBusy`) and handed to the decoder one at a time, so a decoder crash costs only the
+request in flight (it gets an Error reply) and the queue is served by the restarted decoder.
+
+Clients may send only Submit and StatusRequest; anything else gets an Error reply. Every
+accepted request gets a `Queued` at once and again every few seconds until it ends: the
+client tells a long queue from a dead server, and a client that has gone (the send fails)
+gets its request cancelled. A REQ client gets exactly one reply per request (its Done,
+Error or Status). Only the supervisor stops the server: there is no stop message on the
+client endpoint, and the decoder obeys Shutdown only from the supervisor's own socket.
+The object is not thread-safe: call it from the thread that calls `tick`.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import TypeVar
 import zmq
 
 from memspec.common.config import check_submit
-from memspec.common.errors import MemspecError
+from memspec.common.errors import MemspecError, RequestError
 from memspec.common.memory import process_info
 from memspec.common.messages import (
     CLIENT_REQUESTS,
@@ -42,13 +50,26 @@ from memspec.common.messages import (
     ProcInfo,
     ProcStatus,
     ProtocolError,
+    Queued,
     Ready,
     SlotStatus,
     Status,
     Submit,
+    encode,
 )
-from memspec.common.slotmem import cleanup_shm
-from memspec.common.sockets import RejectLog, configure, endpoint, make_run_dir, recv, send
+from memspec.common.shmclean import cleanup_shm, owned_run_token, sweep_orphans
+from memspec.common.sockets import (
+    SUPERVISOR_ID_ENV,
+    RejectLog,
+    configure,
+    endpoint,
+    make_run_dir,
+    recv,
+    recv_routed,
+    send,
+    sweep_run_dirs,
+)
+from memspec.launch.endpoint import EndpointLock, check_endpoint
 from memspec.procs.predictor import FALLBACK
 
 PROCS = ("loader", "predictor", "decoder")
@@ -56,7 +77,16 @@ HELPER_NICE = 10  # loader and predictor run at lower priority (see bench pipeli
 M = TypeVar("M", bound=Message)
 HEARTBEAT_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 300.0
+STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL: a Ctrl-C must end `generate` within 2 s
+KEEPALIVE_S = 2.0  # Queued to every waiting client; a failed send means the client left
+MAX_QUEUE = 16  # requests waiting behind the running one
+READ_BATCH = 256  # messages read per socket per tick: a flood cannot starve the others
+SLOT_STATES = ("free", "loading", "resident")
 Reply = Callable[[Message], None]
+
+
+class ServerBusy(MemspecError):
+    """The request queue is full; the caller may retry later (HTTP 429)."""
 
 
 def _log(msg: str) -> None:
@@ -82,6 +112,34 @@ def _helper_process() -> None:
 
 
 @dataclass
+class Pending:
+    req: Submit
+    reply: Reply
+
+
+class ClientReply:
+    """Replies to one request of a remote client. A client that has gone (ROUTER_MANDATORY
+    makes the send fail) or stopped reading gets its request cancelled."""
+
+    def __init__(self, sup: Supervisor, envelope: list[bytes], req_id: str) -> None:
+        self.sup, self.envelope, self.req_id = sup, envelope, req_id
+        self.one_reply = len(envelope) == 2  # a REQ socket takes one reply per request
+        self.gone = False
+
+    def __call__(self, msg: Message) -> None:
+        if self.gone or self.sup.client is None:
+            return
+        if self.one_reply and not isinstance(msg, (Done, Error, Status)):
+            return
+        try:
+            send(self.sup.client, msg, ident=self.envelope)
+        except zmq.ZMQError:  # EHOSTUNREACH: disconnected; EAGAIN: not reading
+            self.gone = True
+            if self.req_id and not isinstance(msg, (Done, Error)):
+                self.sup.cancel(self.req_id, "the client went away")
+
+
+@dataclass
 class Proc:
     name: str
     popen: subprocess.Popen | None = None
@@ -100,31 +158,59 @@ class Proc:
 class Supervisor:
     def __init__(self, pool: str | None = None, client_endpoint: str | None = None,
                  tcp: bool = False, cold_start: bool = False, quiet_logs: bool = True,
-                 run_dir: Path | None = None) -> None:
+                 run_dir: Path | None = None, max_queue: int = MAX_QUEUE) -> None:
         self.pool = pool
-        self.run_dir = run_dir or make_run_dir()
-        self.ep = {n: endpoint(self.run_dir, n, tcp) for n in ("control", "decoder", "loader",
-                                                                "predictor")}
         self.client_endpoint = client_endpoint
         self.cold_start = cold_start
         self.quiet_logs = quiet_logs
+        self.max_queue = max_queue
         self.procs = {n: Proc(n) for n in PROCS}
-        self.ctx = zmq.Context()
-        self.control = configure(self.ctx.socket(zmq.PULL))
-        self.control.bind(self.ep["control"])
-        self.decoder = configure(self.ctx.socket(zmq.DEALER))
-        self.decoder.connect(self.ep["decoder"])
-        self.client: zmq.Socket | None = None
-        if client_endpoint:
-            self.client = configure(self.ctx.socket(zmq.ROUTER))
-            self.client.bind(client_endpoint)
-        self.queue: deque[tuple[Submit, Reply]] = deque()
-        self.in_flight: tuple[Submit, Reply] | None = None
+        self.queue: deque[Pending] = deque()
+        self.in_flight: Pending | None = None
         self.slots: list[SlotStatus] = []
         self.quarantined: dict[str, str] = {}  # the decoder's, as of its last Status
         self._said: set[tuple[str, str]] = set()  # quarantines already logged
         self.decoder_token = ""
+        self.supervisor_id = secrets.token_hex(8)
         self.rejected = RejectLog(_log)
+        self.reported = RejectLog(_log, what="process report")
+        self.closed = False
+        self.lock: EndpointLock | None = None
+        self.client: zmq.Socket | None = None
+        self.run_dir: Path | None = None
+        self._next_keepalive = 0.0
+        self.ctx = zmq.Context()
+        try:  # the client endpoint first: a refusal leaves nothing behind
+            if client_endpoint:
+                self._bind_client(client_endpoint)
+            if run_dir is None:
+                sweep_run_dirs()  # what a SIGKILLed supervisor left
+                sweep_orphans()
+            self.run_dir = run_dir or make_run_dir()
+            self.ep = {n: endpoint(self.run_dir, n, tcp)
+                       for n in ("control", "decoder", "loader", "predictor")}
+            self.control = configure(self.ctx.socket(zmq.PULL))
+            self.control.bind(self.ep["control"])
+            self.decoder = configure(self.ctx.socket(zmq.DEALER))
+            self.decoder.setsockopt(zmq.ROUTING_ID, self.supervisor_id.encode())
+            self.decoder.connect(self.ep["decoder"])
+        except BaseException:
+            self._close()
+            raise
+
+    def _bind_client(self, ep: str) -> None:
+        check_endpoint(ep, serving=True)
+        self.lock = EndpointLock(ep)
+        self.client = configure(self.ctx.socket(zmq.ROUTER))
+        self.client.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.client.bind(ep)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EADDRINUSE:
+                raise MemspecError(f"{ep} is in use by another process",
+                                   "stop it or pick another --endpoint") from None
+            raise MemspecError(f"cannot serve {ep} ({exc.strerror})",
+                               "pick another --endpoint") from None
 
     # ---- processes ------------------------------------------------------------------
     def _cmd(self, name: str) -> list[str]:
@@ -133,7 +219,7 @@ class Supervisor:
         if self.pool and name != "loader":  # the loader holds no config: Load says it all
             cmd += ["--pool", self.pool]
         if name == "decoder":
-            self.decoder_token = secrets.token_hex(4)
+            self.decoder_token = owned_run_token()
             cmd += ["--loader", self.ep["loader"], "--predictor", self.ep["predictor"],
                     "--run-token", self.decoder_token]
             if self.cold_start:
@@ -141,6 +227,7 @@ class Supervisor:
         return cmd
 
     def log_path(self, name: str) -> Path:
+        assert self.run_dir is not None
         return self.run_dir / f"{name}.log"
 
     def spawn(self, name: str) -> None:
@@ -154,6 +241,8 @@ class Supervisor:
         helper = name != "decoder"
         if helper:  # one thread each: the decoder owns the cores for its forwards
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        else:
+            env[SUPERVISOR_ID_ENV] = self.supervisor_id
         p.popen = subprocess.Popen(self._cmd(name), stdin=subprocess.DEVNULL,
                                    stdout=log or sys.stderr, stderr=log or sys.stderr,
                                    start_new_session=True, env=env,
@@ -162,20 +251,26 @@ class Supervisor:
             log.close()
         p.state, p.started, p.last_beat = "starting", time.monotonic(), time.monotonic()
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+    def start(self, timeout: float = START_TIMEOUT_S,
+              stop: Callable[[], bool] = lambda: False) -> bool:
+        """Spawn the three and wait until each is ready; False when `stop()` turned true
+        first (a Ctrl-C during the seconds the models take to load)."""
         for name in PROCS:
             self.spawn(name)
         deadline = time.monotonic() + timeout
         while any(p.state != "ready" for p in self.procs.values()):
+            if stop():
+                return False
             if time.monotonic() > deadline:
-                raise MemspecError("processes did not become ready in time",
+                raise MemspecError(f"the processes did not become ready in {timeout:.0f}s",
                                    f"see the logs in {self.run_dir}")
             for p in self.procs.values():
                 if p.popen and p.popen.poll() is not None and p.state == "starting":
                     raise MemspecError(f"{p.name} exited at start (code {p.popen.returncode}): "
                                        f"{self._last_log_line(p.name)}",
                                        "fix the problem it names and start again")
-            self._poll_control(100)
+            self._poll_control(50)
+        return True
 
     def _last_log_line(self, name: str) -> str:
         try:
@@ -194,10 +289,10 @@ class Supervisor:
         if p.name == "decoder":
             cleanup_shm(f"memspec-{self.decoder_token}-")
             if self.in_flight:
-                req, reply = self.in_flight
-                reply(Error(req_id=req.req_id,
-                            message=f"decoder crashed ({why}) during this request; resubmit it"))
-                self.in_flight = None
+                pending, self.in_flight = self.in_flight, None
+                pending.reply(Error(req_id=pending.req.req_id,
+                                    message=f"decoder crashed ({why}) during this request; "
+                                            "resubmit it"))
             self.slots = []
         p.restarts += 1
         self.spawn(p.name)
@@ -217,32 +312,42 @@ class Supervisor:
                 self._on_crash(p, "did not become ready")
 
     # ---- messages -------------------------------------------------------------------
-    def _queued(self, sock: zmq.Socket, codec: Codec[M], router: bool = False
-                ) -> Iterator[tuple[bytes | None, M | ProtocolError]]:
-        """Every message waiting on `sock` now, decoded by its codec; never blocks."""
-        while True:
+    def _queued(self, sock: zmq.Socket, codec: Codec[M]) -> Iterator[M | ProtocolError]:
+        """The messages waiting on `sock` now (at most READ_BATCH), decoded; never blocks."""
+        for _ in range(READ_BATCH):
             try:
-                yield recv(sock, codec, router=router, flags=zmq.NOBLOCK)
+                yield recv(sock, codec, flags=zmq.NOBLOCK)[1]
             except zmq.Again:
                 return
-            except ValueError:
-                continue  # a frame list without a routing identity cannot be answered
 
     def _poll_control(self, timeout_ms: int) -> None:
         if not self.control.poll(timeout_ms):
             return
-        for _, msg in self._queued(self.control, CONTROL):
+        for msg in self._queued(self.control, CONTROL):
             if isinstance(msg, ProtocolError):
                 self.rejected(f"control: {msg}")
             elif isinstance(msg, Ready) and msg.proc in self.procs:
                 self._on_ready(self.procs[msg.proc], msg)
             elif isinstance(msg, Heartbeat) and msg.proc in self.procs:
-                self.procs[msg.proc].last_beat = time.monotonic()
+                p = self.procs[msg.proc]
+                if p.pid == msg.pid:  # a forged or stale beat keeps no hung process alive
+                    p.last_beat = time.monotonic()
             elif isinstance(msg, Status):
-                self.slots = msg.slots
-                self._on_quarantined(msg.quarantined)
+                self._on_slots(msg)
             elif isinstance(msg, Error):
-                _log(f"a process reported: {msg.message}")
+                self.reported(msg.message)
+
+    def _on_slots(self, msg: Status) -> None:
+        """Keep the decoder's slot table for `status`, if it is the decoder's and sane."""
+        mine = msg.procs.get("decoder")
+        info = self.procs["decoder"].info
+        k = getattr(info, "K", 0)
+        if (mine is None or mine.pid != self.procs["decoder"].pid or len(msg.slots) > k
+                or any(s.state not in SLOT_STATES for s in msg.slots)):
+            self.rejected("control: a Status that is not the running decoder's")
+            return
+        self.slots = msg.slots
+        self._on_quarantined(msg.quarantined)
 
     def _on_quarantined(self, quarantined: dict[str, str]) -> None:
         """Log each quarantine once (a restarted decoder finds the same ones again)."""
@@ -270,60 +375,86 @@ class Supervisor:
                     pass
 
     def _poll_decoder(self) -> None:
-        for _, msg in self._queued(self.decoder, DECODER_REPLIES):
+        for msg in self._queued(self.decoder, DECODER_REPLIES):
             if isinstance(msg, ProtocolError):
                 self.rejected(f"decoder: {msg}")
                 continue
             if isinstance(msg, Status) or self.in_flight is None:
                 continue
-            req, reply = self.in_flight
-            if msg.req_id in (req.req_id, ""):
-                reply(msg)
+            pending = self.in_flight
+            if msg.req_id in (pending.req.req_id, ""):
                 if isinstance(msg, (Done, Error)):
                     self.in_flight = None
+                pending.reply(msg)
 
     def _poll_clients(self) -> None:
         if self.client is None:
             return
-        for ident, msg in self._queued(self.client, CLIENT_REQUESTS, router=True):
-
-            def reply(m: Message, ident: bytes | None = ident) -> None:
-                try:
-                    send(self.client, m, ident=ident)
-                except zmq.Again:
-                    pass  # the client went away
-
+        for _ in range(READ_BATCH):
+            try:
+                envelope, msg = recv_routed(self.client, CLIENT_REQUESTS, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # a frame list without a routing identity cannot be answered
+            reply = ClientReply(self, envelope, msg.req_id if isinstance(msg, Submit) else "")
             if isinstance(msg, ProtocolError):
                 self.rejected(f"client: {msg}")
                 reply(Error(req_id="", message=f"malformed message: {msg}"))
             elif isinstance(msg, Submit):
-                self.submit(msg, reply)
+                try:
+                    self.submit(msg, reply)
+                except MemspecError as exc:
+                    reply(Error(req_id=msg.req_id, message=str(exc)))
             else:
                 reply(self.status())
 
     def _dispatch(self) -> None:
         if self.in_flight is None and self.queue and self.procs["decoder"].state == "ready":
             try:
-                send(self.decoder, self.queue[0][0])
+                send(self.decoder, self.queue[0].req)
             except zmq.Again:
                 return  # decoder socket not connected yet: try on the next tick
             self.in_flight = self.queue.popleft()
 
+    def _keepalive(self) -> None:
+        now = time.monotonic()
+        if now < self._next_keepalive:
+            return
+        self._next_keepalive = now + KEEPALIVE_S
+        waiting = ([self.in_flight] if self.in_flight else []) + list(self.queue)
+        for ahead, pending in enumerate(waiting):
+            pending.reply(Queued(req_id=pending.req.req_id, ahead=ahead))
+
     # ---- public -----------------------------------------------------------------------
     def submit(self, req: Submit, reply: Reply) -> None:
-        """Queue a request; one with a bad field is answered at once, never queued."""
+        """Queue `req`. Its replies go to `reply`, called from `tick`: a Queued at once and
+        every few seconds, Tokens as they decode, then one Done or Error. Raises ServerBusy
+        when `max_queue` requests wait, RequestError when `req` cannot be sent or has a bad
+        field (checked here, in one place, before anything is queued)."""
+        if self.closed:
+            raise MemspecError("the server is stopping", "resubmit once it is back")
+        check_submit(req)
+        if len(self.queue) >= self.max_queue:
+            raise ServerBusy(f"server busy: {len(self.queue)} requests are queued",
+                             "retry in a few seconds")
         try:
-            check_submit(req)
-        except MemspecError as exc:
-            reply(Error(req_id=req.req_id, message=str(exc)))
-            return
-        self.queue.append((req, reply))
+            encode(req)
+        except (UnicodeEncodeError, ValueError, TypeError, OverflowError) as exc:
+            raise RequestError(f"request {req.req_id!r} cannot be sent ({exc})",
+                               "send the prompt as UTF-8 text") from None
+        if any(p.req.req_id == req.req_id for p in self._pending()):
+            raise RequestError(f"request id {req.req_id!r} is already in use",
+                               "give every request its own req_id")
+        self.queue.append(Pending(req, reply))
+        reply(Queued(req_id=req.req_id, ahead=len(self.queue) - 1 + (self.in_flight is not None)))
 
     def run(self, req: Submit, on_reply: Reply | None = None,
             stop: Callable[[], bool] = lambda: False, timeout_s: float | None = None
             ) -> Done | Error | None:
         """Submit `req` and tick until its Done or Error (every reply also goes to
-        `on_reply`); None when `stop()` turns true or `timeout_s` passes first."""
+        `on_reply`); None when `stop()` turns true or `timeout_s` passes first (the
+        request is then cancelled)."""
         out: list[Done | Error] = []
 
         def reply(msg: Message) -> None:
@@ -334,25 +465,29 @@ class Supervisor:
 
         self.submit(req, reply)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not out and not stop():
-            if deadline is not None and time.monotonic() > deadline:
+        while not out:
+            if stop() or (deadline is not None and time.monotonic() > deadline):
+                self.cancel(req.req_id)
                 return None
             self.tick(10)
-        return out[0] if out else None
+        return out[0]
 
-    def abort(self, req_id: str) -> None:
-        """Cancel a request: dropped from the queue, or stopped by the decoder at its next
-        scheduling point (its reply is then an Error)."""
-        for item in list(self.queue):
-            if item[0].req_id == req_id:
-                self.queue.remove(item)
-                item[1](Error(req_id=req_id, message="aborted"))
-                return
-        if self.in_flight is not None and self.in_flight[0].req_id == req_id:
+    def cancel(self, req_id: str, reason: str = "cancelled") -> bool:
+        """Cancel a request: a queued one is dropped (its reply is an Error with `reason`),
+        the running one stops at the decoder's next scheduling point (its reply is then an
+        Error "aborted"). False when no such request is waiting or running."""
+        for pending in list(self.queue):
+            if pending.req.req_id == req_id:
+                self.queue.remove(pending)
+                pending.reply(Error(req_id=req_id, message=reason))
+                return True
+        if self.in_flight is not None and self.in_flight.req.req_id == req_id:
             try:
                 send(self.decoder, Abort(req_id=req_id))
             except zmq.Again:
-                pass
+                pass  # the decoder is restarting: the request fails with it
+            return True
+        return False
 
     def status(self) -> Status:
         procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
@@ -366,27 +501,47 @@ class Supervisor:
         self._poll_clients()
         self._check_procs()
         self._dispatch()
+        self._keepalive()
 
     @property
     def idle(self) -> bool:
         return self.in_flight is None and not self.queue
 
-    def shutdown(self) -> None:
-        for p in self.procs.values():
-            if p.popen and p.popen.poll() is None:
+    def _pending(self) -> list[Pending]:
+        return ([self.in_flight] if self.in_flight else []) + list(self.queue)
+
+    def shutdown(self, reason: str = "the server is stopping",
+                 grace_s: float = STOP_GRACE_S) -> None:
+        """Tell every waiting client why, stop the three (SIGTERM, then SIGKILL after
+        `grace_s`), and remove their shared memory, sockets and run directory."""
+        if self.closed:
+            return
+        self.closed = True
+        pending, self.queue, self.in_flight = self._pending(), deque(), None
+        for item in pending:
+            item.reply(Error(req_id=item.req.req_id, message=f"{reason}; resubmit the request"))
+        procs = [p for p in self.procs.values() if p.popen]
+        for p in procs:
+            if p.popen.poll() is None:
                 p.popen.terminate()
-        deadline = time.monotonic() + 10
-        for p in self.procs.values():
-            if p.popen:
-                try:
-                    p.popen.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.popen.kill()
-                    p.popen.wait()
+        deadline = time.monotonic() + grace_s
+        while any(p.popen.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.kill()
+            p.popen.wait()
             p.state = "stopped"
         if self.decoder_token:
             cleanup_shm(f"memspec-{self.decoder_token}-")
+        self._close()
+
+    def _close(self) -> None:
+        if self.client is not None:
+            self.client.close(linger=200)  # the final Errors above still leave
+            self.client = None
         self.ctx.destroy(linger=0)
-        if self.client_endpoint and self.client_endpoint.startswith("ipc://"):
-            Path(self.client_endpoint[6:]).unlink(missing_ok=True)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.lock is not None:
+            self.lock.release()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -102,14 +102,19 @@ def sup(tmp_path_factory):
     s.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference(sup) -> dict[str, list[int]]:
+def greedy_reference(sup: Supervisor) -> dict[str, list[int]]:
+    """Target-only greedy tokens of the first prompt of each domain."""
     ref = {}
     for d, prompt in first_prompts().items():
         done = run(sup, prompt, "target-only")
         assert isinstance(done, Done), done
         ref[d] = done.token_ids
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(sup) -> dict[str, list[int]]:
+    return greedy_reference(sup)
 
 
 @pytest.mark.parametrize("policy", ["memspec", "mab-async", "prediction-only", "general-static"])
@@ -121,6 +126,16 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
         assert done.token_ids == reference[d], (policy, d)
         used |= set(done.stats.drafts_used)
     assert used, f"{policy} never ran a draft"
+
+
+def test_streamed_text_adds_up_to_the_final_text(sup, reference):
+    """Tokens carry text pieces from incremental detokenisation: together the full text."""
+    for d, prompt in first_prompts().items():
+        pieces: list[Tokens] = []
+        done = run(sup, prompt, "general-static", on_token=pieces.append)
+        assert isinstance(done, Done), done
+        assert [t for p in pieces for t in p.ids] == done.token_ids == reference[d]
+        assert "".join(p.text for p in pieces) == done.text
     pids = {n: p.pid for n, p in sup.procs.items()}
     assert all(p.state == "ready" for p in sup.procs.values()) and all(pids.values())
 
@@ -266,7 +281,7 @@ def test_status_and_abort_are_answered_between_intervals(sup, reference):
             seen["status"] = DECODER_REPLIES.decode(direct.recv_multipart())
             seen["at"] = n
         elif n > seen["at"] + 8 and "aborted" not in seen:  # type: ignore[operator]
-            sup.abort(req.req_id)
+            sup.cancel(req.req_id)
             seen["aborted"] = n
 
     try:

@@ -19,8 +19,9 @@ import pytest
 from tinymodels import byte_tokenizer_json, make_tiny_qwen2, save_model
 
 from memspec.common.config import load_pool
+from memspec.common.errors import RequestError
 from memspec.common.manifest import write_manifest
-from memspec.common.messages import Done, Error, Message, PredictorInfo, Submit
+from memspec.common.messages import Done, Message, PredictorInfo, Submit
 from memspec.common.paths import memspec_home
 from memspec.launch.supervisor import Supervisor
 from memspec.procs.predictor import FALLBACK
@@ -152,9 +153,8 @@ def test_qwen2_pool_without_a_head_is_lossless_for_every_policy_and_survives_cor
         assert isinstance(done, Done) and done.token_ids == refs[PROMPTS[1]]
         err = capfd.readouterr().err
         assert err.count("[supervisor] draft 'alpha' quarantined:") == 1
-        nan = sup.run(Submit(req_id="nan", prompt="x", temperature=float("nan")))
-        assert isinstance(nan, Error) and "temperature = nan is not a finite number" \
-            in nan.message
+        with pytest.raises(RequestError, match="temperature = nan is not a finite number"):
+            sup.run(Submit(req_id="nan", prompt="x", temperature=float("nan")))  # never queued
     finally:
         sup.shutdown()
 

@@ -26,14 +26,15 @@ class _Graph:
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
         self.rows = rows
         keys = cache.capacity
-        cos_t, sin_t = lean._tables(keys + rows)
-        offsets = torch.arange(rows, device=dev)
+        # the graph reads these by address: they live as long as the graph
+        self.cos, self.sin = lean._tables(keys + rows)
+        self.offsets = torch.arange(rows, device=dev)
 
         def body() -> torch.Tensor:
-            positions = self.pos + offsets
+            positions = self.pos + self.offsets
             bias = lean.causal_bias(positions, keys)
-            x = lean.layers_forward(lean.embed(self.ids), positions, cache, cos_t[positions],
-                                    sin_t[positions], bias, keys)
+            x = lean.layers_forward(lean.embed(self.ids), positions, cache, self.cos[positions],
+                                    self.sin[positions], bias, keys)
             return lean.head(x)
 
         stream = torch.cuda.Stream(dev)

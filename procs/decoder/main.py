@@ -51,8 +51,9 @@ from memspec.common.messages import (
     Submit,
     type_name,
 )
+from memspec.common.procexit import fast_exit
 from memspec.common.slotmem import SlotMemory, choose_transport
-from memspec.common.sockets import RejectLog, configure, recv, send
+from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv, send
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.service import (
@@ -168,6 +169,9 @@ class DecoderProcess:
         self.ctl = service.controller
         self.pending: deque[tuple[bytes, Submit]] = deque()
         self.stop = False
+        # only the supervisor may stop the decoder: its socket's routing id is a secret
+        # it passes in the environment (unset when the decoder is run by hand)
+        self.supervisor_id = os.environ.get(SUPERVISOR_ID_ENV, "").encode()
 
     def status(self) -> Status:
         state = "busy" if self.service.busy else "idle"
@@ -218,7 +222,12 @@ class DecoderProcess:
             elif isinstance(msg, StatusRequest):
                 self.reply(ident, self.status())
             elif isinstance(msg, Shutdown):
-                self.stop = True
+                if self.supervisor_id and ident != self.supervisor_id:
+                    self.channels.rejected("Shutdown from a peer that is not the supervisor")
+                    self.reply(ident, Error(req_id="", message="Shutdown is accepted only "
+                                                               "from the supervisor"))
+                else:
+                    self.stop = True
             else:  # the codec admits nothing else; a new type must be handled above
                 self.reply(ident, Error(req_id="", message=f"unhandled {type_name(msg)}"))
 
@@ -325,4 +334,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    fast_exit(main())  # cleanup is done in main; skip the slow torch teardown

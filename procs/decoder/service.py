@@ -27,6 +27,7 @@ from memspec.common.metrics import IterationRecord, RunStats
 from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.procs.decoder.detok import StreamDecoder
 from memspec.procs.decoder.engine import Session, SpecEngine
 from memspec.procs.decoder.head import is_head
 from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
@@ -171,6 +172,7 @@ class _Current:
     req: Submit
     emit: Emit
     session: Session
+    detok: StreamDecoder
 
 
 class DecoderService:
@@ -218,15 +220,13 @@ class DecoderService:
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
-        streamed = [""]
+        detok = StreamDecoder(self.tokenizer)
 
         def stream(new: list[int]) -> None:
-            text = self.tokenizer.decode(session.generated, skip_special_tokens=True)
-            emit(Tokens(req_id=req.req_id, ids=new, text=text[len(streamed[0]):]))
-            streamed[0] = text
+            emit(Tokens(req_id=req.req_id, ids=new, text=detok.push(new)))
 
         session = self.engine.start(ids, max_new, params, stream)
-        self.current = _Current(req, emit, session)
+        self.current = _Current(req, emit, session, detok)
         self.controller.start(Job(req.req_id, req.prompt, policy, SessionExecutor(session),
                                   t_start, trace=req.trace))
 
@@ -239,6 +239,9 @@ class DecoderService:
         if summary is None:
             return
         self.current = None
+        rest = cur.detok.flush()  # text held back for an incomplete character at the end
+        if rest:
+            cur.emit(Tokens(req_id=cur.req.req_id, ids=[], text=rest))
         cur.emit(Done(req_id=cur.req.req_id,
                       text=self.tokenizer.decode(cur.session.generated, skip_special_tokens=True),
                       token_ids=cur.session.generated, stats=summary))

@@ -36,6 +36,7 @@ from memspec.common.messages import (
     Ready,
     type_name,
 )
+from memspec.common.procexit import fast_exit
 from memspec.common.slotmem import CUDA_IPC, TRANSPORTS, SlotWriter
 from memspec.procs.loader.job import Cancelled, LoadError, open_slot, stream, validate
 from memspec.procs.loader.reader import IO_MODES
@@ -67,6 +68,7 @@ class LoaderProcess:
         self.loads = 0
         self.failures = 0
         self.rejected = sockets.RejectLog(log)
+        self.failed = sockets.RejectLog(log, what="failed load")  # hostile Loads fail fast
         self._next_beat = 0.0
 
     # --- control plane -------------------------------------------------------------------
@@ -130,8 +132,7 @@ class LoaderProcess:
     def _fail(self, item: tuple[bytes, Load], reason: str) -> None:
         ident, load = item
         self.failures += 1
-        log(f"load of '{load.draft}' into slot {load.slot} (gen {load.generation}) "
-            f"failed: {reason}")
+        self.failed(f"'{load.draft}' into slot {load.slot} (gen {load.generation}): {reason}")
         self._reply(ident, LoadFailed(slot=load.slot, generation=load.generation,
                                       draft=load.draft, reason=reason))
 
@@ -233,4 +234,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    fast_exit(main())  # cleanup is done in main; skip the slow torch teardown

@@ -36,6 +36,7 @@ from memspec.common.messages import (  # noqa: E402
     Ready,
     Snapshot,
 )
+from memspec.common.procexit import fast_exit  # noqa: E402
 from memspec.common.sockets import RejectLog, configure, recv, send  # noqa: E402
 from memspec.procs.predictor import FALLBACK  # noqa: E402
 
@@ -217,4 +218,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    fast_exit(main())  # cleanup is done in main; skip the slow torch teardown
