@@ -10,6 +10,7 @@ after the warm-up (the 20th request by default), which should stay within 5%.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 import time
@@ -42,11 +43,14 @@ def _rss(sup: Supervisor) -> dict[str, float]:
 
 
 def soak(pool: str | None, requests: int, max_new: int, policies: tuple[str, ...] = POLICIES,
-         checkpoints: tuple[int, ...] = CHECKPOINTS) -> dict[str, Any]:
-    """Serve `requests` prompts; RSS per process after each one, plus the checkpoints."""
-    prompts = _prompts(min(requests, 40 * len(DOMAINS)))
+         checkpoints: tuple[int, ...] = CHECKPOINTS, prompts: list[str] | None = None
+         ) -> dict[str, Any]:
+    """Serve `requests` prompts (default: the dev split's, in turn); RSS per process after
+    each one, plus the checkpoints."""
+    prompts = prompts or _prompts(min(requests, 40 * len(DOMAINS)))
     sup = Supervisor(pool)
     series: list[dict[str, float]] = []
+    load_before = os.getloadavg()[1]  # other work on the machine, for reading the figures
     t0 = time.perf_counter()
     try:
         sup.start()
@@ -75,7 +79,9 @@ def soak(pool: str | None, requests: int, max_new: int, policies: tuple[str, ...
     return {"requests": requests, "max_new_tokens": max_new, "policies": list(policies),
             "checkpoints": at, "last_over_first": growth,
             "decoder_within_limit": growth.get("decoder", 0.0) <= LIMIT,
-            "limit": LIMIT, "wall_s": round(time.perf_counter() - t0, 1), "series": series}
+            "limit": LIMIT, "wall_s": round(time.perf_counter() - t0, 1),
+            "loadavg_5min": [round(load_before, 2), round(os.getloadavg()[1], 2)],
+            "cpus": os.cpu_count(), "series": series}
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -90,8 +96,10 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"{proc:<10}" + "".join(f"{v:10.1f}" for v in row)
                      + (f"{ratio:12.3f}" if ratio else ""))
     verdict = "within" if res["decoder_within_limit"] else "OVER"
+    load = res.get("loadavg_5min", [0.0, 0.0])
     lines.append(f"decoder growth {verdict} the {100 * (res['limit'] - 1):.0f}% limit "
-                 f"({res['wall_s']:.0f} s)")
+                 f"({res['wall_s']:.0f} s; 5-min load {load[0]:.1f} -> {load[1]:.1f} "
+                 f"on {res.get('cpus')} CPUs)")
     return "\n".join(lines)
 
 

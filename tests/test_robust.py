@@ -288,7 +288,7 @@ def test_status_shows_quarantined_in_one_line(monkeypatch, capsys):
 
     st = Status(procs={"decoder": ProcStatus(pid=1, state="ready")}, slots=[],
                 quarantined={"beta": "draft 'beta': tensor 'w' differs from its manifest"})
-    monkeypatch.setattr(client, "status", lambda _ep: st)
+    monkeypatch.setattr(client, "status", lambda _ep, _timeouts=None: st)
     assert cli(["status", "--endpoint", "ipc:///x"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == ('quarantined: {"beta": "draft \'beta\': tensor \'w\' differs from its '

@@ -13,16 +13,19 @@ from __future__ import annotations
 import secrets
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from tinymodels import byte_tokenizer_json, make_tiny_qwen2, save_model
 
+from memspec.common.config import POLICIES as ALL_POLICIES
 from memspec.common.config import load_pool
 from memspec.common.errors import RequestError
 from memspec.common.manifest import write_manifest
 from memspec.common.messages import Done, Message, PredictorInfo, Submit
 from memspec.common.paths import memspec_home
+from memspec.launch.client import status as client_status
 from memspec.launch.supervisor import Supervisor
 from memspec.procs.predictor import FALLBACK
 from memspec.procs.predictor.encoder import encoder_available
@@ -31,8 +34,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not encoder_available(), reason="MiniLM encoder missing")]
 PROMPTS = ["Write a Python function that adds two numbers.",
            "What are the symptoms of measles?"]
-POLICIES = ("general-static", "mab-sync", "mab-async", "prediction-only", "memspec",
-            "oracle-static", "oracle-dynamic")
+POLICIES = tuple(p for p in ALL_POLICIES if p != "target-only")
 MAX_NEW = 20
 
 
@@ -142,9 +144,10 @@ def test_qwen2_pool_without_a_head_is_lossless_for_every_policy_and_survives_cor
         assert err.count("ranking by similarity of the prompt") == 1  # said once
 
         corrupt_same_size(qwen / "alpha" / "model.safetensors")  # while the server runs
-        for _ in range(2):
-            done = run(sup, PROMPTS[0], "general-static")  # alpha: loaded again, refused
+        for _ in range(2):  # alpha: loaded again, refused before it runs; then skipped
+            done = run(sup, PROMPTS[0], "general-static")
             assert isinstance(done, Done) and done.token_ids == refs[PROMPTS[0]]
+            assert "alpha" not in done.stats.drafts_used
         settle(sup)
         assert list(sup.status().quarantined) == ["alpha"]
         assert "differs from its manifest" in sup.status().quarantined["alpha"]
@@ -170,11 +173,17 @@ def test_bad_drafts_at_start_are_quarantined_and_the_rest_serve(qwen, capfd):
     save_model(make_tiny_qwen2(3, vocab=200, layers=1), qwen / "narrow", tok)
     pool = write_pool(qwen, {"good": "good", "flipped": "flipped", "cut": "cut",
                              "narrow": "narrow"}, general="flipped")
-    sup = Supervisor(str(pool), cold_start=True)
+    ep = f"ipc://{qwen}/status.sock"
+    sup = Supervisor(str(pool), client_endpoint=ep, cold_start=True)
     try:
         sup.start()
         settle(sup)
-        q = sup.status().quarantined
+        with ThreadPoolExecutor(1) as ex:  # `memspec status` from another process's view
+            asked = ex.submit(client_status, ep)
+            while not asked.done():
+                sup.tick(20)
+        q = asked.result().quarantined
+        assert q == sup.status().quarantined
         assert set(q) == {"flipped", "cut", "narrow"}
         assert "differs from its manifest" in q["flipped"]
         assert "truncated" in q["cut"]
@@ -189,3 +198,22 @@ def test_bad_drafts_at_start_are_quarantined_and_the_rest_serve(qwen, capfd):
             assert err.count(f"[supervisor] draft '{name}' quarantined:") == 1
     finally:
         sup.shutdown()
+
+
+def test_soak_reports_rss_per_process_at_each_checkpoint(qwen, tmp_path):
+    """The instrument behind the memory figure (`memspec bench soak`, 200 requests on the
+    default pool: docs/bench_soak.json), on a short run; the ratio itself is not asserted."""
+    from memspec.bench.soak import PROCS, format_table, plot, soak
+
+    pool = write_pool(qwen, {"beta": "beta"})
+    res = soak(str(pool), 6, 8, policies=("memspec", "target-only"), checkpoints=(2, 6),
+               prompts=PROMPTS)
+    assert len(res["series"]) == 6 and list(res["checkpoints"]) == ["2", "6"]
+    for at in res["checkpoints"].values():
+        assert set(at) == set(PROCS) and all(mb > 10 for mb in at.values())
+    want = res["checkpoints"]["6"]["decoder"] / res["checkpoints"]["2"]["decoder"]
+    assert res["last_over_first"]["decoder"] == round(want, 4)
+    assert res["decoder_within_limit"] == (want <= res["limit"])
+    assert "decoder growth" in format_table(res).splitlines()[-1]
+    plot(res, tmp_path / "soak.png")
+    assert (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
