@@ -98,9 +98,11 @@ def _timeouts(args: argparse.Namespace):  # noqa: ANN202
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from memspec.common.config import check_sampling
     from memspec.launch.client import submit
 
     check_utf8(args.prompt, "the prompt")
+    check_sampling(args.temperature, args.top_p, args.seed)  # before anything is sent
     _check_max_new(args.max_new_tokens)
     kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
@@ -120,7 +122,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     st = status(args.endpoint, _timeouts(args))
     if args.json:
-        print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots)}))
+        print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots),
+                          "quarantined": st.quarantined}))
     else:
         for name, p in st.procs.items():
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
@@ -128,6 +131,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         for slot in st.slots:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
+        print(f"quarantined: {json.dumps(st.quarantined) if st.quarantined else 'none'}")
+    return 0
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    from memspec.common.manifest import check_folder, write_manifest
+
+    if args.check:
+        problems = check_folder(args.folder)
+        for line in problems:
+            print(f"memspec: error: {line}", file=sys.stderr)
+        if not problems:
+            print(f"{args.folder}: every file and tensor matches its manifest")
+        return 1 if problems else 0
+    print(f"wrote {write_manifest(args.folder)}")
     return 0
 
 
@@ -215,8 +233,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.gpu import main_bench_gpu
 
         return main_bench_gpu(args)
+    if args.what == "soak":
+        from memspec.bench.soak import main_bench_soak
+
+        return main_bench_soak(args)
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use eval, engine, pipeline, messages or gpu")
+                       "use eval, engine, pipeline, messages, gpu or soak")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -268,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+    mf = sub.add_parser("manifest", help="write (or --check) a model folder's manifest.json: "
+                        "sha256 per file and per tensor, checked before a draft runs")
+    mf.add_argument("folder", help="a draft or target folder (config.json + .safetensors)")
+    mf.add_argument("--check", action="store_true", help="verify the folder against it instead")
+    mf.set_defaults(func=cmd_manifest)
+
     z = sub.add_parser("zoo", help="build models and corpora")
     z.add_argument("what", choices=["target", "corpora", "drafts", "eval"])
     _add_pool(z)
@@ -304,10 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
-                   choices=["eval", "engine", "pipeline", "messages", "gpu"],
+                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
+    b.add_argument("--requests", type=int, default=200,
+                   help="soak: requests served (RSS per process after 20, 100 and 200)")
     b.add_argument("--dtypes", default=None,
                    help="engine: target precisions to compare (default int4,int8,bfloat16,"
                         "float32; the pool's choice always first)")

@@ -14,7 +14,11 @@ the engine's, in the runtime's target precision (`memspec trace`). Beside the he
 general draft) and the majority rule. The runtime head (what the predictor process loads)
 sees what the runtime sends: the prompt alone at p = 0 and prompt + recent text later.
 
-    memspec predictor train [--out predictor/] [--json]
+    memspec predictor train [--pool P] [--out DIR] [--json]
+
+Without ``--pool`` the head goes to the committed ``predictor/``; with ``--pool P`` it goes
+beside P (``P.head.safetensors`` + ``.json``, where the predictor process looks for P's
+head), never over the committed one.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ from safetensors.torch import load_file, save_file
 
 from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError, MemspecError
-from memspec.common.paths import PACKAGE_ROOT, memspec_home
+from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT, memspec_home
 from memspec.procs.decoder.models import load_tokenizer
 from memspec.procs.decoder.replay import utility_label
+from memspec.procs.predictor import DEFAULT_HEAD, pool_head_path
 from memspec.procs.predictor.encoder import (
     ENCODER_NAME,
     MAX_PIECES,
@@ -343,9 +348,11 @@ def _ranked(order: torch.Tensor, y: torch.Tensor, names: Sequence[str]) -> dict[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="memspec predictor train",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=PACKAGE_ROOT / "predictor",
-                    help="folder for head.safetensors + head.json (default: predictor/)")
-    ap.add_argument("--pool", type=Path, default=None, help="pool.toml (default: embedded)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for head.safetensors + head.json (default: predictor/, or "
+                         "with --pool P: beside P as P.head.safetensors)")
+    ap.add_argument("--pool", type=Path, default=None,
+                    help="pool.toml (default: embedded); its head is written beside it")
     ap.add_argument("--every", type=int, default=4,
                     help="generated tokens between scheduling points")
     ap.add_argument("--train-every", type=int, default=None,
@@ -376,12 +383,25 @@ def main(argv: list[str] | None = None) -> int:
         log("error: --every and --train-every must be at least 1; pass a positive stride")
         return 2
     try:
+        args.head_file = head_file(args.pool, args.out)
         info = _run(args)
     except MemspecError as exc:
         log(f"error: {exc}")
         return 2
     print(json.dumps(info) if args.json else format_table(info))
     return 0
+
+
+def head_file(pool: Path | None, out: Path | None) -> Path:
+    """Where the trained head goes. A pool's own head lives beside the pool file (the
+    predictor finds it there); only the embedded pool's training replaces the committed one."""
+    path = (out / "head.safetensors" if out is not None
+            else pool_head_path(pool) if pool is not None else DEFAULT_HEAD)
+    own_pool = pool is not None and Path(pool).resolve() != DEFAULT_POOL.resolve()
+    if own_pool and path.resolve() == DEFAULT_HEAD.resolve():
+        raise ConfigError(f"the head for {pool} would replace the committed {DEFAULT_HEAD}",
+                          "drop --out (it goes beside the pool) or pick another folder")
+    return path
 
 
 def prompt_texts() -> dict[str, str]:
@@ -543,9 +563,9 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
         "evaluation": evaluation,
         "paper": {m: {"top1": a, "top2": b} for m, (a, b) in PAPER.items()},
     }
-    side = save_head(runtime, args.out / "head.safetensors", info)  # same seed, same files
+    side = save_head(runtime, args.head_file, info)  # same seed, same files
     wall = {"embed": round(t_embed, 1), "total": round(time.perf_counter() - t0, 1)}
-    log(f"wrote {args.out / 'head.safetensors'} and {side} ({wall['total']} s)")
+    log(f"wrote {args.head_file} and {side} ({wall['total']} s)")
     return {**info, "wall_s": wall}
 
 
