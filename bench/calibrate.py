@@ -29,9 +29,14 @@ def _log(msg: str) -> None:
 
 
 def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
-    """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does."""
+    """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does;
+    only the fallback when the traced runs switched too rarely. A head catches up on the
+    target's features, which only a running engine has: none measured here for heads."""
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     spec = pool.general_draft
+    cfg = json.loads((Path(spec.path) / "config.json").read_text())
+    if cfg.get("memspec_kind", "model") != "model":
+        return []
     bound = load_into_slot(spec.name, spec.path, SlotBuffer(slot_capacity(pool)))
     cache = bound.new_cache(max(CATCHUP_TOKENS) + 16)
     out = []
@@ -62,9 +67,10 @@ def draft_architectures(pool: PoolConfig) -> dict[str, str]:
 
 def calibrate(pool: PoolConfig, pool_path: str | None, prompts: Sequence[dict],
               max_new_tokens: int, out: Path,
-              policies: Sequence[str] = ("general-static", "memspec", "mab-async")
+              policies: Sequence[str] = ("target-only", "general-static", "memspec", "mab-async")
               ) -> CostModel:
-    """Fit the cost model from traced requests of `policies` on `prompts` (training set)."""
+    """Fit the cost model from traced requests of `policies` on `prompts` (training set);
+    target-only runs give the target step its own samples (not only cold-start steps)."""
     reqs = [RealRequest(pol, p["id"], p["domain"], p["prompt"], max_new_tokens)
             for pol in policies for p in prompts]
     runs = run_real(reqs, out, pool_path)

@@ -96,8 +96,16 @@ def costs(rt: LocalRuntime, pool: PoolConfig, dtype: str, ctx: int) -> dict[str,
     rt.ensure_resident(pool.general)
     draft = eng.drafts[pool.general]
     dcache = draft.new_cache(eng.max_len)
-    draft.runner.forward(torch.randint(0, 1000, (ctx,)), 0, dcache, last_only=True)
-    out["draft_step_ms"] = _median_ms(lambda: draft.runner.forward(one, ctx, dcache))
+    if draft.kind == "head":  # a head: its own outputs after a teacher-forced prefix
+        ids = torch.randint(0, 1000, (ctx + 1,))
+        tcache = target.new_cache(eng.max_len)
+        target.forward(ids[:-1], 0, tcache, last_only=True)
+        feats = torch.cat([torch.zeros_like(tcache.feat[:1]), tcache.feat[:ctx - 1]])
+        _, hidden = draft.runner.teacher(ids[:ctx], 0, dcache, feats)
+        out["draft_step_ms"] = _median_ms(lambda: draft.runner.step(one, ctx, dcache, hidden))
+    else:
+        draft.runner.forward(torch.randint(0, 1000, (ctx,)), 0, dcache, last_only=True)
+        out["draft_step_ms"] = _median_ms(lambda: draft.runner.forward(one, ctx, dcache))
     for rows, key in ((1, "floor_step_ms"), (g + 1, "floor_verify_ms")):
         fn = floor_fns(pool, dtype, rows)
         out[key] = _median_ms(fn)

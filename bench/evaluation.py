@@ -1,27 +1,41 @@
-"""`memspec bench`: the paper's four questions answered on our pool (ARCHITECTURE.md §7).
+"""`memspec bench`: real three-process runs are the headline; the simulator sits beside them.
 
-1. a cost model measured on the real runtime (traced calibration requests, training prompts);
-2. every policy on every held-out domain through the replay simulator (same policy and
-   cache-manager code as the decoder), normalised to general-static, plus the exact optimum;
-3. time breakdowns, sweeps (N, output length, K, load/iteration), UCB's c for the baselines;
-4. real end-to-end runs through the three processes on the same prompts, to validate the
-   simulator per policy (and to check every run's tokens against the target's greedy ones).
+1. A cost model measured on the real runtime (traced calibration requests, train prompts).
+2. UCB's c for the MAB baselines swept on **dev** ({0.1, 0.5, 1, 2, 3}, the paper's grid);
+   nothing is tuned on test.
+3. The replay simulator (the decoder's own loop, policies and cache manager over the
+   engine's acceptance tables, priced by the cost model) runs every policy on the test
+   prompts of every domain and on the mixed workload: per-domain tables, the exact optimum
+   (the relaxed bound), oracle checks (oracle-dynamic >= oracle-static and >= every online
+   policy, per domain), time breakdowns, time to the first draft token, sweeps.
+4. Real runs through the three processes on a subset of test and of mixed, policies
+   interleaved per prompt, several repeats, target-only always beside: GMEAN of per-prompt
+   ratios with a bootstrap 95% interval for each headline ratio, and the simulator's value
+   of the same statistic on the same prompts next to it (`sim_vs_real`).
+5. The predictor's Table 2 (trained on train + dev, measured on test and mixed) from the
+   head's sidecar, beside the prompt's-domain rule and the majority rule.
+
+`render` rewrites docs/RESULTS.md, the plots and the README's figures from a bench JSON
+alone (`memspec bench --from-json docs/bench.json ...`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from memspec.bench.calibrate import calibrate
 from memspec.bench.figures import draw_all
-from memspec.bench.realruns import RealRequest, pinned_pool, run_real
-from memspec.bench.report import summary_text, write_results
+from memspec.bench.realruns import RealResult, interleaved, pinned_pool, run_real
+from memspec.bench.report import summary_text, write_readme, write_results
+from memspec.bench.stats import HEADLINE, Runs, headline_ratios
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
@@ -33,10 +47,12 @@ from memspec.sim.costmodel import CostModel
 from memspec.sim.optimum import optimum
 from memspec.sim.scores import position_scores
 from memspec.sim.simulate import SimConfig, SimRequest, simulate
-from memspec.zoo.evaluate import pool_domains, split_prompts
+from memspec.zoo.evaluate import pool_domains
+from memspec.zoo.prompts import SPLITS, load_prompts, row_sources
 from memspec.zoo.tablestore import (
     load_pool_tables,
     pool_fingerprint,
+    runtime_dtype,
     trajectories_path,
     trajectory_rows,
 )
@@ -44,13 +60,38 @@ from memspec.zoo.trace import prompt_set
 
 POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only",
             "memspec", "oracle-dynamic")
+SIM_POLICIES = ("target-only", *POLICIES)
+REAL_POLICIES = ("target-only", "general-static", "oracle-static", "mab-async",
+                 "prediction-only", "memspec", "oracle-dynamic")
+ONLINE = ("general-static", "mab-sync", "mab-async", "prediction-only", "memspec")
 UCB_C = (0.1, 0.5, 1.0, 2.0, 3.0)
-BREAKDOWN = ("general-static", "prediction-only", "mab-async", "memspec")
 SWEEP_N = (2, 4, 8, 16)
 SWEEP_LEN = (64, 128, 256)
 SWEEP_K = (2, 3, 4)
 SWEEP_RATIO = (1.0, 2.7, 5.0, 10.0)
 TIME_KEYS = ("desired", "fallback", "target_fallback", "load_wait", "prediction", "catchup")
+EVAL_SETS = ("test", "mixed")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each prompt set a bench reads; the defaults are the full run."""
+
+    sim_per_domain: int = 40  # test prompts per domain in the simulator
+    sim_mixed: int = 60  # mixed prompts in the simulator
+    dev_per_domain: int = 20  # dev prompts per domain for UCB's c
+    real_per_domain: int = 10  # test prompts per domain run for real (0: no real runs)
+    real_mixed: int = 30  # mixed prompts run for real
+    repeats: int = 2  # real runs per (prompt, policy)
+    sweep_per_domain: int = 10  # test prompts per domain in the sweeps
+
+    def trace_command(self) -> str:
+        return (f"memspec trace --sets test:{self.sim_per_domain},mixed:{self.sim_mixed},"
+                f"dev:{self.dev_per_domain}")
+
+    def smaller_than_full(self) -> bool:
+        full = Sizes()
+        return any(getattr(self, k) < getattr(full, k) for k in full.__dataclass_fields__)
 
 
 def _log(msg: str) -> None:
@@ -60,39 +101,73 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- inputs
 
 
-def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
-                     which: str = "test") -> list[SimRequest]:
-    """The first `per_domain` traced prompts of each domain of a split, with rankings."""
+def set_prompts(pool: PoolConfig, which: str, count: int) -> list[dict]:
+    """The first `count` prompts of each domain (mixed: `count` in all)."""
+    return load_prompts(which, pool_domains(pool), count) if count > 0 else []
+
+
+def traced_requests(pool: PoolConfig, which: str, count: int, scores: bool = True,
+                    fix: str = "") -> list[SimRequest]:
+    """The first `count` traced prompts (per domain; mixed: in all) of a set, with the
+    predictor's ranking at every position when `scores`."""
+    base = which.split("-L")[0]
+    prompts = set_prompts(pool, base, count)
+    if not prompts:
+        return []
     tt = load_pool_tables(pool, which)
-    prompts = split_prompts(which.split("-L")[0], pool_domains(pool), per_domain)
-    rows = trajectory_rows(trajectories_path(pool, which), [p["id"] for p in prompts])
-    picked = [p for p in prompts if p["id"] in rows and p["id"] in tt.rows]
-    if len(picked) < len(prompts):
-        raise ConfigError(f"{len(prompts) - len(picked)} {which} prompts have no tables",
-                          f"run `memspec trace --per-domain {per_domain}`")
+    rows = trajectory_rows(trajectories_path(pool, which, tt.dtype), [p["id"] for p in prompts])
+    missing = [p["id"] for p in prompts if p["id"] not in rows or p["id"] not in tt.rows]
+    if missing:
+        raise ConfigError(f"{len(missing)} {which} prompts have no traces (e.g. {missing[0]})",
+                          f"run `{fix or f'memspec trace --sets {base}:{count}'}`")
     ranked: dict[str, list[list[float]]] = {}
     if scores:
-        ranked = position_scores(pool, [rows[p["id"]] for p in picked],
-                                 {p["id"]: p["prompt"] for p in picked})
+        ranked = position_scores(pool, [rows[p["id"]] for p in prompts],
+                                 {p["id"]: p["prompt"] for p in prompts})
     names = [d.name for d in pool.drafts]
     out = []
-    for p in picked:
+    for p in prompts:
         probs = ranked.get(p["id"])
 
         def score(pos: int, probs=probs) -> dict[str, float] | None:
-            if not probs:
-                return None
-            return dict(zip(names, probs[min(pos, len(probs) - 1)]))
+            return dict(zip(names, probs[min(pos, len(probs) - 1)])) if probs else None
 
         out.append(SimRequest(p["id"], p["domain"], len(rows[p["id"]]["prompt_ids"]),
                               tt.rows[p["id"]]["tables"], score if probs else None))
     return out
 
 
-def sim_config(pool: PoolConfig, **kw: Any) -> SimConfig:
+# kept for callers of the old name
+def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
+                     which: str = "test") -> list[SimRequest]:
+    return traced_requests(pool, which, per_domain, scores)
+
+
+def sim_config(pool: PoolConfig, cost: CostModel | None = None, **kw: Any) -> SimConfig:
     cfg = SimConfig(tuple(d.name for d in pool.drafts), pool.general, pool.K, pool.N, pool.gamma,
-                    pool.max_new_tokens)
+                    pool.max_new_tokens, cost.plan_costs() if cost is not None else None)
     return replace(cfg, **kw)
+
+
+def split_info(sizes: Sizes | None = None) -> dict[str, Any]:
+    """The committed prompt sets: counts, and whether they share any source (they must not)."""
+    sources = {s: set() for s in SPLITS}
+    counts = {}
+    for s in SPLITS:
+        rows = load_prompts(s)
+        counts[s] = len(rows)
+        for r in rows:
+            sources[s].update(row_sources(r))
+    # mixed prompts are built from test sources by design: test/mixed may share
+    shared = {f"{a}/{b}": len(sources[a] & sources[b]) for i, a in enumerate(SPLITS)
+              for b in SPLITS[i + 1:] if {a, b} != {"test", "mixed"}}
+    out: dict[str, Any] = {"kind": "source-disjoint", "counts": counts,
+                           "shared_sources": shared,
+                           "disjoint": all(v == 0 for v in shared.values()),
+                           "tuned_on": "dev", "measured_on": list(EVAL_SETS)}
+    if sizes is not None:
+        out["used"] = {k: getattr(sizes, k) for k in sizes.__dataclass_fields__}
+    return out
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -109,10 +184,36 @@ def aggregate(stats: Sequence[RunStats | Summary]) -> dict[str, Any]:
     out = {"tokens": tokens, "decode_s": decode, "e2e_s": e2e,
            "steady": tokens / decode if decode else 0.0, "e2e": tokens / e2e if e2e else 0.0,
            "mean_acceptance_length": 1 + acc / drafts if drafts else 1.0,
-           "loads": sum(s.loads for s in sums)}
+           "loads": sum(s.loads for s in sums), "runs": len(sums)}
     for k in TIME_KEYS:
         out[f"{k}_frac"] = sum(getattr(s.time, k) for s in sums) / decode if decode else 0.0
     return out
+
+
+def breakdown(stats: Sequence[RunStats | Summary]) -> dict[str, float]:
+    """Shares of decode time; `fallback_frac` counts the target alone while loading too
+    (the issue's definition), `fallback_resident_frac` only a non-preferred draft."""
+    a = aggregate(stats)
+    out = {f"{k}_frac": a[f"{k}_frac"] for k in TIME_KEYS if k != "fallback"}
+    out["fallback_resident_frac"] = a["fallback_frac"]
+    out["fallback_frac"] = a["fallback_frac"] + a["target_fallback_frac"]
+    return out
+
+
+def first_draft_token_s(stats: RunStats | Summary) -> float | None:
+    """Request start -> the end of the first speculative iteration (None: no draft ran)."""
+    if isinstance(stats, RunStats):
+        recs = stats.records  # simulated: the request starts at 0
+    elif stats.trace is not None:
+        recs = stats.trace.iterations  # traced: times from the request's start
+    else:
+        return None
+    return next((r.t_start + r.duration for r in recs if r.draft is not None), None)
+
+
+def _median(xs: Iterable[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
 
 
 def by_domain(reqs: Sequence[SimRequest], stats: Sequence[RunStats | Summary]
@@ -161,7 +262,54 @@ def optimum_by_domain(reqs: Sequence[SimRequest], cost: CostModel, cfg: SimConfi
     return out
 
 
-# --------------------------------------------------------------------------- the bench
+def headline(per: Mapping[str, Mapping[str, Mapping[str, Any]]], opt: Mapping[str, Any],
+             key: str = "steady") -> dict[str, float]:
+    """GMEAN over domains of per-domain pooled ratios (the simulator's domain tables)."""
+    def g(a: str, b: str | Mapping[str, Any]) -> float:
+        other = per[b] if isinstance(b, str) else b
+        return gmean([per[a][d][key] / other[d][key] for d in per[a]])
+
+    pairs = {**HEADLINE,
+             "oracle_dynamic_over_general_static": ("oracle-dynamic", "general-static"),
+             "oracle_static_over_general_static": ("oracle-static", "general-static")}
+    out = {k: g(a, b) for k, (a, b) in pairs.items() if a in per and b in per}
+    if key == "steady" and opt:
+        out["memspec_over_optimum"] = g("memspec", opt)
+        out["oracle_dynamic_over_optimum"] = g("oracle-dynamic", opt)
+        out["optimum_over_general_static"] = gmean(
+            [opt[d]["steady"] / per["general-static"][d]["steady"] for d in opt])
+    return out
+
+
+def per_prompt_runs(ids: Sequence[str], stats: Sequence[RunStats | Summary],
+                    key: str = "steady") -> dict[str, list[tuple[float, float]]]:
+    """(tokens, seconds) of every run (repeat) per prompt id; seconds of decode (steady)
+    or of the whole request (e2e)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for pid, s in zip(ids, stats):
+        r = s.report() if isinstance(s, RunStats) else s
+        sec = r.time.decode if key == "steady" else r.time.e2e
+        out.setdefault(pid, []).append((float(r.generated_tokens), sec))
+    return out
+
+
+def oracle_checks(per: Mapping[str, Mapping[str, Mapping[str, Any]]], tol: float = 0.0
+                  ) -> dict[str, Any]:
+    """Per domain: oracle-dynamic >= oracle-static and >= every online policy (steady)."""
+    out: dict[str, Any] = {"ok": True, "domains": {}}
+    for dom in per.get("oracle-dynamic", {}):
+        od = per["oracle-dynamic"][dom]["steady"]
+        worse = {p: per[p][dom]["steady"] / od for p in ("oracle-static", *ONLINE)
+                 if p in per and per[p][dom]["steady"] > od * (1 + tol)}
+        out["domains"][dom] = {
+            "oracle_dynamic_over_oracle_static": od / per["oracle-static"][dom]["steady"]
+            if "oracle-static" in per else None,
+            "beaten_by": worse}
+        out["ok"] = out["ok"] and not worse
+    return out
+
+
+# --------------------------------------------------------------------------- the simulator
 
 
 def ucb_sweep(reqs: Sequence[SimRequest], cost: CostModel, cfg: SimConfig
@@ -177,24 +325,51 @@ def ucb_sweep(reqs: Sequence[SimRequest], cost: CostModel, cfg: SimConfig
     return out
 
 
-def headline(per: Mapping[str, Mapping[str, Mapping[str, Any]]], opt: Mapping[str, Any],
-             key: str = "steady") -> dict[str, float]:
-    def g(a: str, b: str | Mapping[str, Any]) -> float:
-        other = per[b] if isinstance(b, str) else b
-        return gmean([per[a][d][key] / other[d][key] for d in per[a]])
+def sim_section(reqs: Sequence[SimRequest], cost: CostModel, cfg: SimConfig,
+                ucb: Mapping[str, float], gamma: int, general: str, with_optimum: bool = True
+                ) -> tuple[dict[str, Any], dict[str, list[RunStats]]]:
+    """Every policy on one prompt set in the simulator."""
+    per, raw = evaluate_policies(reqs, cost, cfg, ucb, SIM_POLICIES)
+    ids = [r.prompt_id for r in reqs]
+    strata = {r.prompt_id: r.domain for r in reqs}
+    runs: Runs = {p: per_prompt_runs(ids, raw[p]) for p in raw}
+    gm, ci = headline_ratios(runs, strata)
+    out: dict[str, Any] = {
+        "prompts": len(reqs),
+        "domains": list(dict.fromkeys(r.domain for r in reqs)),
+        "steady": {p: {d: v["steady"] for d, v in doms.items()} for p, doms in per.items()},
+        "e2e": {p: {d: v["e2e"] for d, v in doms.items()} for p, doms in per.items()},
+        "normalised_steady": ratios(per, "general-static", "steady"),
+        "normalised_e2e": ratios(per, "general-static", "e2e"),
+        "gmean": gm, "ci95": ci,
+        "gmean_by_domain": headline(per, {}),
+        "breakdown": {p: breakdown(raw[p]) for p in raw},
+        "mean_acceptance_length": {p: aggregate(raw[p])["mean_acceptance_length"] for p in raw},
+        "first_draft_token_s": {p: _median(first_draft_token_s(s) for s in raw[p])
+                                for p in raw if p != "target-only"},
+        "oracle_checks": oracle_checks(per),
+        "headroom_mean_acceptance_length": headroom(reqs, gamma, general),
+    }
+    if with_optimum:
+        _log(f"optimum (dynamic programming) over {len(reqs)} trajectories")
+        opt = optimum_by_domain(reqs, cost, cfg)
+        opt_sd = optimum_by_domain(reqs, cost, cfg, target_only=False)
+        out["optimum_steady"] = {d: v["steady"] for d, v in opt.items()}
+        out["optimum_sd_steady"] = {d: v["steady"] for d, v in opt_sd.items()}
+        out["gmean_by_domain"] = {**headline(per, opt), **sd_headline(per, opt_sd)}
+    return out, raw
 
-    pairs = {"memspec_over_mab_async": ("memspec", "mab-async"),
-             "memspec_over_oracle_dynamic": ("memspec", "oracle-dynamic"),
-             "memspec_over_general_static": ("memspec", "general-static"),
-             "oracle_dynamic_over_general_static": ("oracle-dynamic", "general-static"),
-             "oracle_static_over_general_static": ("oracle-static", "general-static")}
-    out = {k: g(a, b) for k, (a, b) in pairs.items() if a in per and b in per}
-    if key == "steady" and opt:
-        out["memspec_over_optimum"] = g("memspec", opt)
-        out["oracle_dynamic_over_optimum"] = g("oracle-dynamic", opt)
-        out["optimum_over_general_static"] = gmean(
-            [opt[d]["steady"] / per["general-static"][d]["steady"] for d in opt])
-    return out
+
+def sd_headline(per: Mapping[str, Mapping[str, Mapping[str, Any]]],
+                opt_sd: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Against the best schedule of speculative intervals only (no target-only steps while
+    a draft is resident): how close the paper's policy space gets to its own optimum."""
+    def g(a: str) -> float:
+        return gmean([per[a][d]["steady"] / opt_sd[d]["steady"] for d in opt_sd])
+
+    return {"memspec_over_optimum_sd": g("memspec"),
+            "oracle_dynamic_over_optimum_sd": g("oracle-dynamic"),
+            "optimum_sd_over_general_static": 1.0 / g("general-static")}
 
 
 Variant = tuple[str, Any, Sequence[SimRequest], SimConfig, CostModel]
@@ -204,10 +379,13 @@ def sweep(ucb: Mapping[str, float], variants: Iterable[Variant]) -> list[dict[st
     rows = []
     for knob, value, reqs, c, cm in variants:
         per, _ = evaluate_policies(reqs, cm, c, ucb,
-                                   ("general-static", "mab-async", "memspec", "oracle-dynamic"))
+                                   ("target-only", "general-static", "mab-async", "memspec",
+                                    "oracle-dynamic"))
         h = headline(per, {})
         rows.append({"knob": knob, "value": value, **{k: round(v, 4) for k, v in h.items()},
-                     "memspec_fallback_frac": round(_frac(per["memspec"], "fallback"), 4)})
+                     "memspec_fallback_frac": round(_frac(per["memspec"], "fallback")
+                                                    + _frac(per["memspec"], "target_fallback"),
+                                                    4)})
         _log(f"sweep {knob}={value}: memspec/mab-async {h['memspec_over_mab_async']:.3f}, "
              f"/general-static {h['memspec_over_general_static']:.3f}")
     return rows
@@ -232,6 +410,32 @@ def headroom(reqs: Sequence[SimRequest], gamma: int, general: str) -> dict[str, 
     return out
 
 
+def sweep_variants(pool: PoolConfig, reqs: Sequence[SimRequest], cfg: SimConfig,
+                   cost: CostModel, per_domain: int) -> list[Variant]:
+    """N, output length, K and load/iteration; lengths beyond the traces need longer ones
+    (`memspec trace --sets test:N --max-new-tokens 256`), skipped with a note if absent."""
+    ref = pool.general
+    out: list[Variant] = [("N", n, reqs, replace(cfg, N=n), cost) for n in SWEEP_N]
+    traced = max(r.length for r in reqs)
+    for n in SWEEP_LEN:
+        if n <= (cfg.max_new_tokens or traced):
+            out.append(("max_new_tokens", n, reqs, replace(cfg, max_new_tokens=n), cost))
+            continue
+        try:
+            long = traced_requests(pool, f"test-L{n}", per_domain,
+                                   fix=f"memspec trace --sets test:{per_domain} "
+                                       f"--max-new-tokens {n}")
+        except ConfigError as exc:
+            _log(f"sweep max_new_tokens={n} skipped: {exc}")
+            continue
+        out.append(("max_new_tokens", n, long, replace(cfg, max_new_tokens=n), cost))
+    out += [("K", k, reqs, replace(cfg, K=k), cost) for k in SWEEP_K]
+    for r in SWEEP_RATIO:
+        cm = cost.with_load_ratio(r, ref)
+        out.append(("load_over_iteration", r, reqs, replace(cfg, plan=cm.plan_costs()), cm))
+    return out
+
+
 def read_cost_model(path: Path) -> CostModel:
     """A cost model from a JSON file: a `memspec bench --json` result (its "cost_model"),
     the bench's cached costmodel.json (its "cost"), or a bare CostModel object."""
@@ -244,177 +448,281 @@ def read_cost_model(path: Path) -> CostModel:
                           "pass a `memspec bench --json` file, e.g. docs/bench.json") from None
 
 
-def run(pool_path: str | None, per_domain: int, real_per_domain: int, max_new: int,
-        recalibrate: bool = False, sweeps: bool = True,
-        cost_model: Path | None = None) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    pool = replace(load_pool(pool_path), max_new_tokens=max_new)
-    home = memspec_home() / "bench"
-    fp = pool_fingerprint(pool)
-    reqs = heldout_requests(pool, per_domain)
-    cfg = sim_config(pool)
+def predictor_metrics() -> dict[str, Any]:
+    """Table 2 rows per evaluation set from the head's sidecar (trained on train + dev)."""
+    info = read_info(default_head_path())
+    ev = info.get("evaluation")
+    if not isinstance(ev, dict):
+        return {"note": "the committed head predates train/dev/test evaluation; "
+                        "run `memspec predictor train`"}
+    keep = ("prompt_only", "recent_only", "prompt_recent", "domain_rule", "majority",
+            "runtime_head")
+    out: dict[str, Any] = {"trained_on": info.get("train_set")}
+    for s in EVAL_SETS:
+        rows = ev.get(s) or {}
+        out[s] = {k: {"top1": rows[k].get("top1"), "top2": rows[k].get("top2"),
+                      "n": rows[k].get("n")} for k in keep if isinstance(rows.get(k), dict)}
+    return out
 
-    cost_path = home / "costmodel.json"
+
+# --------------------------------------------------------------------------- real runs
+
+
+def real_section(reqs: Sequence[SimRequest], rows: Mapping[str, RealResult],
+                 keys: Sequence[tuple[str, str, str]], cost: CostModel, cfg: SimConfig,
+                 ucb: Mapping[str, float], trajs: Mapping[str, Mapping[str, Any]]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(real figures, the simulator beside them) for one prompt set; `keys` are (cache
+    key, policy, prompt id) of its runs, `trajs` the traced greedy trajectories by id."""
+    strata = {r.prompt_id: r.domain for r in reqs}
+    policies = list(dict.fromkeys(p for _, p, _ in keys))
+    stats = {p: [rows[k].stats for k, pol, _ in keys if pol == p] for p in policies}
+    ids = {p: [pid for _, pol, pid in keys if pol == p] for p in policies}
+    runs: Runs = {p: per_prompt_runs(ids[p], stats[p]) for p in policies}
+    gm, ci = headline_ratios(runs, strata)
+    gm_e2e, _ = headline_ratios({p: per_prompt_runs(ids[p], stats[p], "e2e")
+                                 for p in policies}, strata, n=0)
+    mismatches = sum(1 for k, _p, pid in keys
+                     if rows[k].token_ids != trajs[pid]["tokens"][:cfg.max_new_tokens or None])
+    real: dict[str, Any] = {
+        "prompts": len(reqs), "runs": len(keys),
+        "repeats": max((rows[k].row.get("repeat", 0) for k, *_ in keys), default=0) + 1,
+        "gmean": gm, "ci95": ci, "gmean_e2e": gm_e2e,
+        "steady": {p: aggregate(stats[p])["steady"] for p in policies},
+        "e2e": {p: aggregate(stats[p])["e2e"] for p in policies},
+        "mean_acceptance_length": {p: aggregate(stats[p])["mean_acceptance_length"]
+                                   for p in policies},
+        "breakdown": {p: breakdown(stats[p]) for p in policies},
+        "first_draft_token_s": {p: _median(first_draft_token_s(s) for s in stats[p])
+                                for p in policies if p != "target-only"},
+        "token_mismatches": mismatches,
+    }
+    # the simulator on exactly these prompts, the same statistic
+    sim_raw = {p: run_sim(p, reqs, cost, cfg, ucb.get(p, 2.0)) for p in policies}
+    sim_gm, _ = headline_ratios({p: per_prompt_runs([r.prompt_id for r in reqs], sim_raw[p])
+                                 for p in policies}, strata, n=0)
+    beside = {"ratios": {k: {"real": gm[k], "sim": sim_gm.get(k),
+                             "rel_error": sim_gm[k] / gm[k] - 1 if gm.get(k) else None}
+                         for k in gm if k in sim_gm},
+              "policies": {p: {"real_steady": real["steady"][p],
+                               "sim_steady": aggregate(sim_raw[p])["steady"],
+                               "rel_error": aggregate(sim_raw[p])["steady"]
+                               / real["steady"][p] - 1 if real["steady"][p] else None}
+                           for p in policies}}
+    return real, beside
+
+
+def first_per_domain(reqs: Sequence[SimRequest], n: int) -> list[SimRequest]:
+    taken: dict[str, int] = {}
+    out = []
+    for r in reqs:
+        if taken.get(r.domain, 0) < n:
+            taken[r.domain] = taken.get(r.domain, 0) + 1
+            out.append(r)
+    return out
+
+
+def _interleave_sets(groups: Sequence[Sequence[dict]]) -> list[dict]:
+    """Prompts of several lists alternated (domains and mixed spread over the run)."""
+    out, i = [], 0
+    while any(i < len(g) for g in groups):
+        out += [g[i] for g in groups if i < len(g)]
+        i += 1
+    return out
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate: bool,
+                cost_model: Path | None, max_new: int) -> tuple[CostModel, str | None]:
+    """The cost model (cached per pool, or from a file, or measured) and the pool file the
+    real runs use (pinned edge-emulated bandwidth and load/iteration)."""
+    fp = pool_fingerprint(pool)
+    cost_path, pinned = home / "costmodel.json", home / "pool-pinned.toml"
     if recalibrate:  # new costs, new bandwidth: earlier real runs no longer compare
         for old in ("costmodel.json", "calibration.jsonl", "real.jsonl", "pool-pinned.toml"):
             (home / old).unlink(missing_ok=True)
-    # every real run of one benchmark (calibration and validation) loads drafts at one
-    # edge-emulated bandwidth: the first calibration's, pinned in pool-pinned.toml
-    pinned = home / "pool-pinned.toml"
     real_pool = str(pinned) if pinned.is_file() else pool_path
     cost = read_cost_model(cost_model) if cost_model else None
     if cost is not None:
         _log(f"cost model from {cost_model} (no calibration)")
-    elif cost_path.is_file() and not recalibrate:
+    elif cost_path.is_file():
         cached = json.loads(cost_path.read_text())
         if cached.get("fingerprint") == fp and cached.get("storage") == pool.storage:
             cost = CostModel.from_json(cached["cost"])
     if cost is None:
         train = prompt_set(pool, "train", 0)
-        calib = [next(p for p in train if p["domain"] == d)
-                 for d in dict.fromkeys(r.domain for r in reqs)]
+        calib = [next(p for p in train if p["domain"] == d) for d in pool_domains(pool)]
         cost = calibrate(pool, real_pool, calib, max_new, home / "calibration.jsonl")
         home.mkdir(parents=True, exist_ok=True)
         cost_path.write_text(json.dumps({"fingerprint": fp, "storage": pool.storage,
                                          "cost": cost.to_json()}, indent=2))
-    ref = pool.general
-    load_ratio = cost.load_s[ref] / (cost.mean_iteration_s or cost.spec_s[ref])
+    bw = float(cost.source.get("bandwidth_bytes_s") or 0.0)
+    if not pinned.is_file() and pool.storage == "edge-emulated" and bw > 0:
+        real_pool = pinned_pool(pool_path, bw, pinned, cost.load_over_iteration(pool.general))
+    return cost, real_pool
+
+
+def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = False,
+        sweeps: bool = True, cost_model: Path | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    wall: dict[str, float] = {}
+    pool = replace(load_pool(pool_path), max_new_tokens=max_new)
+    home = memspec_home() / "bench"
+    fix = sizes.trace_command()
+    dev = traced_requests(pool, "dev", sizes.dev_per_domain, scores=False, fix=fix)
+    sets = {"test": traced_requests(pool, "test", sizes.sim_per_domain, fix=fix),
+            "mixed": traced_requests(pool, "mixed", sizes.sim_mixed, fix=fix)}
+    sets = {k: v for k, v in sets.items() if v}
+    wall["inputs"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    cost, real_pool = _cost_model(pool, pool_path, home, recalibrate, cost_model, max_new)
+    wall["calibration"] = time.perf_counter() - t
+    cfg = sim_config(pool, cost)
+    load_ratio = cost.load_over_iteration(pool.general)
     _log(f"cost model: load/iteration {load_ratio:.2f}")
 
-    ucb = ucb_sweep(reqs, cost, cfg)
+    t = time.perf_counter()
+    ucb = ucb_sweep(dev, cost, cfg) if dev else {}
     best_c = {pol: float(max(v, key=lambda c: v[c])) for pol, v in ucb.items()}
-    _log(f"UCB c sweep: best {best_c}")
-    per, raw = evaluate_policies(reqs, cost, cfg, best_c, ("target-only", *POLICIES))
-    _log("optimum (dynamic programming) per trajectory")
-    opt = optimum_by_domain(reqs, cost, cfg)
-    opt_sd = optimum_by_domain(reqs, cost, cfg, target_only=False)
+    _log(f"UCB c on dev: best {best_c}")
+    sim: dict[str, Any] = {}
+    for which, reqs in sets.items():
+        _log(f"simulator: {len(reqs)} {which} prompts x {len(SIM_POLICIES)} policies")
+        sim[which], _ = sim_section(reqs, cost, cfg, best_c, pool.gamma, pool.general)
+    wall["simulator"] = time.perf_counter() - t
     result: dict[str, Any] = {
-        "machine": machine_info(), "storage": pool.storage, "load_over_iteration": load_ratio,
-        "K": pool.K, "N": pool.N, "gamma": pool.gamma, "max_new_tokens": max_new,
-        "prompts_per_domain": per_domain, "cost_model": cost.to_json(),
-        "ucb_c_sweep": ucb, "ucb_c_best": best_c,
-        "steady": {p: {d: v["steady"] for d, v in doms.items()} for p, doms in per.items()},
-        "e2e": {p: {d: v["e2e"] for d, v in doms.items()} for p, doms in per.items()},
-        "optimum_steady": {d: v["steady"] for d, v in opt.items()},
-        "optimum_sd_steady": {d: v["steady"] for d, v in opt_sd.items()},
-        "normalised_steady": ratios(per, "general-static", "steady"),
-        "normalised_e2e": ratios(per, "general-static", "e2e"),
-        "gmean": {**headline(per, opt), **sd_headline(per, opt_sd)},
-        "gmean_e2e": headline(per, {}, "e2e"),
-        "breakdown": {p: {**{f"{k}_frac": _frac(per[p], k) for k in TIME_KEYS},
-                          "any_fallback_frac": _frac(per[p], "fallback")
-                          + _frac(per[p], "target_fallback")} for p in POLICIES},
-        "mean_acceptance_length": {p: aggregate(raw[p])["mean_acceptance_length"]
-                                   for p in per},
-        "headroom_mean_acceptance_length": headroom(reqs, pool.gamma, pool.general),
+        "machine": machine_info(), "storage": pool.storage, "dtype": runtime_dtype(pool),
+        "load_over_iteration": load_ratio, "K": pool.K, "N": pool.N, "gamma": pool.gamma,
+        "max_new_tokens": max_new, "drafts": [d.name for d in pool.drafts],
+        "draft_kinds": sorted({_draft_kind(d.path) for d in pool.drafts}),
+        "split": split_info(sizes), "smoke": sizes.smaller_than_full(),
+        "cost_model": cost.to_json(), "ucb_c_sweep": ucb, "ucb_c_best": best_c,
+        "ucb_c_tuned_on": f"dev ({len(dev)} prompts)", "sim": sim,
     }
-    if sweeps:
-        result["sweeps"] = sweep(best_c, sweep_variants(pool, per_domain, reqs, cfg, cost))
-    if real_per_domain > 0:
-        bw = float(cost.source.get("bandwidth_bytes_s") or 0.0)
-        if not pinned.is_file() and pool.storage == "edge-emulated" and bw > 0:
-            real_pool = pinned_pool(pool_path, bw, pinned)
-        result["validation"] = validate(pool, real_pool, reqs, cost, cfg, best_c,
-                                        real_per_domain, max_new)
-        result["sim_vs_real_max_rel_error"] = result["validation"]["max_rel_error_steady"]
+    if sweeps and "test" in sets:
+        t = time.perf_counter()
+        sub = first_per_domain(sets["test"], sizes.sweep_per_domain)
+        result["sweeps"] = sweep(best_c, sweep_variants(pool, sub, cfg, cost,
+                                                        sizes.sweep_per_domain))
+        wall["sweeps"] = time.perf_counter() - t
+    if sizes.real_per_domain > 0 or sizes.real_mixed > 0:
+        t = time.perf_counter()
+        result.update(real_runs(pool, real_pool, sets, sizes, cost, cfg, best_c, max_new, home))
+        wall["real"] = time.perf_counter() - t
     result["predictor"] = predictor_metrics()
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    wall["total"] = time.perf_counter() - t0
+    result["wall_s"] = {k: round(v, 1) for k, v in wall.items()}
+    result["estimate_full_run"] = estimate(result, sizes)
     return result
 
 
-def sd_headline(per: Mapping[str, Mapping[str, Mapping[str, Any]]],
-                opt_sd: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """Against the best schedule of speculative intervals only (no target-only steps while
-    a draft is resident): how close the paper's policy space gets to its own optimum."""
-    def g(a: str) -> float:
-        return gmean([per[a][d]["steady"] / opt_sd[d]["steady"] for d in opt_sd])
-
-    return {"memspec_over_optimum_sd": g("memspec"),
-            "oracle_dynamic_over_optimum_sd": g("oracle-dynamic"),
-            "optimum_sd_over_general_static": 1.0 / g("general-static")}
+def _draft_kind(path: Path) -> str:
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("memspec_kind", "model")
+    except (OSError, ValueError):
+        return "model"
 
 
-def sweep_variants(pool: PoolConfig, per_domain: int, reqs: Sequence[SimRequest],
-                   cfg: SimConfig, cost: CostModel) -> list[Variant]:
-    """N, output length, K and load/iteration; lengths beyond the traces need longer ones
-    (`memspec trace --sets test --max-new-tokens 256`), skipped with a note if absent."""
-    ref = pool.general
-    out: list[Variant] = [("N", n, reqs, replace(cfg, N=n), cost) for n in SWEEP_N]
-    traced = max(r.length for r in reqs)
-    for n in SWEEP_LEN:
-        if n <= (cfg.max_new_tokens or traced):
-            out.append(("max_new_tokens", n, reqs, replace(cfg, max_new_tokens=n), cost))
-            continue
-        try:
-            long = heldout_requests(pool, per_domain, which=f"test-L{n}")
-        except ConfigError as exc:
-            _log(f"sweep max_new_tokens={n} skipped: {exc}")
-            continue
-        out.append(("max_new_tokens", n, long, replace(cfg, max_new_tokens=n), cost))
-    out += [("K", k, reqs, replace(cfg, K=k), cost) for k in SWEEP_K]
-    out += [("load_over_iteration", r, reqs, cfg, cost.with_load_ratio(r, ref))
-            for r in SWEEP_RATIO]
+def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[SimRequest]],
+              sizes: Sizes, cost: CostModel, cfg: SimConfig, ucb: Mapping[str, float],
+              max_new: int, home: Path) -> dict[str, Any]:
+    """Every REAL_POLICIES request on the real subsets, interleaved, then the figures."""
+    subsets = {"test": first_per_domain(sets.get("test", []), sizes.real_per_domain),
+               "mixed": list(sets.get("mixed", []))[:sizes.real_mixed]}
+    subsets = {k: v for k, v in subsets.items() if v}
+    prompts = {p["id"]: p for s in subsets
+               for p in set_prompts(pool, s, sizes.sim_per_domain if s == "test"
+                                    else sizes.sim_mixed)}
+    groups = [[prompts[r.prompt_id] for r in subsets["test"] if r.domain == d]
+              for d in pool_domains(pool)] if "test" in subsets else []
+    groups.append([prompts[r.prompt_id] for r in subsets.get("mixed", [])])
+    order = _interleave_sets(groups)
+    reqs = interleaved(order, REAL_POLICIES, max_new, sizes.repeats, dict(ucb))
+    _log(f"real runs: {len(order)} prompts x {len(REAL_POLICIES)} policies x "
+         f"{sizes.repeats} repeats = {len(reqs)} requests")
+    rows = run_real(reqs, home / "real.jsonl", real_pool)
+    out: dict[str, Any] = {"real": {}, "sim_vs_real": {}}
+    for which, sub in subsets.items():
+        ids = {r.prompt_id for r in sub}
+        keys = [(q.key, q.policy, q.prompt_id) for q in reqs if q.prompt_id in ids]
+        trajs = trajectory_rows(trajectories_path(pool, which, runtime_dtype(pool)), ids)
+        out["real"][which], out["sim_vs_real"][which] = real_section(
+            sub, rows, keys, cost, cfg, ucb, trajs)
+    out["sim_vs_real"]["max_rel_error"] = max_rel_error(out["sim_vs_real"])
+    e2e = [r.stats.time.e2e for r in rows.values()]
+    out["real_request_s"] = statistics.fmean(e2e) if e2e else None
     return out
 
 
-def predictor_metrics() -> dict[str, Any]:
-    info = read_info(default_head_path())
-    acc = info.get("heldout_accuracy", {})
-    return {k: {"top1": v.get("top1"), "top2": v.get("top2"), "n": v.get("n")}
-            for k, v in acc.items() if isinstance(v, dict)}
+def max_rel_error(beside: Mapping[str, Any]) -> float | None:
+    errs = [abs(v["rel_error"]) for s in beside.values() if isinstance(s, dict)
+            for v in s.get("ratios", {}).values() if v.get("rel_error") is not None]
+    return max(errs) if errs else None
 
 
-def validate(pool: PoolConfig, pool_path: str | None, reqs: Sequence[SimRequest],
-             cost: CostModel, cfg: SimConfig, ucb: Mapping[str, float], per_domain: int,
-             max_new: int) -> dict[str, Any]:
-    """Real three-process runs vs the simulator on the same prompts, per policy."""
-    prompts = {p["id"]: p for p in split_prompts("test", pool_domains(pool), per_domain)}
-    sub = [r for r in reqs if r.prompt_id in prompts]
-    real_reqs = [RealRequest(pol, r.prompt_id, r.domain, prompts[r.prompt_id]["prompt"],
-                             max_new, ucb.get(pol)) for pol in POLICIES for r in sub]
-    rows = run_real(real_reqs, memspec_home() / "bench" / "real.jsonl", pool_path)
-    trajs = trajectory_rows(trajectories_path(pool, "test"), [r.prompt_id for r in sub])
-    out: dict[str, Any] = {"prompts": len(sub), "policies": {}, "token_mismatches": 0}
-    errs, errs_e2e = [], []
-    for pol in POLICIES:
-        real = [rows[q.key].stats for q in real_reqs if q.policy == pol]
-        ids = [rows[q.key].token_ids for q in real_reqs if q.policy == pol]
-        out["token_mismatches"] += sum(
-            1 for q, t in zip([q for q in real_reqs if q.policy == pol], ids)
-            if t[:len(trajs[q.prompt_id]["tokens"])] != trajs[q.prompt_id]["tokens"][:max_new])
-        sim = run_sim(pol, sub, cost, cfg, ucb.get(pol, 2.0))
-        a_real, a_sim = aggregate(real), aggregate(sim)
-        err = a_sim["steady"] / a_real["steady"] - 1
-        err_e2e = a_sim["e2e"] / a_real["e2e"] - 1
-        errs.append(abs(err))
-        errs_e2e.append(abs(err_e2e))
-        out["policies"][pol] = {
-            "real_steady": a_real["steady"], "sim_steady": a_sim["steady"], "rel_error": err,
-            "real_e2e": a_real["e2e"], "sim_e2e": a_sim["e2e"], "rel_error_e2e": err_e2e,
-            "real_fallback_frac": a_real["fallback_frac"], "sim_fallback_frac": a_sim["fallback_frac"],
-            "real_target_fallback_frac": a_real["target_fallback_frac"],
-            "sim_target_fallback_frac": a_sim["target_fallback_frac"],
-            "real_mean_acceptance_length": a_real["mean_acceptance_length"],
-            "sim_mean_acceptance_length": a_sim["mean_acceptance_length"]}
-        _log(f"validation {pol}: real {a_real['steady']:.2f} tok/s, sim {a_sim['steady']:.2f} "
-             f"({err * 100:+.1f}%)")
-    out["max_rel_error_steady"] = max(errs)
-    out["max_rel_error_e2e"] = max(errs_e2e)
-    return out
+def estimate(result: Mapping[str, Any], sizes: Sizes) -> dict[str, Any]:
+    """The full run's duration (default sizes), scaled from what this run measured."""
+    full, wall = Sizes(), result.get("wall_s", {})
+    per_req = result.get("real_request_s")
+    n_full = (5 * full.real_per_domain + full.real_mixed) * len(REAL_POLICIES) * full.repeats
+    sim_n = sum(v["prompts"] for v in result.get("sim", {}).values()) or 1
+    sim_s = wall.get("simulator", 0.0) * (5 * full.sim_per_domain + full.sim_mixed) / sim_n
+    sweep_s = wall.get("sweeps", 0.0) * full.sweep_per_domain / max(1, sizes.sweep_per_domain)
+    # a real request also pays supervisor and reply overheads besides its e2e (~0.3 s)
+    real_s = n_full * ((per_req or 2.5) + 0.3)
+    total = real_s + sim_s + sweep_s + wall.get("calibration", 0.0)
+    return {"real_requests": n_full, "real_min": round(real_s / 60, 1),
+            "simulator_min": round(sim_s / 60, 1), "sweeps_min": round(sweep_s / 60, 1),
+            "total_min": round(total / 60, 1),
+            "note": "excludes tracing and predictor embedding (`memspec trace`, "
+                    "`memspec predictor train`); scaled from this run's timings"}
+
+
+def render(result: dict[str, Any], plots: Path | None, results: Path | None,
+           readme: Path | None) -> None:
+    """Plots, RESULTS.md and the README's figures block, from a result alone."""
+    if plots:
+        for path in draw_all(result, plots):
+            _log(f"wrote {path}")
+    if results:
+        write_results(result, results, plots)
+    if readme:
+        write_readme(result, readme, plots)
 
 
 def main_bench(args) -> int:
-    result = run(getattr(args, "pool", None), args.prompts_per_domain, args.real_per_domain,
-                 args.max_new_tokens or 128, args.recalibrate, not args.no_sweeps,
-                 Path(args.cost_model) if args.cost_model else None)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.plots:
-        for path in draw_all(result, Path(args.plots)):
-            _log(f"wrote {path}")
-    if args.results:
-        write_results(result, Path(args.results), Path(args.plots) if args.plots else None)
+    if getattr(args, "from_json", None):
+        result = json.loads(Path(args.from_json).read_text())
+    else:
+        sizes = Sizes(sim_per_domain=args.prompts_per_domain, sim_mixed=args.mixed,
+                      dev_per_domain=args.dev_per_domain,
+                      real_per_domain=args.real_per_domain, real_mixed=args.real_mixed,
+                      repeats=args.repeats,
+                      sweep_per_domain=min(Sizes().sweep_per_domain, args.prompts_per_domain))
+        if sizes.repeats < 1:
+            raise ConfigError(f"--repeats {sizes.repeats} is below 1", "use --repeats 2")
+        result = run(getattr(args, "pool", None), sizes, args.max_new_tokens or 128,
+                     args.recalibrate, not args.no_sweeps,
+                     Path(args.cost_model) if args.cost_model else None)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(_finite(result), indent=2))
+    render(result, Path(args.plots) if args.plots else None,
+           Path(args.results) if args.results else None,
+           Path(args.readme) if getattr(args, "readme", None) else None)
     print(summary_text(result))
     return 0
 
+
+def _finite(obj: Any) -> Any:
+    """NaN/inf as null: the JSON stays valid for every reader."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

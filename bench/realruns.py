@@ -1,9 +1,12 @@
 """Real end-to-end requests through the three processes, traced, cached, resumable.
 
 Every request goes through a cold-start supervisor (slots emptied before each request, as
-the paper measures) with `trace=True`, so one run feeds both the cost model's fit and the
-simulator's validation. Results are appended to a JSONL file keyed by (policy, prompt id,
-max_new_tokens, ucb_c); a rerun only does what is missing.
+the paper measures) with `trace=True`, so one run feeds the cost model's fit, the headline
+ratios and the simulator's comparison. Results are appended to a JSONL file keyed by
+(policy, prompt id, max_new_tokens, ucb_c, repeat); a rerun only does what is missing.
+:func:`interleaved` orders a benchmark's requests so that every prompt's policies run back
+to back, in an order rotated per prompt and repeat: slow drifts of the machine (other
+jobs, thermal state) then fall on every policy alike instead of on one policy's block.
 """
 
 from __future__ import annotations
@@ -36,10 +39,28 @@ class RealRequest:
     prompt: str
     max_new_tokens: int
     ucb_c: float | None = None
+    repeat: int = 0
 
     @property
     def key(self) -> str:
-        return f"{self.policy}|{self.prompt_id}|{self.max_new_tokens}|{self.ucb_c}"
+        base = f"{self.policy}|{self.prompt_id}|{self.max_new_tokens}|{self.ucb_c}"
+        return base if not self.repeat else f"{base}|r{self.repeat}"
+
+
+def interleaved(prompts: Sequence[dict], policies: Sequence[str], max_new_tokens: int,
+                repeats: int, ucb: dict[str, float] | None = None) -> list[RealRequest]:
+    """Every (repeat, prompt): all policies back to back, rotated by prompt and repeat."""
+    out = []
+    for rep in range(repeats):
+        for i, p in enumerate(prompts):
+            k = (i + rep * max(1, len(policies) // 2)) % len(policies)
+            for pol in [*policies[k:], *policies[:k]]:
+                out.append(RealRequest(pol, p["id"], p["domain"], p["prompt"],
+                                       max_new_tokens, (ucb or {}).get(pol), rep))
+    return out
+
+
+PROGRESS_S = 10.0
 
 
 def _log(msg: str) -> None:
@@ -89,7 +110,7 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
         _log(f"{len(todo)} requests through the three processes (cold start, traced)")
         out.parent.mkdir(parents=True, exist_ok=True)
         sup = Supervisor(pool_path, cold_start=True)
-        t0 = time.perf_counter()
+        t0 = last = time.perf_counter()
         try:
             sup.start()
             with out.open("a") as f:
@@ -98,24 +119,28 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
                     info = sup.procs["decoder"].info
                     row = {"key": r.key, "policy": r.policy, "id": r.prompt_id,
                            "domain": r.domain, "max_new_tokens": r.max_new_tokens,
-                           "ucb_c": r.ucb_c, "token_ids": msg.token_ids,
+                           "ucb_c": r.ucb_c, "repeat": r.repeat, "token_ids": msg.token_ids,
                            "stats": as_json(msg.stats),
                            "bandwidth_bytes_s": getattr(info, "bandwidth_bytes_s", None)}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     done[r.key] = RealResult(row, msg.stats)
                     el = time.perf_counter() - t0
-                    _log(f"{i + 1}/{len(todo)} {r.policy} {r.prompt_id}: "
-                         f"{msg.stats.tokens_per_s_steady:.1f} tok/s; "
-                         f"eta {el / (i + 1) * (len(todo) - i - 1):.0f}s")
+                    if i + 1 == len(todo) or time.perf_counter() - last >= PROGRESS_S:
+                        last = time.perf_counter()
+                        _log(f"{i + 1}/{len(todo)} {r.policy} {r.prompt_id}: "
+                             f"{msg.stats.tokens_per_s_steady:.1f} tok/s; "
+                             f"~{el / (i + 1) * (len(todo) - i - 1) / 60:.1f} min left")
         finally:
             sup.shutdown()
     return {r.key: done[r.key] for r in requests}
 
 
-def pinned_pool(pool_path: str | None, bandwidth_bytes_s: float, out: Path) -> str:
+def pinned_pool(pool_path: str | None, bandwidth_bytes_s: float, out: Path,
+                load_iter_ratio: float | None = None) -> str:
     """A copy of the pool with the edge-emulated bandwidth fixed (and relative paths made
-    absolute), so every supervisor started for one benchmark loads drafts equally fast."""
+    absolute), so every supervisor started for one benchmark loads drafts equally fast;
+    `load_iter_ratio` (the measured one) is what oracle-dynamic then plans loads with."""
     src = Path(pool_path) if pool_path else DEFAULT_POOL
     base = src.resolve().parent
 
@@ -127,9 +152,12 @@ def pinned_pool(pool_path: str | None, bandwidth_bytes_s: float, out: Path) -> s
 
     text = re.sub(r'^(\s*(?:path|target|predictor_head)\s*=\s*)"([^"]*)"', absolute,
                   src.read_text(), flags=re.M)
-    lines = [ln for ln in text.splitlines() if not ln.strip().startswith("bandwidth_mb_s")]
+    drop = ("bandwidth_mb_s", "load_iter_ratio") if load_iter_ratio else ("bandwidth_mb_s",)
+    lines = [ln for ln in text.splitlines() if not ln.strip().startswith(drop)]
     i = next(i for i, ln in enumerate(lines) if ln.strip() == "[pool]")
     lines.insert(i + 1, f"bandwidth_mb_s = {bandwidth_bytes_s / 1e6:.6f}")
+    if load_iter_ratio:
+        lines.insert(i + 2, f"load_iter_ratio = {load_iter_ratio:.4f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return str(out)

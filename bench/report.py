@@ -1,198 +1,355 @@
-"""`docs/RESULTS.md` and the terminal summary, written from one `memspec bench` result."""
+"""docs/RESULTS.md, the README's figures block and the terminal summary, from one result.
+
+Everything here reads the `memspec bench --json` object only, so `memspec bench
+--from-json docs/bench.json --results docs/RESULTS.md --plots docs/plots --readme
+README.md` regenerates every document from a committed run.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.figures import POLICY_ORDER
-from memspec.common.metrics import gmean
+from memspec.bench.figures import POLICY_ORDER, RATIO_LABELS
 
-MUST_HOLD = (  # (label, value path, op, bound)
-    ("memspec / mab-async (GMEAN steady)", ("gmean", "memspec_over_mab_async"), ">=", 1.40),
-    ("memspec / oracle-dynamic", ("gmean", "memspec_over_oracle_dynamic"), ">=", 0.95),
-    ("memspec / general-static", ("gmean", "memspec_over_general_static"), ">=", 1.5),
-    ("memspec fallback share (non-preferred resident draft)",
-     ("breakdown", "memspec", "fallback_frac"), "<", 0.055),
-    ("memspec fallback incl. target alone while loading",
-     ("breakdown", "memspec", "any_fallback_frac"), "<", 0.055),
-    ("memspec prediction on critical path", ("breakdown", "memspec", "prediction_frac"), "<",
-     0.039),
-    ("simulator vs real, max relative error", ("sim_vs_real_max_rel_error",), "<=", 0.10),
-)
+README_BEGIN = "<!-- memspec bench: begin -->"
+README_END = "<!-- memspec bench: end -->"
+FIGURES = ("real_ratios", "real_throughput", "sim_vs_real", "breakdown",
+           "sim_throughput_steady", "sweeps", "ucb_c")
+PAPER_PREDICTOR = {"prompt_only": (0.319, 0.558), "recent_only": (0.571, 0.793),
+                   "prompt_recent": (0.716, 0.957)}
 
 
-def _get(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
+def _get(result: dict[str, Any], path: tuple[str, ...]) -> Any:
     cur: Any = result
     for k in path:
         if not isinstance(cur, dict) or k not in cur:
             return None
         cur = cur[k]
-    return float(cur)
+    return cur
+
+
+def _num(result: dict[str, Any], *path: str) -> float | None:
+    v = _get(result, path)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _margin(a: float | None, b: float | None) -> float | None:
+    """a - b (a check that a beats b: margin > 0)."""
+    return None if a is None or b is None else a - b
+
+
+Getter = Callable[[dict[str, Any]], Any]
+# (label, value, op, bound): issue #10's must-hold list, then issue #11's bench figures
+MUST_HOLD: tuple[tuple[str, Getter, str, float], ...] = (
+    ("prompt sets disjoint by source (train/dev/test/mixed)",
+     lambda r: 1.0 if _get(r, ("split", "disjoint")) else 0.0, "==", 1.0),
+    ("mixed: oracle-dynamic / oracle-static (real)",
+     lambda r: _num(r, "real", "mixed", "gmean", "oracle_dynamic_over_oracle_static"),
+     ">=", 1.10),
+    ("mixed: predictor prompt+recent top-1 minus prompt-only top-1",
+     lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
+                       _num(r, "predictor", "mixed", "prompt_only", "top1")), ">", 0.0),
+    ("mixed: predictor prompt+recent top-1 minus the domain rule's",
+     lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
+                       _num(r, "predictor", "mixed", "domain_rule", "top1")), ">", 0.0),
+    ("test: memspec / oracle-dynamic (real)",
+     lambda r: _num(r, "real", "test", "gmean", "memspec_over_oracle_dynamic"), ">=", 0.95),
+    ("mixed: memspec / oracle-dynamic (real)",
+     lambda r: _num(r, "real", "mixed", "gmean", "memspec_over_oracle_dynamic"), ">=", 0.95),
+    ("test: memspec fallback incl. target alone while loading (real)",
+     lambda r: _num(r, "real", "test", "breakdown", "memspec", "fallback_frac"), "<", 0.055),
+    ("mixed: memspec fallback incl. target alone while loading (real)",
+     lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "fallback_frac"), "<", 0.055),
+    ("test: memspec prediction on the critical path (real)",
+     lambda r: _num(r, "real", "test", "breakdown", "memspec", "prediction_frac"), "<", 0.039),
+    ("mixed: memspec prediction on the critical path (real)",
+     lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "prediction_frac"), "<", 0.039),
+    ("every headline ratio: |simulator / real - 1|",
+     lambda r: _num(r, "sim_vs_real", "max_rel_error"), "<=", 0.03),
+    ("#11 test: memspec / target-only (real)",
+     lambda r: _num(r, "real", "test", "gmean", "memspec_over_target_only"), ">=", 1.5),
+    ("#11 test: memspec / general-static (real)",
+     lambda r: _num(r, "real", "test", "gmean", "memspec_over_general_static"), ">=", 1.3),
+    ("#11 test: memspec / mab-async (real)",
+     lambda r: _num(r, "real", "test", "gmean", "memspec_over_mab_async"), ">=", 1.25),
+)
 
 
 def checks(result: dict[str, Any]) -> list[tuple[str, float | None, str, float, bool]]:
     out = []
-    for label, path, op, bound in MUST_HOLD:
-        v = _get(result, path)
-        ok = v is not None and (v >= bound if op == ">=" else v < bound if op == "<"
-                                else v <= bound)
-        out.append((label, v, op, bound, ok))
+    for label, get, op, bound in MUST_HOLD:
+        v = get(result)
+        ok = v is not None and {">=": v >= bound, ">": v > bound, "<": v < bound,
+                                "<=": v <= bound, "==": v == bound}[op]
+        out.append((label, v, op, bound, bool(ok)))
     return out
 
 
-def _table(norm: dict[str, dict[str, float]], fmt: str = "{:.3f}") -> list[str]:
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    return "n/a" if not isinstance(v, (int, float)) or v != v else fmt.format(v)
+
+
+def _pct(v: Any) -> str:
+    return _f(v if v is None else 100 * v, "{:.1f}%")
+
+
+def _ci(ci: Any) -> str:
+    if not isinstance(ci, (list, tuple)) or len(ci) != 2 or None in ci:
+        return "n/a"
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _pols(rows: dict[str, Any]) -> list[str]:
+    return [p for p in POLICY_ORDER if p in rows] + [p for p in rows if p not in POLICY_ORDER]
+
+
+def _domain_table(norm: dict[str, dict[str, float]]) -> list[str]:
     doms = [d for d in next(iter(norm.values())) if d != "GMEAN"] + ["GMEAN"]
     lines = ["| policy | " + " | ".join(doms) + " |", "|---" * (len(doms) + 1) + "|"]
-    for p in [*[p for p in ("target-only", *POLICY_ORDER) if p in norm],
-              *[p for p in norm if p not in POLICY_ORDER and p != "target-only"]]:
-        lines.append(f"| {p} | " + " | ".join(fmt.format(norm[p][d]) for d in doms) + " |")
+    for p in _pols(norm):
+        lines.append(f"| {p} | " + " | ".join(_f(norm[p].get(d)) for d in doms) + " |")
+    return lines
+
+
+def headline_lines(r: dict[str, Any]) -> list[str]:
+    """The real-run ratios with intervals and the simulator beside them, per set."""
+    real, svr = r.get("real") or {}, r.get("sim_vs_real") or {}
+    if not real:
+        return ["No real runs in this result (`--real-per-domain 0`)."]
+    sets = list(real)
+    head = "| ratio | " + " | ".join(f"{s} real GMEAN [95% CI] | {s} simulator"
+                                     for s in sets) + " |"
+    lines = [head, "|---" * (1 + 2 * len(sets)) + "|"]
+    for k, label in RATIO_LABELS.items():
+        cells = []
+        for s in sets:
+            gm, ci = real[s]["gmean"].get(k), real[s]["ci95"].get(k)
+            sim = (svr.get(s) or {}).get("ratios", {}).get(k, {})
+            err = sim.get("rel_error")
+            cells.append(f"{_f(gm)} {_ci(ci)} | {_f(sim.get('sim'))}"
+                         + (f" ({100 * err:+.1f}%)" if isinstance(err, (int, float)) else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
 def summary_text(r: dict[str, Any]) -> str:
-    lines = [f"memspec bench: K={r['K']} N={r['N']} gamma={r['gamma']} "
-             f"{r['max_new_tokens']} tokens, {r['prompts_per_domain']} prompts/domain, "
-             f"{r['storage']} (load/iteration {r['load_over_iteration']:.2f})",
-             "steady-state tokens/s over general-static (simulator):"]
-    lines += _table(r["normalised_steady"])
+    lines = [f"memspec bench{' [SMOKE RUN]' if r.get('smoke') else ''}: K={r['K']} N={r['N']} "
+             f"gamma={r['gamma']} {r['max_new_tokens']} tokens, target {r.get('dtype', '?')}, "
+             f"{r['storage']} (load/iteration {r['load_over_iteration']:.2f})"]
+    lines += ["real runs (steady-state tokens/s ratios, GMEAN over prompts):"]
+    lines += headline_lines(r)
     for label, v, op, bound, ok in checks(r):
-        vs = "n/a" if v is None else f"{v:.4f}"
-        lines.append(f"  [{'ok' if ok else 'MISS'}] {label}: {vs} (must be {op} {bound})")
+        lines.append(f"  [{'ok' if ok else 'MISS'}] {label}: {_f(v, '{:.4f}')} "
+                     f"(must be {op} {bound})")
+    est = r.get("estimate_full_run")
+    if est:
+        lines.append(f"full run (default sizes) would take ~{est['total_min']} min "
+                     f"({est['real_requests']} real requests ~{est['real_min']} min, simulator "
+                     f"~{est['simulator_min']} min, sweeps ~{est['sweeps_min']} min); "
+                     f"{est['note']}")
     return "\n".join(lines)
 
 
-def analysis(r: dict[str, Any]) -> list[str]:
-    """Plain statements computed from the result: what bounds each ratio here."""
-    h = r["headroom_mean_acceptance_length"]
-    g = r["gmean"]
-    dyn = gmean([v["oracle_dynamic_unlimited"] / v["general"] for v in h.values()])
-    st = gmean([v["oracle_static"] / v["general"] for v in h.values()])
-    steady = r["steady"]
-    tgt = gmean([steady["target-only"][d] / steady["general-static"][d]
-                 for d in steady["general-static"]]) if "target-only" in steady else None
-    out = [
-        f"- Acceptance headroom: with future knowledge and no memory limit (oracle-dynamic "
-        f"per 4-iteration interval) the pool's mean acceptance length is {dyn:.3f}x the "
-        f"general draft's (GMEAN over domains; best single draft per prompt: {st:.3f}x). "
-        f"Every SD iteration costs about the same whichever draft runs, so no draft "
-        f"schedule can lift steady-state throughput over general-static by much more than "
-        f"that: the paper's 1.5x (memspec/general-static) and 1.40x (memspec/mab-async) "
-        f"need drafts that differ far more than these tiny 2-layer CPU-trained drafts do.",
-        f"- Proof by the exact optimum: the best schedule of speculative intervals (DP with "
-        f"future knowledge, free catch-up and prediction, parallel loads) reaches only "
-        f"{g.get('optimum_sd_over_general_static', float('nan')):.3f}x general-static, so no "
-        f"draft policy can reach 1.5x general-static, nor 1.40x mab-async (which is "
-        f"{g.get('memspec_over_general_static', float('nan')) / g.get('memspec_over_mab_async', float('nan')):.3f}x"
-        f" general-static).",
-        f"- The exact optimum (DP, which may also pick target-only steps) reaches "
-        f"{g.get('optimum_over_general_static', float('nan')):.3f}x general-static; "
-        f"oracle-dynamic {g.get('oracle_dynamic_over_general_static', float('nan')):.3f}x; "
-        f"memspec {g.get('memspec_over_general_static', float('nan')):.3f}x.",
-    ]
-    if tgt is not None:
-        out.append(f"- On this CPU a target-only step costs about half an SD iteration "
-                   f"(verify of gamma+1 tokens is compute-bound), so target-only decoding is "
-                   f"{tgt:.2f}x general-static: speculative decoding itself does not pay here "
-                   f"(it does on memory-bound GPUs and Jetson-class devices, where a verify "
-                   f"costs about one step). The ratios above compare SD policies only.")
+def predictor_lines(r: dict[str, Any]) -> list[str]:
+    pred = r.get("predictor") or {}
+    sets = [s for s in ("test", "mixed") if isinstance(pred.get(s), dict)]
+    if not sets:
+        return [pred.get("note", "no predictor figures")] if pred else []
+    rows = ("prompt_only", "recent_only", "prompt_recent", "domain_rule", "majority")
+    lines = ["| input | " + " | ".join(f"{s} top-1 | {s} top-2" for s in sets)
+             + " | paper top-1 / top-2 |", "|---" * (2 + 2 * len(sets)) + "|"]
+    for k in rows:
+        paper = PAPER_PREDICTOR.get(k)
+        cells = " | ".join(f"{_pct((pred[s].get(k) or {}).get('top1'))} | "
+                           f"{_pct((pred[s].get(k) or {}).get('top2'))}" for s in sets)
+        ref = f"{100 * paper[0]:.1f}% / {100 * paper[1]:.1f}%" if paper else "-"
+        lines.append(f"| {k.replace('_', ' ')} | {cells} | {ref} |")
+    n = {s: (pred[s].get("prompt_recent") or {}).get("n") for s in sets}
+    lines += ["", f"Trained on {pred.get('trained_on', '?')}; scheduling points measured: "
+              + ", ".join(f"{s} {n[s]}" for s in sets) + ". The domain rule ranks the "
+              "prompt's own domain draft first (mixed: its listed domains in order), then "
+              "the general draft; the majority rule ranks drafts by training-label frequency."]
+    return lines
+
+
+def ablation_lines(r: dict[str, Any]) -> list[str]:
+    """memspec vs prediction-only, in numbers from the result."""
+    out = []
+    for s, sec in (r.get("real") or {}).items():
+        g = sec["gmean"].get("memspec_over_prediction_only")
+        ci = sec["ci95"].get("memspec_over_prediction_only")
+        bm, bp = sec["breakdown"].get("memspec", {}), sec["breakdown"].get("prediction-only", {})
+        tm = (sec.get("first_draft_token_s") or {})
+        out.append(
+            f"- {s} (real): memspec / prediction-only {_f(g)} {_ci(ci)}; fallback incl. target "
+            f"alone {_pct(bm.get('fallback_frac'))} vs {_pct(bp.get('fallback_frac'))}, "
+            f"prediction {_pct(bm.get('prediction_frac'))} vs "
+            f"{_pct(bp.get('prediction_frac'))}, catch-up {_pct(bm.get('catchup_frac'))} vs "
+            f"{_pct(bp.get('catchup_frac'))}; mean acceptance length "
+            f"{_f(sec['mean_acceptance_length'].get('memspec'))} vs "
+            f"{_f(sec['mean_acceptance_length'].get('prediction-only'))}; first draft token "
+            f"{_f(tm.get('memspec'), '{:.3f}')} s vs {_f(tm.get('prediction-only'), '{:.3f}')} s.")
+    if out:
+        out.append("- Both run the predictor's top-1 whenever it is resident; memspec also "
+                   "keeps the runner-up resident (its K=2 working set), which pays when the "
+                   "ranking flips between two drafts (mixed answers) and costs an extra load "
+                   "on the loader otherwise. Where the ranking rarely changes inside a "
+                   "request (pure-domain prompts) the two differ only by that load.")
     return out
 
 
 def write_results(r: dict[str, Any], path: Path, plots: Path | None) -> None:
-    m = r["machine"]
-    rel = (lambda p: os.path.relpath(p, path.parent)) if plots else None
-    L: list[str] = ["# memspec results", "",
-                    "Written by `memspec bench --json docs/bench.json --plots docs/plots "
-                    "--results docs/RESULTS.md`; every number below is in docs/bench.json.", "",
-                    "## Setup", "",
-                    f"- machine: {m.get('cpu', '?')} ({m.get('cores', '?')} cores), "
-                    f"{m.get('torch_threads', '?')} torch threads, "
-                    f"device {m.get('device', 'cpu')}, torch {m.get('torch', '?')}",
-                    f"- pool: SmolLM2-135M-Instruct target + 5 drafts (general, code, math, law, "
-                    f"medical), K={r['K']}, N={r['N']}, gamma={r['gamma']}, greedy, "
-                    f"{r['max_new_tokens']} new tokens, cold start per request",
-                    f"- storage profile: {r['storage']}, measured load / SD iteration = "
-                    f"{r['load_over_iteration']:.2f}",
-                    f"- held-out prompts: {r['prompts_per_domain']} per domain (simulator); "
-                    f"UCB c at its best per baseline: {r['ucb_c_best']}", ""]
-    c = r["cost_model"]
-    L += ["## Cost model (measured on the real runtime)", "",
-          f"- SD iteration {1e3 * sum(c['spec_s'].values()) / len(c['spec_s']):.1f} ms, "
-          f"target-only step {1e3 * c['target_s']:.1f} ms, draft load "
-          f"{1e3 * sum(c['load_s'].values()) / len(c['load_s']):.0f} ms",
-          f"- catch-up {1e3 * c['catchup_base_s']:.2f} ms + {1e6 * c['catchup_per_token_s']:.1f}"
-          f" us/token, snapshot -> ranking {1e3 * c['predict_s']:.1f} ms, between intervals "
-          f"{1e3 * c['sched_s']:.2f} ms", ""]
+    m = r.get("machine", {})
+    sp = r.get("split", {})
+    used = sp.get("used", {})
+    L: list[str] = ["# memspec results", ""]
+    if r.get("smoke"):
+        L += ["> **SMOKE RUN**: fewer prompts or repeats than the full run; these figures "
+              "show that the pipeline works, not what memspec achieves.", ""]
+    L += ["Written by `memspec bench --json docs/bench.json --plots docs/plots --results "
+          "docs/RESULTS.md --readme README.md` (or regenerated from the JSON with "
+          "`--from-json docs/bench.json`); every number below is in docs/bench.json.", "",
+          "## Setup", "",
+          f"- machine: {m.get('cpu', '?')} ({m.get('cores', '?')} cores), "
+          f"{m.get('torch_threads', '?')} torch threads, device {m.get('device', 'cpu')}, "
+          f"torch {m.get('torch', '?')}; target decodes in {r.get('dtype', '?')}",
+          f"- pool: drafts {', '.join(r.get('drafts', []))} "
+          f"(kind: {', '.join(r.get('draft_kinds', []))}), K={r['K']}, N={r['N']}, "
+          f"gamma={r['gamma']}, greedy, {r['max_new_tokens']} new tokens, cold start per "
+          f"request (initial draft loads while the prompt prefills)",
+          f"- storage profile: {r['storage']}, measured load / SD iteration = "
+          f"{r['load_over_iteration']:.2f}",
+          f"- prompt sets: {sp.get('kind', '?')} ({', '.join(f'{k} {v}' for k, v in sp.get('counts', {}).items())}); "
+          f"shared sources {sp.get('shared_sources')}; UCB c tuned on "
+          f"{r.get('ucb_c_tuned_on', '?')}: {r.get('ucb_c_best')}",
+          f"- used: simulator {used.get('sim_per_domain')} test prompts per domain and "
+          f"{used.get('sim_mixed')} mixed; real runs {used.get('real_per_domain')} test "
+          f"prompts per domain and {used.get('real_mixed')} mixed, {used.get('repeats')} "
+          f"repeats, policies interleaved per prompt", ""]
     L += ["## Must hold", "", "| check | value | bound | |", "|---|---|---|---|"]
     for label, v, op, bound, ok in checks(r):
-        L.append(f"| {label} | {'n/a' if v is None else f'{v:.4f}'} | {op} {bound} | "
+        L.append(f"| {label} | {_f(v, '{:.4f}')} | {op} {bound} | "
                  f"{'met' if ok else '**not met**'} |")
-    L += ["", "## Throughput (steady state, simulator), normalised to general-static", ""]
-    L += _table(r["normalised_steady"])
-    opt = r["gmean"]
-    nan = float("nan")
-    L += ["", f"Exact optimum (DP, relaxed in its favour) over general-static: "
-          f"{opt.get('optimum_over_general_static', nan):.3f} GMEAN; memspec reaches "
-          f"{opt.get('memspec_over_optimum', nan):.3f} of it, oracle-dynamic "
-          f"{opt.get('oracle_dynamic_over_optimum', nan):.3f}. That optimum also uses "
-          f"target-only steps where no draft would be accepted (cheaper on this CPU); the "
-          f"best schedule of speculative intervals only is "
-          f"{opt.get('optimum_sd_over_general_static', nan):.3f}x general-static, and memspec "
-          f"reaches {opt.get('memspec_over_optimum_sd', nan):.3f} of it (oracle-dynamic "
-          f"{opt.get('oracle_dynamic_over_optimum_sd', nan):.3f}).", ""]
-    L += ["## Throughput (end to end, simulator), normalised to general-static", ""]
-    L += _table(r["normalised_e2e"])
-    L += ["", "## Time breakdown (share of decode time)", "",
-          "Fallback as ARCHITECTURE.md §6 defines it: a non-preferred resident draft runs while "
-          "the preferred one loads. Target steps while no preferred draft is resident (mostly "
-          "the cold start of every request) are their own column.", "",
-          "| policy | desired | fallback | target alone while loading | load wait | prediction "
-          "| catch-up |", "|---|---|---|---|---|---|---|"]
-    for p, b in r["breakdown"].items():
-        L.append(f"| {p} | " + " | ".join(f"{100 * b.get(f'{k}_frac', 0.0):.1f}%" for k in
-                                          ("desired", "fallback", "target_fallback",
-                                           "load_wait", "prediction", "catchup")) + " |")
-    h = r["headroom_mean_acceptance_length"]
-    L += ["", "## Why some ratios are out of reach on this pool", ""] + analysis(r)
-    L += ["", "## Acceptance headroom of the pool (mean acceptance length)", "",
-          "| domain | general draft | oracle-static | oracle-dynamic (no memory limit) |",
-          "|---|---|---|---|"]
-    for d, v in h.items():
-        L.append(f"| {d} | {v['general']:.3f} | {v['oracle_static']:.3f} | "
-                 f"{v['oracle_dynamic_unlimited']:.3f} |")
-    if r.get("predictor"):
-        L += ["", "## Predictor (held-out prompts; paper Table 2)", "",
-              "| input | top-1 | top-2 | n |", "|---|---|---|---|"]
-        for k, v in r["predictor"].items():
-            L.append(f"| {k} | {v['top1']} | {v['top2']} | {v['n']} |")
-    if r.get("validation"):
-        v = r["validation"]
-        L += ["", f"## Simulator vs real three-process runs ({v['prompts']} prompts per policy,"
-              f" token mismatches vs greedy target: {v['token_mismatches']})", "",
-              "| policy | real tok/s | sim tok/s | error | real e2e | sim e2e | error |",
-              "|---|---|---|---|---|---|---|"]
-        for p, x in v["policies"].items():
-            L.append(f"| {p} | {x['real_steady']:.2f} | {x['sim_steady']:.2f} | "
-                     f"{100 * x['rel_error']:+.1f}% | {x['real_e2e']:.2f} | {x['sim_e2e']:.2f} | "
-                     f"{100 * x['rel_error_e2e']:+.1f}% |")
+    L += ["", "## Headline: real three-process runs", "",
+          "GMEAN over prompts of per-prompt steady-state tokens/s ratios (each policy pooled "
+          "over its repeats), 95% bootstrap interval over prompts; the simulator's value of "
+          "the same statistic on the same prompts beside it (its error in brackets).", ""]
+    L += headline_lines(r)
+    for s, sec in (r.get("real") or {}).items():
+        L += ["", f"### {s}: {sec['prompts']} prompts, {sec['repeats']} repeats, "
+              f"{sec['runs']} runs, token mismatches vs the traced greedy target: "
+              f"{sec['token_mismatches']}", "",
+              "| policy | tok/s | e2e tok/s | mean acc. length | first draft token | desired "
+              "| fallback (incl. target alone) | target alone | load wait | prediction | "
+              "catch-up |", "|---" * 11 + "|"]
+        for p in _pols(sec["steady"]):
+            b = sec["breakdown"][p]
+            L.append(f"| {p} | {_f(sec['steady'][p], '{:.2f}')} | "
+                     f"{_f(sec['e2e'][p], '{:.2f}')} | "
+                     f"{_f(sec['mean_acceptance_length'][p])} | "
+                     f"{_f(sec['first_draft_token_s'].get(p), '{:.3f} s')} | "
+                     f"{_pct(b.get('desired_frac'))} | {_pct(b.get('fallback_frac'))} | "
+                     f"{_pct(b.get('target_fallback_frac'))} | {_pct(b.get('load_wait_frac'))}"
+                     f" | {_pct(b.get('prediction_frac'))} | {_pct(b.get('catchup_frac'))} |")
+    abl = ablation_lines(r)
+    if abl:
+        L += ["", "## memspec vs prediction-only", ""] + abl
+    L += ["", "## Predictor (paper Table 2)", ""] + predictor_lines(r)
+    for s, sec in (r.get("sim") or {}).items():
+        L += ["", f"## Simulator, {s} ({sec['prompts']} prompts): steady-state tokens/s over "
+              "general-static", ""] + _domain_table(sec["normalised_steady"])
+        oc = sec.get("oracle_checks", {})
+        L += ["", f"oracle-dynamic >= oracle-static and every online policy, per domain: "
+              f"{'yes' if oc.get('ok') else 'no'} "
+              + "; ".join(f"{d}: oracle-dynamic/oracle-static "
+                          f"{_f(v.get('oracle_dynamic_over_oracle_static'))}"
+                          + (f", beaten by {v['beaten_by']}" if v.get("beaten_by") else "")
+                          for d, v in oc.get("domains", {}).items())]
+        g = sec.get("gmean_by_domain", {})
+        if "optimum_over_general_static" in g:
+            L += ["", f"Exact optimum (DP, relaxed in its favour: parallel loads, free "
+                  f"catch-up and prediction) over general-static: "
+                  f"{_f(g.get('optimum_over_general_static'))}; memspec reaches "
+                  f"{_f(g.get('memspec_over_optimum'))} of it, oracle-dynamic "
+                  f"{_f(g.get('oracle_dynamic_over_optimum'))}. The best schedule of "
+                  f"speculative intervals only: {_f(g.get('optimum_sd_over_general_static'))}x "
+                  f"general-static (memspec {_f(g.get('memspec_over_optimum_sd'))} of it)."]
+        h = sec.get("headroom_mean_acceptance_length", {})
+        if h:
+            L += ["", "| domain | general draft | oracle-static | oracle-dynamic, no memory "
+                  "limit (mean acceptance length) |", "|---|---|---|---|"]
+            L += [f"| {d} | {_f(v['general'])} | {_f(v['oracle_static'])} | "
+                  f"{_f(v['oracle_dynamic_unlimited'])} |" for d, v in h.items()]
+        L += ["", "Time to the first draft token (median): "
+              + ", ".join(f"{p} {_f(v, '{:.3f}')} s"
+                          for p, v in sec.get("first_draft_token_s", {}).items())]
     if r.get("sweeps"):
-        L += ["", "## Sweeps (simulator, GMEAN steady-state ratios)", "",
+        L += ["", "## Sweeps (simulator, test prompts, GMEAN over domains)", "",
               "| knob | value | memspec/mab-async | memspec/general-static | "
-              "memspec/oracle-dynamic | memspec fallback |", "|---|---|---|---|---|---|"]
+              "memspec/oracle-dynamic | memspec/target-only | memspec fallback |",
+              "|---|---|---|---|---|---|---|"]
         for s in r["sweeps"]:
-            L.append(f"| {s['knob']} | {s['value']} | {s['memspec_over_mab_async']:.3f} | "
-                     f"{s['memspec_over_general_static']:.3f} | "
-                     f"{s['memspec_over_oracle_dynamic']:.3f} | "
-                     f"{100 * s['memspec_fallback_frac']:.1f}% |")
-    if plots and rel:
-        L += ["", "## Figures", ""]
-        for name in ("throughput_steady", "throughput_e2e", "breakdown", "sweeps", "ucb_c",
-                     "sim_vs_real"):
-            p = plots / f"{name}.png"
-            if p.is_file():
-                L.append(f"![{name}]({rel(p)})")
+            L.append(f"| {s['knob']} | {s['value']} | {_f(s.get('memspec_over_mab_async'))} | "
+                     f"{_f(s.get('memspec_over_general_static'))} | "
+                     f"{_f(s.get('memspec_over_oracle_dynamic'))} | "
+                     f"{_f(s.get('memspec_over_target_only'))} | "
+                     f"{_pct(s.get('memspec_fallback_frac'))} |")
+    if r.get("ucb_c_sweep"):
+        L += ["", f"## UCB c on dev ({r.get('ucb_c_tuned_on')})", "",
+              "| policy | " + " | ".join(f"c={c}" for c in next(iter(r['ucb_c_sweep'].values())))
+              + " |", "|---" * (1 + len(next(iter(r['ucb_c_sweep'].values())))) + "|"]
+        for pol, row in r["ucb_c_sweep"].items():
+            L.append(f"| {pol} | " + " | ".join(_f(v) for v in row.values()) + " |")
+    c = r.get("cost_model")
+    if c:
+        L += ["", "## Cost model (measured on the real runtime, train prompts)", "",
+              f"- SD iteration {1e3 * sum(c['spec_s'].values()) / len(c['spec_s']):.1f} ms, "
+              f"target-only step {1e3 * c['target_s']:.1f} ms, draft load "
+              f"{1e3 * sum(c['load_s'].values()) / len(c['load_s']):.0f} ms",
+              f"- catch-up {1e3 * c['catchup_base_s']:.2f} ms + "
+              f"{1e6 * c['catchup_per_token_s']:.1f} us/token, snapshot -> ranking "
+              f"{1e3 * c['predict_s']:.1f} ms, between intervals {1e3 * c['sched_s']:.2f} ms"]
+    est = r.get("estimate_full_run")
+    if est:
+        L += ["", f"Full run at the default sizes: ~{est['total_min']} min "
+              f"({est['real_requests']} real requests ~{est['real_min']} min); {est['note']}."]
+    if plots:
+        rel = os.path.relpath(plots, path.parent)
+        names = [n for n in FIGURES if (plots / f"{n}.png").is_file()]
+        if names:
+            L += ["", "## Figures", ""] + [f"![{n}]({rel}/{n}.png)" for n in names]
     L.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(L))
+
+
+def readme_block(r: dict[str, Any], readme: Path, plots: Path | None) -> str:
+    """The README's figures: headline table and plots, between the bench markers."""
+    L = [README_BEGIN,
+         "Regenerated by `memspec bench ... --readme README.md` from docs/bench.json"
+         + (" (**SMOKE RUN**: too few prompts to mean anything)." if r.get("smoke") else "."),
+         ""]
+    L += headline_lines(r)
+    if plots:
+        rel = os.path.relpath(plots, readme.parent)
+        for n in ("real_ratios", "real_throughput"):
+            if (plots / f"{n}.png").is_file():
+                L += ["", f"![{n}]({rel}/{n}.png)"]
+    L.append(README_END)
+    return "\n".join(L)
+
+
+def write_readme(r: dict[str, Any], readme: Path, plots: Path | None) -> None:
+    """Replace the block between the bench markers (append one when there is none)."""
+    text = readme.read_text() if readme.is_file() else ""
+    block = readme_block(r, readme, plots)
+    pattern = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: block, text)
+    else:
+        text = text.rstrip("\n") + "\n\n## Headline figures\n\n" + block + "\n"
+    readme.write_text(text)

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
 
-from memspec.common.errors import ConfigError
+from memspec.common.errors import ConfigError, RequestError
 from memspec.common.paths import DEFAULT_POOL, TARGET_DIRNAME, default_target_dir, expand_path
+from memspec.procs.decoder.stops import check_stops
+
+if TYPE_CHECKING:
+    from memspec.common.messages import Submit
 
 POLICIES = (
     "target-only",
@@ -35,7 +40,11 @@ _POOL_KEYS = {
     "memory_budget_mb", "load_iter_ratio", "bandwidth_mb_s", "ucb_c", "predictor_head",
     "max_new_tokens", "dtype", "max_context",
 }
-_DRAFT_KEYS = {"name", "domain", "path"}
+_DRAFT_KEYS = {"name", "domain", "path", "kind", "description"}
+# model: an independent causal LM sharing the tokenizer; head: a one-layer head over the
+# target's features (procs/decoder/head.py)
+DRAFT_KINDS = ("model", "head")
+SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts (unsigned)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class DraftSpec:
     name: str
     domain: str
     path: Path
+    kind: str = "model"
+    description: str = ""  # what the draft is good at: the fallback ranking reads it
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,7 @@ def _parse_drafts(items: Any, base: Path) -> tuple[DraftSpec, ...]:
         extra = set(item) - _DRAFT_KEYS
         if extra:
             raise ConfigError(f"drafts[{i}] has unknown field '{sorted(extra)[0]}'",
-                              "allowed fields: name, domain, path")
+                              "allowed fields: " + ", ".join(sorted(_DRAFT_KEYS)))
         for key in ("name", "path"):
             if not isinstance(item.get(key), str) or not item[key]:
                 raise ConfigError(f"drafts[{i}].{key} is missing", f"give each draft a {key}")
@@ -124,7 +135,16 @@ def _parse_drafts(items: Any, base: Path) -> tuple[DraftSpec, ...]:
         domain = item.get("domain", name)
         if not isinstance(domain, str):
             raise ConfigError(f"drafts[{i}].domain must be a string", "e.g. domain = \"code\"")
-        drafts.append(DraftSpec(name=name, domain=domain, path=expand_path(item["path"], base)))
+        kind = item.get("kind", "model")
+        if kind not in DRAFT_KINDS:
+            raise ConfigError(f"draft '{name}' has unknown kind {kind!r}",
+                              "use kind = \"model\" or kind = \"head\"")
+        description = item.get("description", "")
+        if not isinstance(description, str):
+            raise ConfigError(f"drafts[{i}].description must be a string",
+                              "e.g. description = \"Python code and its documentation\"")
+        drafts.append(DraftSpec(name=name, domain=domain, path=expand_path(item["path"], base),
+                                kind=kind, description=description))
     return tuple(drafts)
 
 
@@ -144,7 +164,9 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
     if not isinstance(raw.get("target"), str):
         raise ConfigError("pool.target is missing", "set target = \"<path to an HF model dir>\"")
     drafts = _parse_drafts(data.get("drafts", []), base)
-    general = raw.get("general", "general")
+    names = [d.name for d in drafts]
+    # general-static's draft: "general" when there is one, else the first listed
+    general = raw.get("general", "general" if "general" in names or not names else names[0])
     policy = _choice(raw, "policy", "memspec", POLICIES)
     if drafts and not any(d.name == general for d in drafts):
         names = ", ".join(d.name for d in drafts)
@@ -223,6 +245,7 @@ def check_paths(pool: PoolConfig) -> None:
         if not (d.path / "config.json").is_file():
             raise ConfigError(f"draft '{d.name}' not found at {d.path}",
                               "fix drafts.path or run `memspec zoo drafts`")
+        check_kind(d)
         draft_tok = tokenizer_fingerprint(d.path)
         if draft_tok is None:
             raise ConfigError(f"draft '{d.name}' has no tokenizer.json",
@@ -230,3 +253,55 @@ def check_paths(pool: PoolConfig) -> None:
         if target_tok is not None and draft_tok != target_tok:
             raise ConfigError(f"draft '{d.name}' uses a different tokenizer than the target",
                               "drafts must share the target's tokenizer; retrain or remove it")
+
+
+def folder_kind(model_dir: Path) -> str:
+    """What a draft folder holds, from its config.json (heads say ``memspec_kind``)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "model"
+    return "head" if isinstance(cfg, dict) and cfg.get("memspec_kind") == "head" else "model"
+
+
+def check_kind(d: DraftSpec) -> None:
+    actual = folder_kind(d.path)
+    if actual != d.kind:
+        raise ConfigError(f"draft '{d.name}' is kind = \"{d.kind}\" in the pool but {d.path} "
+                          f"holds a {actual}", f"set kind = \"{actual}\" for it or fix its path")
+
+
+# --- requests ------------------------------------------------------------------------------
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} = {value!r} is not a finite number", f"give {name} a number")
+    return float(value)
+
+
+def check_sampling(temperature: object, top_p: object, seed: object) -> None:
+    """Every sampling parameter, finite and in range: the one check the CLI, the decoder
+    (through SamplingParams) and `check_submit` share."""
+    if _finite("temperature", temperature) < 0:
+        raise RequestError(f"temperature {temperature} is negative", "use 0 (greedy) or more")
+    if not 0 < _finite("top_p", top_p) <= 1:
+        raise RequestError(f"top_p {top_p} is outside (0, 1]", "use e.g. 0.9")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise RequestError(f"seed {seed!r} is not an integer in [0, 2^64)",
+                           "use a non-negative integer seed")
+
+
+def check_submit(req: Submit) -> None:
+    """A request's own fields, before it is queued: policy, length, sampling, stop strings,
+    ucb_c."""
+    if req.policy and req.policy not in POLICIES:
+        raise RequestError(f"unknown policy '{req.policy}'", f"use one of: {', '.join(POLICIES)}")
+    if req.max_new_tokens < 0:
+        raise RequestError(f"max_new_tokens {req.max_new_tokens} is negative",
+                           "ask for at least 1 token (0: the pool's default)")
+    if not req.prompt:
+        raise RequestError("empty prompt", "send some text")
+    check_sampling(req.temperature, req.top_p, req.seed)
+    check_stops(req.stop)
+    if req.ucb_c is not None and _finite("ucb_c", req.ucb_c) < 0:
+        raise RequestError(f"ucb_c {req.ucb_c} is negative", "use 0 or more (default 2.0)")

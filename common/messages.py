@@ -67,6 +67,16 @@ class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
     shared_mb: float = 0.0
 
 
+class TensorRange(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """Bytes [start, end) of a weight file's data section and their sha256 (a manifest's
+    entry: common/manifest.py)."""
+
+    name: str
+    start: int
+    end: int
+    sha256: str
+
+
 class SlotStatus(msgspec.Struct, forbid_unknown_fields=True):
     slot: int
     generation: int
@@ -126,6 +136,8 @@ class Load(Message):
     storage: str = "native"
     bandwidth_bytes_s: float = 0.0  # edge-emulated pacing; 0: unpaced
     expected_sha256: str = ""  # of the file's data section; "": not checked
+    header_sha256: str = ""  # of bytes [0, data offset): the header the ranges belong to
+    ranges: list[TensorRange] = []  # tile the data section; each checked as it is copied
 
 
 class Cancel(Message):
@@ -232,6 +244,7 @@ class StatusRequest(Message):
 class Status(Message):
     procs: dict[str, ProcStatus]
     slots: list[SlotStatus]
+    quarantined: dict[str, str] = {}  # draft -> why it is never loaded or run
     totals: Totals | None = None  # the supervisor's counters (None from the decoder)
 
 

@@ -102,9 +102,11 @@ def _timeouts(args: argparse.Namespace):  # noqa: ANN202
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from memspec.common.config import check_sampling
     from memspec.launch.client import submit
 
     check_utf8(args.prompt, "the prompt")
+    check_sampling(args.temperature, args.top_p, args.seed)  # before anything is sent
     _check_max_new(args.max_new_tokens)
     kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
@@ -125,7 +127,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     st = status(args.endpoint, _timeouts(args))
     if args.json:
         print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots),
-                          "totals": as_json(st.totals)}))
+                          "quarantined": st.quarantined, "totals": as_json(st.totals)}))
     else:
         for name, p in st.procs.items():
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
@@ -133,12 +135,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         for slot in st.slots:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
+        print(f"quarantined: {json.dumps(st.quarantined) if st.quarantined else 'none'}")
         if st.totals is not None:
             t = st.totals
             outcomes = ", ".join(f"{n} {k}" for k, n in sorted(t.requests.items())) or "none"
             print(f"requests: {outcomes}; running {t.running}, queued {t.queued}; "
                   f"{t.generation_tokens} tokens generated, mean acceptance length "
                   f"{t.mean_acceptance_length:.2f}")
+    return 0
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    from memspec.common.manifest import check_folder, write_manifest
+
+    if args.check:
+        problems = check_folder(args.folder)
+        for line in problems:
+            print(f"memspec: error: {line}", file=sys.stderr)
+        if not problems:
+            print(f"{args.folder}: every file and tensor matches its manifest")
+        return 1 if problems else 0
+    print(f"wrote {write_manifest(args.folder)}")
     return 0
 
 
@@ -230,8 +247,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.http import main_bench_http
 
         return main_bench_http(args)
+    if args.what == "soak":
+        from memspec.bench.soak import main_bench_soak
+
+        return main_bench_soak(args)
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use eval, engine, pipeline, messages, gpu or http")
+                       "use eval, engine, pipeline, messages, gpu, soak or http")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -289,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+    mf = sub.add_parser("manifest", help="write (or --check) a model folder's manifest.json: "
+                        "sha256 per file and per tensor, checked before a draft runs")
+    mf.add_argument("folder", help="a draft or target folder (config.json + .safetensors)")
+    mf.add_argument("--check", action="store_true", help="verify the folder against it instead")
+    mf.set_defaults(func=cmd_manifest)
+
     z = sub.add_parser("zoo", help="build models and corpora")
     z.add_argument("what", choices=["target", "corpora", "drafts", "eval"])
     _add_pool(z)
@@ -325,10 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
-                   choices=["eval", "engine", "pipeline", "messages", "gpu", "http"],
+                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
+    b.add_argument("--requests", type=int, default=200,
+                   help="soak: requests served (RSS per process after 20, 100 and 200)")
     b.add_argument("--dtypes", default=None,
                    help="engine: target precisions to compare (default int4,int8,bfloat16,"
                         "float32; the pool's choice always first)")
@@ -336,16 +365,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default 128 (eval), 64 (engine, pipeline)")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--plots", default=None, help="folder for PNG plots")
-    b.add_argument("--prompts-per-domain", type=int, default=20,
-                   help="eval: held-out prompts per domain in the simulator")
+    b.add_argument("--prompts-per-domain", type=int, default=40,
+                   help="eval: test prompts per domain in the simulator")
+    b.add_argument("--mixed", type=int, default=60, help="eval: mixed prompts in the simulator")
+    b.add_argument("--dev-per-domain", type=int, default=20,
+                   help="eval: dev prompts per domain for UCB's c")
     b.add_argument("--real-per-domain", type=int, default=10,
-                   help="eval: prompts per domain run for real per policy (0: skip)")
+                   help="eval: test prompts per domain run for real (0 with --real-mixed 0: "
+                        "no real runs)")
+    b.add_argument("--real-mixed", type=int, default=30, help="eval: mixed prompts run for real")
+    b.add_argument("--repeats", type=int, default=2, help="eval: real runs per prompt and policy")
     b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
     b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
     b.add_argument("--cost-model", default=None,
                    help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
                         "instead of measuring it; reproduces a committed run's figures")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
+    b.add_argument("--readme", default=None, help="eval: rewrite the figures block of this README")
+    b.add_argument("--from-json", default=None,
+                   help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
     b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
     b.add_argument("--target", default=None,
                    help="gpu: target model folder (default: the pool's)")

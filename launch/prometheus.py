@@ -86,6 +86,8 @@ def render(st: Status, drafts: Iterable[str]) -> str:
           [({"draft": d}, d in resident) for d in drafts])
     gauge("draft_loading", "1 while the draft is being loaded into a slot.",
           [({"draft": d}, d in loading) for d in drafts])
+    gauge("draft_quarantined", "1 once the draft's weights failed a check (never run again).",
+          [({"draft": d}, d in st.quarantined) for d in drafts])
     gauge("slots", "Draft slots by state.",
           [({"state": s}, sum(x.state == s for x in st.slots))
            for s in ("free", "loading", "resident")])

@@ -37,6 +37,7 @@ from typing import TypeVar
 
 import zmq
 
+from memspec.common.config import check_submit
 from memspec.common.errors import MemspecError, RequestError
 from memspec.common.memory import process_info
 from memspec.common.messages import (
@@ -50,6 +51,7 @@ from memspec.common.messages import (
     Heartbeat,
     Message,
     PeerRestarted,
+    PredictorInfo,
     ProcInfo,
     ProcStatus,
     ProtocolError,
@@ -74,6 +76,7 @@ from memspec.common.sockets import (
     sweep_run_dirs,
 )
 from memspec.launch.endpoint import EndpointLock, check_endpoint
+from memspec.procs.predictor import FALLBACK
 
 PROCS = ("loader", "predictor", "decoder")
 HELPER_NICE = 10  # loader and predictor run at lower priority (see bench pipeline: interference)
@@ -178,6 +181,8 @@ class Supervisor:
         self.queue: deque[Pending] = deque()
         self.in_flight: Pending | None = None
         self.slots: list[SlotStatus] = []
+        self.quarantined: dict[str, str] = {}  # the decoder's, as of its last Status
+        self._said: set[tuple[str, str]] = set()  # quarantines already logged
         self.decoder_token = ""
         self.supervisor_id = secrets.token_hex(8)
         self.rejected = RejectLog(_log)
@@ -359,11 +364,23 @@ class Supervisor:
             self.rejected("control: a Status that is not the running decoder's")
             return
         self.slots = msg.slots
+        self._on_quarantined(msg.quarantined)
+
+    def _on_quarantined(self, quarantined: dict[str, str]) -> None:
+        """Log each quarantine once (a restarted decoder finds the same ones again)."""
+        self.quarantined = dict(quarantined)
+        for item in sorted(quarantined.items()):
+            if item not in self._said:
+                self._said.add(item)
+                _log(f"draft '{item[0]}' quarantined: {item[1]}")
 
     def _on_ready(self, p: Proc, msg: Ready) -> None:
         if p.pid != msg.pid:
             return  # a Ready from a process we already replaced
         restarted = p.state == "restarting"
+        if (isinstance(msg.info, PredictorInfo) and msg.info.head.startswith(FALLBACK)
+                and p.info is None):  # said once, not at every restart
+            _log(msg.info.head[len(FALLBACK):])
         p.state, p.last_beat, p.info = "ready", time.monotonic(), msg.info
         p.ready_at = p.last_beat
         if restarted:
@@ -435,9 +452,15 @@ class Supervisor:
     def submit(self, req: Submit, reply: Reply) -> None:
         """Queue `req`. Its replies go to `reply`, called from `tick`: a Queued at once and
         every few seconds, Tokens as they decode, then one Done or Error. Raises ServerBusy
-        when `max_queue` requests wait, RequestError when `req` cannot be sent."""
+        when `max_queue` requests wait, RequestError when `req` cannot be sent or has a bad
+        field (checked here, in one place, before anything is queued)."""
         if self.closed:
             raise MemspecError("the server is stopping", "resubmit once it is back")
+        try:
+            check_submit(req)
+        except RequestError:
+            self.totals.count("invalid")
+            raise
         if len(self.queue) >= self.max_queue:
             self.totals.count("busy")
             raise ServerBusy(f"server busy: {len(self.queue)} requests are queued",
@@ -501,7 +524,7 @@ class Supervisor:
         procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
                                **(process_info(p.pid) if p.pid else {}))
                  for n, p in self.procs.items()}
-        return Status(procs=procs, slots=self.slots,
+        return Status(procs=procs, slots=self.slots, quarantined=self.quarantined,
                       totals=self.totals.snapshot(len(self.queue), int(self.in_flight is not None)))
 
     @property

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.metrics import LoadEvent, Summary
+from memspec.procs.decoder.loadplan import PlanCosts, linear_fit
 from memspec.sim.loadqueue import LoadQueue
 
 
@@ -65,6 +66,18 @@ class CostModel:
         return CostModel(**{**asdict(self), "load_s": {d: s * scale
                                                        for d, s in self.load_s.items()}})
 
+    def load_over_iteration(self, draft: str) -> float:
+        """A load of `draft` in SD iterations (the edge-emulated profile's ratio)."""
+        return self.load_s[draft] / (self.mean_iteration_s or self.spec_s[draft])
+
+    def plan_costs(self) -> PlanCosts:
+        """oracle-dynamic's beliefs in SD iterations, as the decoder learns them from its
+        own finished requests (procs/decoder/oracle.py:PlanCostMeter)."""
+        unit = self.mean_iteration_s or sum(self.spec_s.values()) / max(1, len(self.spec_s))
+        return PlanCosts(load={d: s / unit for d, s in self.load_s.items()},
+                         target=self.target_s / unit, switch=self.catchup_base_s / unit,
+                         switch_per_token=self.catchup_per_token_s / unit)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -87,16 +100,6 @@ def _mean(xs: Sequence[float], default: float = 0.0) -> float:
 
 def _median(xs: Sequence[float], default: float = 0.0) -> float:
     return statistics.median(xs) if xs else default
-
-
-def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least squares y = a + b x (b clamped >= 0: costs never fall with more tokens)."""
-    if len(xs) < 2 or len(set(xs)) < 2:
-        return (_mean(ys), 0.0)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
-    return my - b * mx, b
 
 
 def _waits_between(waits: Sequence[tuple[float, float]], a: float, b: float) -> float:

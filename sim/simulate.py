@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from memspec.common.messages import Cancel, Load, Loaded, LoadFailed, Message, Ranking, Snapshot
 from memspec.common.metrics import IterationRecord, RunStats, Summary
+from memspec.procs.decoder.loadplan import PlanCosts
 from memspec.procs.decoder.loop import Controller, Job, Overhead
 from memspec.procs.decoder.oracle import make_plan
 from memspec.procs.decoder.policies import Policy, make_policy
@@ -52,6 +53,7 @@ class SimConfig:
     N: int
     gamma: int
     max_new_tokens: int | None = None  # cut trajectories (output-length sweeps)
+    plan: PlanCosts | None = None  # what oracle-dynamic believes loads cost (the runtime's)
 
 
 class SimClock:
@@ -70,11 +72,31 @@ class SimClock:
                    "post": self.cost.post_s}[kind]
 
 
+class SimSlots:
+    """The simulated slots: binding costs what it cost the decoder, and each draft's KV
+    cache coverage is booked (a fresh copy starts empty)."""
+
+    def __init__(self, cost: CostModel, clock: SimClock) -> None:
+        self.cost, self.clock = cost, clock
+        self.kv: dict[str, int] = {}  # draft -> tokens its KV cache covers (0 after a load)
+
+    def load_request(self, slot: int, generation: int, draft: str) -> Load:
+        return Load(slot=slot, generation=generation, draft=draft, path="", transport="sim",
+                    handle="", capacity=0)
+
+    def bind(self, slot: int, generation: int, draft: str) -> None:
+        self.clock.advance(self.cost.bind_s)
+        self.kv[draft] = 0
+
+    def unbind(self, draft: str) -> None:
+        self.kv.pop(draft, None)
+
+
 class TableExecutor:
-    """One request's iterations from the tables, and the simulated slots it runs from."""
+    """One request's iterations from the tables; opening it is the prompt's prefill."""
 
     def __init__(self, req: SimRequest, cost: CostModel, cfg: SimConfig, clock: SimClock,
-                 uses_predictor: bool) -> None:
+                 uses_predictor: bool, slots: SimSlots | None = None) -> None:
         self.req, self.cost, self.gamma, self.clock = req, cost, cfg.gamma, clock
         self.length = req.length if cfg.max_new_tokens is None \
             else min(req.length, cfg.max_new_tokens)
@@ -85,7 +107,8 @@ class TableExecutor:
         self.speed = 1.0 + (cost.predictor_slowdown if uses_predictor else 0.0)
         self.loader_busy: Callable[[float], bool] = lambda _t: False
         self.pos = 0
-        self.kv: dict[str, int] = {}  # draft -> tokens its KV cache covers (0 after a load)
+        self.slots = slots or SimSlots(cost, clock)
+        self.kv = self.slots.kv
         self.last: str | None = None
 
     # ---- Executor -------------------------------------------------------------------------
@@ -129,18 +152,6 @@ class TableExecutor:
         return IterationRecord(run, gamma, a, emitted, t,
                                t_draft=cost.spec_cost(run, context) * speed + draft_extra,
                                t_catchup=catch, desired=desired)
-
-    # ---- Slots ----------------------------------------------------------------------------
-    def load_request(self, slot: int, generation: int, draft: str) -> Load:
-        return Load(slot=slot, generation=generation, draft=draft, path="", transport="sim",
-                    handle="", capacity=0)
-
-    def bind(self, slot: int, generation: int, draft: str) -> None:
-        self.clock.advance(self.cost.bind_s)
-        self.kv[draft] = 0  # a fresh copy: its KV cache starts empty
-
-    def unbind(self, draft: str) -> None:
-        self.kv.pop(draft, None)
 
 
 class SimChannels:
@@ -239,22 +250,30 @@ def _run(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig, ucb
         return executor.pos if executor is not None else 0
 
     policy = build_policy(policy_name, req, cfg, position, ucb_c)
-    executor = TableExecutor(req, cost, cfg, clock, policy.uses_predictor)
+    sim_slots = SimSlots(cost, clock)
     channels = SimChannels(clock, cost, req.prompt_id, req.scores, position)
-    executor.loader_busy = channels.loader.busy
-    ctl = Controller(cfg.drafts, cfg.general, cfg.K, cfg.N, 0, clock, channels, executor)
+    ctl = Controller(cfg.drafts, cfg.general, cfg.K, cfg.N, 0, clock, channels, sim_slots)
     for d in resident:  # already resident when the request arrives
         slot = ctl.table.begin_load(d)
         if slot is not None:
             ctl.table.complete(slot.index, slot.generation, d)
-    ctl.start(Job(req.prompt_id, "", policy, executor, t_start=0.0, trace=trace))
+
+    def prefill() -> TableExecutor:
+        nonlocal executor
+        executor = TableExecutor(req, cost, cfg, clock, policy.uses_predictor, sim_slots)
+        executor.loader_busy = channels.loader.busy
+        return executor
+
+    ctl.start(Job(req.prompt_id, "", policy, None, t_start=0.0, trace=trace, prefill=prefill))
     while (summary := ctl.step()) is None:
         pass
+    assert executor is not None
     return summary, executor.stats
 
 
 def build_policy(name: str, req: SimRequest, cfg: SimConfig, position: Callable[[], int],
                  ucb_c: float = 2.0) -> Policy:
     """The runtime's policy object, with an oracle plan over this request's tables."""
-    plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position)
+    plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position, cfg.K, cfg.plan,
+                     req.prompt_len)
     return make_policy(name, ucb_c=ucb_c, oracle_plan=plan)

@@ -143,3 +143,26 @@ def test_draft_without_tokenizer_files_uses_recorded_fingerprint(tmp_path, tiny_
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="different tokenizer than the target"):
         load_pool(p)
+
+
+def test_draft_kind_is_validated_against_the_folder(tmp_path, tiny_dir):
+    from tinymodels import make_tiny_head
+
+    data = json.loads(json.dumps(BASE))
+    data["drafts"][0]["kind"] = "adapter"
+    with pytest.raises(ConfigError, match="draft 'general' has unknown kind 'adapter'"):
+        parse_pool(data, Path("."))
+    assert parse_pool(BASE, Path(".")).drafts[0].kind == "model"  # the default
+    p = pool_file(tmp_path, tiny_dir, GOOD)
+    make_tiny_head(tmp_path / "head", seed=1)
+    p.write_text(GOOD.replace('path = "small"', 'path = "head"'))
+    with pytest.raises(ConfigError) as err:  # a head folder left at the default kind
+        load_pool(p)
+    msg = str(err.value)
+    assert "draft 'code' is kind = \"model\"" in msg and "holds a head" in msg
+    assert "set kind = \"head\"" in msg and "\n" not in msg
+    p.write_text(GOOD.replace('path = "small"', 'path = "head"\nkind = "head"'))
+    assert load_pool(p).draft("code").kind == "head"
+    p.write_text(GOOD.replace('path = "small"', 'path = "small"\nkind = "head"'))
+    with pytest.raises(ConfigError, match="draft 'code' is kind = \"head\" .* holds a model"):
+        load_pool(p)

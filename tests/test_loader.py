@@ -23,6 +23,7 @@ import zmq
 from hostile import hostile_frames
 
 from memspec.common import sockets
+from memspec.common.manifest import weights_entry
 from memspec.common.messages import (
     CONTROL,
     LOADER_REPLIES,
@@ -206,6 +207,9 @@ def test_cancel_aborts_the_inflight_load_and_drops_queued_ones(loader, slots, ti
     ("truncated", "truncated"),
     ("trailing", "bytes after its data section"),
     ("checksum", "checksum mismatch"),
+    ("manifest-bytes", r"tensor '[^']+' \(bytes \d+-\d+\) differs from its manifest"),
+    ("manifest-header", "the header of .* differs from its manifest"),
+    ("manifest-ranges", "manifest ranges do not tile the data section"),
     ("too-big", "needs .* bytes but the slot holds"),
     ("bad-handle", "bad slot handle"),
     ("absent-segment", "bad slot handle: cannot open shm segment"),
@@ -228,6 +232,17 @@ def test_bad_loads_fail_with_reason_and_next_load_succeeds(loader, slots, tiny_d
         raw = raw + b"\0" * 10
     elif damage == "checksum":
         kw["expected_sha256"] = "0" * 64
+    elif damage.startswith("manifest"):  # the clean file's manifest, a same-size change
+        entry = weights_entry(src, src.name)
+        kw.update(header_sha256=entry.header_sha256, ranges=list(entry.ranges))
+        if damage == "manifest-bytes":
+            mid = entry.data_offset + entry.data_size // 2
+            raw = raw[:mid] + bytes(b ^ 0xFF for b in raw[mid:mid + 64]) + raw[mid + 64:]
+        elif damage == "manifest-header":
+            assert b'"pt"' in raw[:entry.data_offset]
+            raw = raw.replace(b'"pt"', b'"pX"', 1)  # still a valid header, not the same one
+        else:
+            kw["ranges"] = kw["ranges"][1:]
     elif damage == "too-big":
         kw["capacity"] = 1024
     elif damage == "bad-handle":

@@ -90,7 +90,7 @@ def test_metrics_text_parses_and_keeps_every_draft_and_process():
                        "loader": ProcStatus(pid=None, state="restarting")},
                 slots=[SlotStatus(slot=0, generation=1, state="resident", draft="code"),
                        SlotStatus(slot=1, generation=0, state="free", draft=None)],
-                totals=totals)
+                totals=totals, quarantined={"general": "bad checksum"})
     samples = {}
     for family in text_string_to_metric_families(prometheus.render(st, ["general", "code"])):
         for s in family.samples:
@@ -100,6 +100,8 @@ def test_metrics_text_parses_and_keeps_every_draft_and_process():
     assert samples[("memspec_spec_decode_mean_acceptance_length", ())] == 2.5
     assert samples[("memspec_draft_iterations_total", (("draft", "general"),))] == 0
     assert samples[("memspec_draft_resident", (("draft", "code"),))] == 1
+    assert samples[("memspec_draft_quarantined", (("draft", "general"),))] == 1
+    assert samples[("memspec_draft_quarantined", (("draft", "code"),))] == 0
     assert samples[("memspec_process_restarts_total", (("proc", "decoder"),))] == 2
     assert samples[("memspec_process_up", (("proc", "loader"),))] == 0
     assert samples[("memspec_process_resident_memory_bytes", (("proc", "decoder"),))] == 10 << 20

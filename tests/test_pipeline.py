@@ -396,25 +396,17 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
     """oracle-static/-dynamic in the runtime: same tokens, drafts chosen from the tables;
     an untraced prompt or a sampled request gets a one-line error, not a dead decoder."""
     from memspec.common.paths import memspec_home
-    from memspec.procs.decoder.models import load_causal_lm, load_tokenizer
-    from memspec.zoo.tablestore import pool_fingerprint, trajectories_path
-    from memspec.zoo.trace import build_tables
-    from memspec.zoo.trajectories import build_trajectories
+    from memspec.zoo.trace import Tracer
 
     real_home = str(memspec_home())
     pool_path = write_pool(tmp_path, storage="edge-emulated")
     pool_path.write_text(pool_path.read_text().replace("$MEMSPEC_HOME", real_home))
     monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))  # traces go to a scratch home
     pool = load_pool(pool_path)
-    tok = load_tokenizer(pool.target)
-    target = load_causal_lm(pool.target, "target")
-    prompts = load_prompts("dev", DOMAINS, 1)
-    trajs = build_trajectories(target, tok, pool.target, prompts,
-                               trajectories_path(pool, "dev"), max_new_tokens=MAX_NEW,
-                               progress=False)
-    build_tables(pool, trajs, int(target.get_output_embeddings().weight.shape[0]), "dev",
-                 pool_fingerprint(pool))
-    del target
+    tracer = Tracer(pool)  # the engine's trajectories and tables, in the runtime's dtype
+    trajs, _ = tracer.trace_set("dev", load_prompts("dev", DOMAINS, 1), MAX_NEW)
+    assert all(t["dtype"] == tracer.dtype for t in trajs)
+    del tracer
     s = Supervisor(str(pool_path), cold_start=True)
     try:
         s.start()

@@ -260,18 +260,26 @@ def test_oracles_follow_their_plan() -> None:
     p.reset()
     p.decide(view(iteration=0))
     assert asked == [0, 0]
-    d = make_policy("oracle-dynamic", oracle_plan=lambda v: {"law": 2.0, "math": 1.0}).decide(
+    # oracle-dynamic does what its plan decides, loads included; never runs a non-resident
+    planned = Decision("math", "math", CacheActions(prefetch=("law",)))
+    d = make_policy("oracle-dynamic", oracle_plan=lambda v: planned).decide(
         view(resident={"math"}, active="math"))
-    assert (d.run, d.preferred, d.actions.prefetch) == ("math", "law", ("law",))
+    assert d == planned
+    d = make_policy("oracle-dynamic", oracle_plan=lambda v: planned).decide(view())
+    assert (d.run, d.actions.prefetch) == (None, ("law",))
+    assert make_policy("oracle-dynamic", oracle_plan=lambda v: None).decide(view()).run is None
 
 
-def test_wait_initial_blocks_once() -> None:
-    p = make_policy("memspec", wait_initial=True)
-    d = p.decide(view())
-    assert (d.run, d.wait_for, d.actions.prefetch) == ("code", "code", ("code", "math"))
-    assert p.decide(view(iteration=4, loading={"code", "math"})).wait_for is None
-    p.reset()
-    assert p.decide(view(loading={"code"})).wait_for == "code"
+def test_the_first_decision_is_the_initial_load() -> None:
+    """Taken before prefill (Alg. 3 lines 2-5): every draft-using policy names its initial
+    draft(s) from an empty residency."""
+    first = {name: build(name).decide(view()).actions.prefetch
+             for name in ("general-static", "oracle-static", "mab-async", "mab-sync",
+                          "prediction-only", "memspec")}
+    assert first == {"general-static": ("general",), "oracle-static": ("math",),
+                     "mab-async": ("general",), "mab-sync": ("general",),
+                     "prediction-only": ("code",), "memspec": ("code", "math")}
+    assert build("target-only").decide(view()).actions.empty
 
 
 # ---- invariants over random states --------------------------------------------------------

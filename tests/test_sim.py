@@ -8,13 +8,14 @@ import random
 import pytest
 
 from memspec.common.metrics import IterationRecord, LoadEvent, RunStats, Summary, Trace
+from memspec.procs.decoder.loadplan import LoadPlanner, PlanCosts
 from memspec.procs.decoder.oracle import dynamic_plan, static_plan
 from memspec.procs.decoder.policies import POLICY_NAMES, SchedView
 from memspec.procs.decoder.replay import oracle_static, replay_static, step_accepted
 from memspec.sim.costmodel import CostModel, fit, linear_fit
 from memspec.sim.loadqueue import LoadQueue
 from memspec.sim.optimum import optimum
-from memspec.sim.simulate import SimConfig, SimRequest, simulate
+from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
 from memspec.zoo.tables import table_from_correct
 
 DRAFTS = ("general", "code", "math", "law", "medical")
@@ -146,10 +147,9 @@ def test_oracle_plans():
     view = SchedView(0, DRAFTS, "general", 2, frozenset(), frozenset(), frozenset(), None, None)
     assert static_plan(tab, 4)(view) == best
     pos = {"p": 0}
-    plan = dynamic_plan(tab, 4, 4, lambda: pos["p"])
-    scores = plan(view)
-    top = max(scores, key=scores.get)
-    assert scores[top] >= max(scores.values())
+    plan = dynamic_plan(tab, 4, 4, 2, PlanCosts.uniform(DRAFTS, 2.5), lambda: pos["p"])
+    first = plan(view)  # request start: one draft to load during the prefill
+    assert first.run is None and len(first.actions.prefetch) == 1
     pos["p"] = len(tab["general"])
     assert plan(view) is None
 
@@ -227,3 +227,91 @@ def test_predictor_answers_the_newest_snapshot_only():
     assert st.summary()["generated_tokens"] == len(tab["general"])
     # decisions see rankings at most ~two predictor latencies old, never the whole queue
     assert len(set(seen)) >= 2
+
+
+# --------------------------------------------------------------------------- oracle-dynamic
+
+
+def phases(seed: int, length: int = 96, stretch: int = 24) -> dict[str, list[int]]:
+    """Each draft good in its own stretches of the trajectory (a mixed-domain answer)."""
+    rng = random.Random(seed)
+    order = [DRAFTS[(seed + i) % 5] for i in range(5)]
+    return {d: table_from_correct([rng.random() < (0.85 if order[(p // stretch) % 2] == d
+                                                   else 0.25) for p in range(length)], 4)
+            for d in DRAFTS}
+
+
+def test_the_load_plan_starts_a_load_early_enough():
+    """Two phases: the plan loads the second phase's draft while the first runs, so it is
+    resident when its phase starts, and it beats the best single draft."""
+    tab = phases(1)
+    first, second = DRAFTS[1], DRAFTS[2]
+    planner = LoadPlanner(tab, 4, 4, 2, PlanCosts.uniform(DRAFTS, 2.5, switch=0.0))
+    move = planner.initial()
+    assert move.load == first
+    state = (0, None, frozenset(), (first, planner.load_left(first)))
+    runs, loads = [], []
+    while state[0] < planner.n:
+        move = planner.step(state)
+        runs.append((state[0], move.run))
+        if move.load:
+            loads.append((state[0], move.load))
+        state = planner.after(state, move)
+    switch = next(pos for pos, run in runs if run == second)
+    issued = next(pos for pos, d in loads if d == second)
+    assert issued < switch <= 24 + 12  # loaded before its phase, run soon after it starts
+    static = oracle_static(tab, 4)[1].iterations  # the best single draft, always resident
+    assert planner.step((0, first, frozenset({first}), None)).value < static
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_oracle_dynamic_bounds_the_online_policies(seed):
+    """With future knowledge of acceptance and loads, oracle-dynamic is at least as fast as
+    oracle-static and every online policy, in the simulator, cold start included."""
+    tab = phases(seed) if seed % 2 else tables(seed, good=DRAFTS[seed % 5])
+    c = cost(load=0.22)
+    cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=c.plan_costs())
+    oracle = max(DRAFTS, key=lambda d: sum(tab[d]))
+    req = SimRequest("p", "x", 40, tab, scores=lambda p: {d: 1.0 if d == oracle else 0.1
+                                                          for d in DRAFTS})
+    steady = {name: simulate(name, req, c, cfg).summary()["tokens_per_s_steady"]
+              for name in POLICY_NAMES if name != "target-only"}
+    for name, v in steady.items():
+        assert steady["oracle-dynamic"] >= v * (1 - 0.01), (name, steady)
+
+
+def test_oracle_dynamic_replans_when_loads_run_late():
+    """The plan believes loads take 1 iteration; they take 5: it re-plans from the real
+    state at every scheduling point, never runs a draft that is not resident, and finishes."""
+    tab = phases(2)
+    slow = cost(load=0.45)
+    cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=PlanCosts.uniform(DRAFTS, 1.0))
+    st = simulate_traced("oracle-dynamic", SimRequest("p", "x", 40, tab), slow, cfg)
+    assert st.generated_tokens == len(tab["general"]) and st.num_drafts > 0
+    loaded: set[str] = set()
+    its = iter(st.trace.iterations)
+    for ev in st.trace.loads:  # every drafted iteration ran a draft that had landed
+        if ev.kind == "loaded":
+            loaded.add(ev.draft)
+    assert {r.draft for r in st.trace.iterations if r.draft} <= loaded
+    assert next(its).draft is None  # the cold start: target alone until the first load lands
+
+
+def test_plan_cost_meter_learns_the_runtimes_costs():
+    """oracle-dynamic's beliefs from finished requests: iterations are the unit, catch-up a
+    line over tokens, loads as the loader timed them; the prior until there is data."""
+    from memspec.procs.decoder.oracle import PlanCostMeter
+
+    prior = PlanCosts.uniform(DRAFTS, 2.7)
+    meter = PlanCostMeter(prior)
+    assert meter.costs({}) is prior
+    recs = [IterationRecord("code", 4, 2, 3, 0.0, t_draft=0.02, t_verify=0.08,
+                            t_catchup=0.002 + 0.0001 * n, catchup_tokens=n)
+            for n in (10, 50, 100, 150, 200, 250)]
+    recs += [IterationRecord("code", 4, 1, 2, 0.0, t_draft=0.02, t_verify=0.08)] * 10
+    recs += [IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.05)] * 4
+    meter.observe(recs)
+    got = meter.costs({"math": 0.3})
+    assert got.target == pytest.approx(0.5) and got.load["math"] == pytest.approx(3.0)
+    assert got.load["code"] == 2.7  # never loaded: the prior's ratio
+    assert got.switch == pytest.approx(0.02) and got.switch_per_token == pytest.approx(0.001)

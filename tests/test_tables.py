@@ -288,27 +288,38 @@ def test_acceptance_report_by_hand():
     assert r["oracle_dynamic_over_oracle_static"]["gmean"] == pytest.approx(1.0)
 
 
-def test_evaluate_on_tiny_pool(tiny_dir, target):
-    """The whole report minus trajectory building, on tiny models: keys, exactness, costs."""
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_evaluate_on_tiny_pool(tiny_dir, tmp_path, dtype):
+    """The whole report minus trajectory building, on tiny models (draft models and a
+    head, through the engine's runners): keys, exactness, costs."""
+    from tinymodels import make_tiny_head
+
+    from memspec.procs.decoder.models import build_target
+
+    head = make_tiny_head(tmp_path / "head", seed=4)
     drafts = (DraftSpec("self", "general", tiny_dir / "self"),
               DraftSpec("random", "code", tiny_dir / "random"),
-              DraftSpec("small", "law", tiny_dir / "small"))
+              DraftSpec("small", "law", tiny_dir / "small"),
+              DraftSpec("head", "law", head, kind="head"))
     pool = PoolConfig(target=tiny_dir / "target", drafts=drafts, general="self", gamma=4, N=4)
-    eng = SpecEngine(target, (), gamma=4)
+    eng = SpecEngine(build_target(tiny_dir / "target", dtype), (), gamma=4)
     trajs = []
     for i, prompt in enumerate(PROMPTS + [[1, 11, 12], [1, 90, 2]]):
         tokens, _ = eng.generate(prompt, 24)
         trajs.append({"id": f"p{i}", "domain": ["general", "code", "law"][i % 3],
                       "prompt_ids": prompt, "tokens": tokens})
-    r = evaluate(pool, target, (), trajs, check_per_domain=1)
-    assert r["drafts"] == ["self", "random", "small"]
+    r = evaluate(pool, eng, trajs, check_per_domain=1)
+    assert r["drafts"] == ["self", "random", "small", "head"]
+    assert r["draft_kinds"]["head"] == "head" and r["draft_kinds"]["small"] == "model"
     assert r["domains"] == ["general", "code", "law"]
-    assert all(r["mean_acceptance_length"]["self"][d] == 5.0 for d in r["domains"])
-    assert r["oracle_static_over_general"]["gmean"] == pytest.approx(1.0)
+    if dtype == "float32":  # the target drafting for itself (other dtypes: its fp32 copy)
+        assert all(r["mean_acceptance_length"]["self"][d] == 5.0 for d in r["domains"])
+        assert r["oracle_static_over_general"]["gmean"] == pytest.approx(1.0)
     check = r["table_vs_engine"]
     assert check["prompts"] == 3 and check["iterations_compared"] > 0
     assert check["mismatching_iterations"] == 0 and check["trajectory_divergences"] == 0
-    assert set(r["draft_load_s"]) == set(r["load_over_iteration"]) == {"self", "random", "small"}
+    assert set(r["draft_load_s"]) == set(r["load_over_iteration"]) == {"self", "random",
+                                                                        "small", "head"}
     assert r["sd_iteration_s"] > 0
     r["prompts_per_domain"] = 2
     text = format_report(r)

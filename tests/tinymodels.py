@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -43,6 +43,54 @@ def make_tiny(seed: int, **kw) -> LlamaForCausalLM:
     return model
 
 
+
+QWEN_VOCAB = 264  # 256 byte tokens, <|endoftext|> (the EOS) and a few unused rows
+QWEN_EOS = 256
+
+
+def make_tiny_qwen2(seed: int, vocab: int = QWEN_VOCAB, layers: int = 2, hidden: int = 64
+                    ) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 (q/k/v projections with bias), sharpened like :func:`make_tiny`."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
+                      eos_token_id=QWEN_EOS, use_sliding_window=False)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what byte-level BPE vocabularies hold)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def byte_tokenizer_json() -> dict:
+    """A byte-level BPE without merges (one token per byte) that Qwen2's tokenizer class
+    loads, so tiny Qwen2 pools take real text prompts."""
+    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": True}
+    chars = _byte_chars()
+    return {"version": "1.0", "normalizer": None, "post_processor": None,
+            "pre_tokenizer": level, "decoder": level,
+            "added_tokens": [{"id": QWEN_EOS, "content": "<|endoftext|>", "single_word": False,
+                              "lstrip": False, "rstrip": False, "normalized": False,
+                              "special": True}],
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": "", "end_of_word_suffix": "",
+                      "fuse_unk": False, "byte_fallback": False,
+                      "vocab": {chars[b]: b for b in range(256)}, "merges": []}}
 
 
 def make_tiny_head(path: Path, seed: int, target_config: LlamaConfig | None = None,

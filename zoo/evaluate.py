@@ -1,10 +1,13 @@
 """`memspec zoo eval`: how well each draft of a pool predicts the target, per domain.
 
-Acceptance comes from tables (one teacher-forced pass per draft over the target's cached
-greedy trajectories, ARCHITECTURE.md §7), so every draft, the oracle-static and the
-oracle-dynamic baselines cost one pass each. Two measurements on the real runtime anchor
-the numbers: the real engine's accepted counts against the table replay (exactness), and
-the cost ratio the paper's memory problem is about (cold draft load vs one SD iteration).
+Acceptance comes from tables A_d(t) computed with the engine's own runners over the
+target's greedy trajectories in the runtime's precision (zoo/tables.py), for draft models
+and heads alike: a model draft costs one teacher-forced pass per trajectory, the heads
+share one target pass per trajectory (their input features) and unroll their proposals
+as the engine does. Every draft, the oracle-static and the oracle-dynamic baselines then
+come from replays. Two measurements on the real runtime anchor the numbers: the real
+engine's accepted counts against the table replay (exactness), and the cost ratio the
+paper's memory problem is about (cold draft load vs one SD iteration).
 """
 
 from __future__ import annotations
@@ -26,14 +29,21 @@ from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
 from memspec.common.metrics import gmean
 from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.head import HEAD_KIND
 from memspec.procs.decoder.inprocess import slot_capacity
-from memspec.procs.decoder.models import eos_token_ids, load_causal_lm, load_tokenizer
+from memspec.procs.decoder.models import open_engine
 from memspec.procs.decoder.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.decoder.slots import BoundDraft, SlotBuffer, draft_weights_file, load_into_slot
+from memspec.zoo.engine_trajectories import engine_trajectories
 from memspec.zoo.prompts import load_prompts
-from memspec.zoo.tables import acceptance_table, capped_engine_accepts
-from memspec.zoo.tablestore import trajectories_path
-from memspec.zoo.trajectories import build_trajectories
+from memspec.zoo.tables import (
+    acceptance_table,
+    capped_engine_accepts,
+    head_table,
+    runtime_table,
+    target_features,
+)
+from memspec.zoo.tablestore import pool_fingerprint, trajectories_path
 
 EVAL_SPLITS = ("dev", "test", "mixed")  # train prompts are the drafts' own data
 MAX_NEW_TOKENS = 128
@@ -72,6 +82,12 @@ def traces_path(pool: PoolConfig, split: str) -> Path:
     return trajectories_path(pool, split)
 
 
+def runtime_traces_path(pool: PoolConfig, split: str, dtype: str) -> Path:
+    """The split's trajectories as the engine commits them in ``dtype`` (beside the fp32
+    ones `memspec trace` batches)."""
+    return trajectories_path(pool, f"{split}-{dtype}")
+
+
 # --------------------------------------------------------------------------- tables
 
 
@@ -81,7 +97,8 @@ def draft_tables(bound: BoundDraft, trajs: Sequence[dict], gamma: int, vocab: in
 
 
 def all_tables(pool: PoolConfig, trajs: Sequence[dict], vocab: int) -> Tables:
-    """One slot, refilled per draft: tables never need two drafts resident."""
+    """Model drafts through their HF modules (fp32 trajectories of `memspec trace`). One
+    slot, refilled per draft: tables never need two drafts resident."""
     slot = SlotBuffer(slot_capacity(pool))
     out: Tables = {}
     for d in pool.drafts:
@@ -90,6 +107,41 @@ def all_tables(pool: PoolConfig, trajs: Sequence[dict], vocab: int) -> Tables:
         out[d.name] = draft_tables(bound, trajs, pool.gamma, vocab)
         _log(f"tables: {d.name} over {len(trajs)} trajectories in "
              f"{time.perf_counter() - t0:.1f}s")
+    return out
+
+
+def bind_pool(pool: PoolConfig, engine: SpecEngine) -> dict[str, BoundDraft]:
+    """Every draft of the pool in its own slot, added to the engine (heads: ~10 MB each)."""
+    out = {}
+    for d in pool.drafts:
+        size = draft_weights_file(d.path).stat().st_size
+        out[d.name] = load_into_slot(d.name, d.path, SlotBuffer(size), engine.vocab,
+                                     engine.target_parts)
+        engine.add_draft(out[d.name])
+    return out
+
+
+def runtime_tables(engine: SpecEngine, bound: dict[str, BoundDraft], trajs: Sequence[dict]
+                   ) -> Tables:
+    """A_d(t) of every draft through the engine's runners; the heads share one target
+    pass per trajectory (the features it writes are the ones the engine would)."""
+    heads = any(b.kind == HEAD_KIND for b in bound.values())
+    out: Tables = {n: [] for n in bound}
+    t0 = time.perf_counter()
+    for i, t in enumerate(trajs):
+        prompt, tokens = t["prompt_ids"], t["tokens"]
+        ids = torch.tensor(list(prompt) + list(tokens), dtype=torch.long, device=engine.device)
+        feat = target_features(engine, ids) if heads and tokens else None
+        for name, b in bound.items():
+            if not tokens:
+                out[name].append([])
+            elif b.kind == HEAD_KIND:
+                out[name].append(head_table(b, feat, ids, len(prompt), tokens, engine.gamma))
+            else:
+                out[name].append(runtime_table(engine, b, prompt, tokens))
+        if (i + 1) % 20 == 0 or i + 1 == len(trajs):
+            _log(f"tables: {i + 1}/{len(trajs)} trajectories x {len(bound)} drafts "
+                 f"({time.perf_counter() - t0:.0f}s)")
     return out
 
 
@@ -143,9 +195,10 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def measure_load_s(pool: PoolConfig, vocab: int, repeats: int = LOAD_REPEATS
-                   ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median cold (and one warm) read-into-slot + bind per draft; the slot is preallocated."""
+def measure_load_s(pool: PoolConfig, vocab: int, repeats: int = LOAD_REPEATS,
+                   parts=None) -> tuple[dict[str, float], dict[str, float]]:
+    """Median cold (and one warm) read-into-slot + bind per draft; the slot is preallocated
+    (``parts``: the resident target's, which heads bind to)."""
     slot = SlotBuffer(slot_capacity(pool))
     cold: dict[str, float] = {}
     warm: dict[str, float] = {}
@@ -155,11 +208,11 @@ def measure_load_s(pool: PoolConfig, vocab: int, repeats: int = LOAD_REPEATS
         for _ in range(repeats):
             drop_page_cache(weights)
             t0 = time.perf_counter()
-            load_into_slot(d.name, d.path, slot, target_vocab=vocab)
+            load_into_slot(d.name, d.path, slot, target_vocab=vocab, parts=parts)
             times.append(time.perf_counter() - t0)
         cold[d.name] = statistics.median(times)
         t0 = time.perf_counter()
-        load_into_slot(d.name, d.path, slot, target_vocab=vocab)
+        load_into_slot(d.name, d.path, slot, target_vocab=vocab, parts=parts)
         warm[d.name] = time.perf_counter() - t0
         _log(f"load {d.name}: cold {cold[d.name] * 1e3:.1f} ms, warm {warm[d.name] * 1e3:.1f} ms")
     return cold, warm
@@ -215,28 +268,24 @@ def engine_check(engine: SpecEngine, name: str, trajs: Sequence[dict],
 # --------------------------------------------------------------------------- the command
 
 
-def evaluate(pool: PoolConfig, target: torch.nn.Module, eos: Sequence[int],
-             trajs: Sequence[dict], check_per_domain: int = ENGINE_CHECK_PER_DOMAIN
-             ) -> dict[str, Any]:
-    """Everything but the trajectories: tables, oracles, exactness, load and iteration cost."""
-    vocab = int(target.get_output_embeddings().weight.shape[0])
+def evaluate(pool: PoolConfig, engine: SpecEngine, trajs: Sequence[dict],
+             check_per_domain: int = ENGINE_CHECK_PER_DOMAIN) -> dict[str, Any]:
+    """Everything but the trajectories: tables, oracles, exactness, load and iteration cost.
+    ``engine`` holds the target in the runtime's precision, ``trajs`` are its own greedy
+    trajectories (`engine_trajectories`)."""
+    vocab = engine.vocab
     # the prompts' domains: a pool's domains, or "mixed" for the mixed workload
     domains = list(dict.fromkeys(t["domain"] for t in trajs))
-    tables = all_tables(pool, trajs, vocab)
+    bound = bind_pool(pool, engine)
+    tables = runtime_tables(engine, bound, trajs)
     report = acceptance_report(tables, trajs, pool.general, domains, pool.gamma, pool.N)
     picked = [i for dom in domains
               for i in [j for j, t in enumerate(trajs) if t["domain"] == dom][:check_per_domain]]
     _log(f"engine check: {pool.general} on {len(picked)} prompts")
-    engine = SpecEngine(target, eos, gamma=pool.gamma)
     spec = pool.general_draft
-    engine.add_draft(load_into_slot(spec.name, spec.path,
-                                    SlotBuffer(slot_capacity(pool)), target_vocab=vocab))
     check, times = engine_check(engine, spec.name, [trajs[i] for i in picked],
                                 [tables[spec.name][i] for i in picked])
-    if check["mismatching_iterations"]:
-        check["note"] = ("rare mismatches come from near-tied logits: a full teacher-forced "
-                         "pass and the engine's incremental KV-cached passes round differently")
-    load_s, warm_s = measure_load_s(pool, vocab)
+    load_s, warm_s = measure_load_s(pool, vocab, parts=engine.target_parts)
     iter_s = statistics.median(times) if times else float("nan")
     report.update({
         "table_vs_engine": check,
@@ -246,6 +295,8 @@ def evaluate(pool: PoolConfig, target: torch.nn.Module, eos: Sequence[int],
         "sd_iteration_samples": len(times),
         "load_over_iteration": {d: s / iter_s for d, s in load_s.items()},
         "draft_bytes": {d.name: draft_weights_file(d.path).stat().st_size for d in pool.drafts},
+        "draft_kinds": {n: b.kind for n, b in bound.items()},
+        "fingerprint": pool_fingerprint(pool),  # sha256 of each draft's weights
         "gamma": pool.gamma,
         "trajectories": sum(1 for t in trajs if t["tokens"]),
         "trajectory_tokens": sum(len(t["tokens"]) for t in trajs),
@@ -295,13 +346,12 @@ def main_eval(args) -> int:
     per_domain = int(getattr(args, "prompts_per_domain", 20) or 20)
     split = getattr(args, "split", None) or "dev"
     prompts = split_prompts(split, pool_domains(pool), per_domain)
-    tok = load_tokenizer(pool.target)
-    target = load_causal_lm(pool.target, "target")
-    out = traces_path(pool, split)
-    _log(f"trajectories: {len(prompts)} prompts -> {out}")
-    trajs = build_trajectories(target, tok, pool.target, prompts, out,
-                               max_new_tokens=MAX_NEW_TOKENS)
-    report = evaluate(pool, target, eos_token_ids(pool.target, tok), trajs)
+    engine, tok, dtype = open_engine(pool)
+    out = runtime_traces_path(pool, split, dtype)
+    _log(f"trajectories ({dtype} target, batch 1): {len(prompts)} prompts -> {out}")
+    trajs = engine_trajectories(engine, dtype, tok, prompts, out, MAX_NEW_TOKENS, "zoo eval")
+    report = evaluate(pool, engine, trajs)
+    report["target_dtype"] = dtype
     report["prompts_per_domain"] = per_domain
     report["split"] = split
     report["wall_s"] = time.perf_counter() - t0

@@ -90,13 +90,30 @@ def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
             pred = bound.to_target[pred]
         correct = (pred.cpu() == torch.tensor(list(tokens), dtype=torch.long)).tolist()
         return table_from_correct(correct, gamma)
-    # a head: the target's features for every position first (one pass: the same rows the
-    # engine's steps and verifies write), then per start position the engine's calls
-    tcache = engine.target.new_cache(len(seq) + gamma + 1)
-    engine.target.forward(ids[:-1], 0, tcache)
-    feat = tcache.feat
+    # a head: the target's features for every position first, then per start position
+    # the engine's calls
+    return head_table(bound, target_features(engine, ids), ids, P, tokens, gamma)
+
+
+@torch.inference_mode()
+def target_features(engine, ids: torch.Tensor) -> torch.Tensor:
+    """The target's feature rows of positions 0..len(ids)-2 in one pass: the same rows the
+    engine's steps and verifies write (the runners give a row the same numbers however
+    rows are batched)."""
+    tcache = engine.target.new_cache(len(ids) + engine.gamma + 1)
+    engine.target.forward(ids[:-1], 0, tcache, last_only=True)
+    return tcache.feat[:len(ids) - 1].clone()
+
+
+@torch.inference_mode()
+def head_table(bound, feat: torch.Tensor, ids: torch.Tensor, P: int, tokens: Sequence[int],
+               gamma: int) -> list[int]:
+    """A head's A_d(t) given the target's feature rows of positions 0..len(ids)-2 (the
+    rows :func:`runtime_table` computes; training reuses them across checkpoints).
+    ``ids`` is prompt + tokens on the engine's device, ``P`` the prompt length."""
+    n = len(tokens)
     head, to_target = bound.runner, bound.to_target
-    cache = bound.new_cache(len(seq) + gamma + 1)
+    cache = bound.new_cache(len(ids) + gamma + 1)
     zero = torch.zeros_like(feat[:1])
     out = []
     logits, hidden = head.teacher(ids[:P], 0, cache, torch.cat([zero, feat[:P - 1]]))

@@ -15,6 +15,7 @@ from memspec.procs.decoder.tablefiles import (  # noqa: F401 - the offline tools
     TraceTables,
     pool_fingerprint,
     read_tables,
+    runtime_dtype,
     tables_path,
     traces_dir,
     trajectories_path,
@@ -26,13 +27,17 @@ SETS = ("train", "dev", "test", "mixed")  # the prompt splits, see memspec.zoo.p
 
 
 def load_pool_tables(pool: PoolConfig, which: str,
-                     fingerprint: Mapping[str, str] | None = None) -> TraceTables:
-    """Tables for this pool or a one-line error saying how to make them."""
+                     fingerprint: Mapping[str, str] | None = None,
+                     dtype: str | None = None) -> TraceTables:
+    """The engine's tables for this pool (in the runtime's precision unless `dtype`), or a
+    one-line error saying how to make them."""
     if which.split("-L")[0] not in SETS:
         raise ConfigError(f"unknown prompt set '{which}'", f"use one of {', '.join(SETS)}")
     fp = fingerprint if fingerprint is not None else pool_fingerprint(pool)
-    got = read_tables(tables_path(pool, which), pool.gamma, fp)
+    dtype = dtype or runtime_dtype(pool)
+    got = read_tables(tables_path(pool, which, dtype), pool.gamma, fp, dtype)
     if got is None:
         raise ConfigError(f"no acceptance tables for this pool's drafts ({which} set, "
-                          f"gamma={pool.gamma})", "run `memspec trace` first")
+                          f"gamma={pool.gamma}, target in {dtype})",
+                          f"run `memspec trace --sets {which.split('-L')[0]}` first")
     return got

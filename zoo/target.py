@@ -5,7 +5,9 @@ Dequantising it through transformers takes ~25 s on two cores and a GGUF-loaded
 model cannot be ``save_pretrained``-ed, so we convert once into a plain
 safetensors directory that every process then loads quickly.  The conversion is
 idempotent (a marker file written last says the directory is complete) and
-atomic (built in a sibling temp dir, then renamed into place).
+atomic (built in a sibling temp dir, then renamed into place). Its ``manifest.json``
+(sha256 per file and per tensor) lets the decoder refuse a corrupted target at start; a
+conversion made before manifests existed gets one from ``memspec manifest <dir>``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from memspec.common.errors import ModelError
 from memspec.common.files import sha256_file
+from memspec.common.manifest import write_manifest
 from memspec.common.paths import default_target_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,6 +139,8 @@ def convert_target(out_dir: Path | None = None, force: bool = False, progress: b
     try:
         marker = _convert_into(gguf_path, tmp_dir, special, say)
         (tmp_dir / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        say("writing manifest.json (sha256 per file and per tensor)")
+        write_manifest(tmp_dir)  # last: it covers every file above
         _make_readable(tmp_dir)
         if out_dir.exists():
             # Move the stale dir aside first so the swap leaves no half state.

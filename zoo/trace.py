@@ -1,11 +1,20 @@
-"""`memspec trace`: greedy trajectories and per-draft acceptance tables per prompt split.
+"""`memspec trace`: the engine's greedy trajectories and per-draft acceptance tables.
 
-train and dev (prompts/train.jsonl, dev.jsonl) feed the predictor's labels and every
-tuning choice; test and mixed feed the oracle policies, the simulator and `memspec bench`.
-``--per-domain N`` traces only the first N prompts of each domain (mixed: N in all).
-Both steps resume: finished trajectories and tables for unchanged drafts are kept. A
-sample of the tables is checked against the real engine, one prompt per domain per draft,
-because every later number depends on them.
+Everything an oracle, the simulator or the predictor's labels replay must be what the
+decoder will see, so trajectories are decoded by the runtime's own engine in the precision
+the decoder runs (``dtype = "auto"``: int4 on a CPU with the native forward), one prompt at
+a time, and tables come from the engine's runners (zoo/tables.py:runtime_table), exact for
+model drafts and heads alike. Files live in ``$MEMSPEC_HOME/traces/<dtype>/``.
+
+Who needs what (trace only that): the predictor trains on ``train`` and ``dev`` and is
+measured on ``test`` and ``mixed``; `memspec bench` simulates ``test`` and ``mixed`` and
+tunes UCB's c on ``dev``; oracle policies in real runs need their prompts traced. A set
+takes a count: ``--sets test:10,mixed:30,dev:8`` traces the first 10 test prompts per
+domain, 30 mixed prompts and 8 dev prompts per domain (``--per-domain`` is the default
+count). The work is per prompt (trajectory, then every draft's table), so an interrupted
+trace keeps every finished prompt and resumes where it stopped; progress and the time left
+are printed as it goes. A sample is re-run through the engine with each draft and compared
+with the tables, because every later number depends on them.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from memspec.zoo.tablestore import (
 )
 
 MAX_NEW_TOKENS = 128
+SAVE_EVERY_S = 30.0
 
 
 def _log(msg: str) -> None:
@@ -36,90 +46,138 @@ def _log(msg: str) -> None:
 
 
 def prompt_set(pool: PoolConfig, which: str, per_domain: int | None = None) -> list[dict]:
-    """The pool's domains' prompts of one split (``per_domain``: only the first N of each)."""
+    """The pool's domains' prompts of one split (``per_domain``: only the first N of each;
+    for ``mixed``, N in all)."""
     from memspec.zoo.evaluate import pool_domains
     from memspec.zoo.prompts import load_prompts
 
     return load_prompts(which, pool_domains(pool), per_domain or None)
 
 
-def build_tables(pool: PoolConfig, trajs: Sequence[dict], vocab: int, which: str,
-                 fingerprint: dict[str, str]) -> TraceTables:
-    """Tables for every trajectory, reusing the file's rows when the drafts are unchanged."""
-    from memspec.zoo.evaluate import all_tables
-
-    path = tables_path(pool, which)
-    tt = read_tables(path, pool.gamma, fingerprint) or TraceTables(
-        pool.gamma, [d.name for d in pool.drafts], fingerprint)
-    todo = [t for t in trajs if t["id"] not in tt.rows and t["tokens"]]
-    if todo:
-        _log(f"{which}: tables for {len(todo)} trajectories x {len(pool.drafts)} drafts")
-        got = all_tables(pool, todo, vocab)
-        for i, t in enumerate(todo):
-            tt.rows[t["id"]] = {"domain": t["domain"], "length": len(t["tokens"]),
-                                "tables": {d: got[d][i] for d in got}}
-        write_tables(path, tt)
-    _log(f"{which}: {len(tt.rows)} trajectories in {path}")
-    return tt
-
-
-def check_sample(pool: PoolConfig, target, eos: Sequence[int], trajs: Sequence[dict],
-                 tt: TraceTables, vocab: int, per_domain: int = 1) -> dict[str, Any]:
-    """Every draft on `per_domain` prompts of its own domain through the real engine."""
-    from memspec.procs.decoder.engine import SpecEngine
-    from memspec.procs.decoder.inprocess import slot_capacity
-    from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
-    from memspec.zoo.evaluate import engine_check
-
-    total = {"iterations_compared": 0, "mismatching_iterations": 0, "trajectory_divergences": 0,
-             "prompts": 0, "by_draft": {}}
-    slot = SlotBuffer(slot_capacity(pool))
-    for d in pool.drafts:
-        picked = [x for x in trajs if x["domain"] == d.domain and x["tokens"]][:per_domain]
-        engine = SpecEngine(target, eos, gamma=pool.gamma)
-        engine.add_draft(load_into_slot(d.name, d.path, slot, target_vocab=vocab))
-        rep, _ = engine_check(engine, d.name, picked,
-                              [tt.rows[t["id"]]["tables"][d.name] for t in picked])
-        for k in ("iterations_compared", "mismatching_iterations", "trajectory_divergences",
-                  "prompts"):
-            total[k] += rep[k]
-        total["by_draft"][d.name] = {k: rep[k] for k in ("iterations_compared",
-                                                         "mismatching_iterations")}
-        _log(f"check {d.name}: {rep['mismatching_iterations']} of "
-             f"{rep['iterations_compared']} iterations differ from the table")
-    return total
+def parse_sets(spec: str, per_domain: int | None) -> list[tuple[str, int | None]]:
+    """``"test:10,mixed:30,dev"`` -> [("test", 10), ("mixed", 30), ("dev", per_domain)]."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, _, count = item.partition(":")
+        if name not in SETS:
+            raise ConfigError(f"unknown prompt set '{name}'",
+                              f"use --sets with {', '.join(SETS)} (optionally name:count)")
+        try:
+            n = int(count) if count else per_domain
+        except ValueError:
+            raise ConfigError(f"bad count in --sets item '{item}'",
+                              "write name:count, e.g. test:10") from None
+        if n is not None and n < 1:
+            raise ConfigError(f"count {n} in --sets item '{item}' is not positive",
+                              "give at least 1, or leave the count out for every prompt")
+        out.append((name, n))
+    return out
 
 
-def run_trace(pool: PoolConfig, per_domain: int | None = None,
-              sets: Sequence[str] = SETS, check_per_domain: int = 1,
-              max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
-    from memspec.procs.decoder.models import eos_token_ids, load_causal_lm, load_tokenizer
-    from memspec.zoo.trajectories import build_trajectories
+class Tracer:
+    """The pool's target in its runtime precision with every draft bound in its own slot."""
 
+    def __init__(self, pool: PoolConfig, device: str = "cpu") -> None:
+        from memspec.procs.decoder.inprocess import slot_capacity
+        from memspec.procs.decoder.models import open_engine
+        from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
+
+        t0 = time.perf_counter()
+        self.pool = pool
+        self.engine, self.tokenizer, self.dtype = open_engine(pool, device)
+        cap = slot_capacity(pool)
+        for d in pool.drafts:
+            self.engine.add_draft(load_into_slot(d.name, d.path, SlotBuffer(cap),
+                                                 target_vocab=self.engine.vocab,
+                                                 parts=self.engine.target_parts))
+        self.fingerprint = pool_fingerprint(pool)
+        _log(f"target in {self.dtype}, {len(pool.drafts)} drafts bound "
+             f"({time.perf_counter() - t0:.1f}s)")
+
+    def tables(self, row: dict) -> dict[str, list[int]]:
+        from memspec.zoo.tables import runtime_table
+
+        return {d.name: runtime_table(self.engine, self.engine.drafts[d.name],
+                                      row["prompt_ids"], row["tokens"])
+                for d in self.pool.drafts}
+
+    def trace_set(self, which: str, prompts: Sequence[dict], max_new_tokens: int
+                  ) -> tuple[list[dict], TraceTables]:
+        """Trajectories and tables of `prompts`, resuming whatever is on disk."""
+        from memspec.zoo.trajectories import engine_trajectories
+
+        pool, dtype = self.pool, self.dtype
+        tpath = tables_path(pool, which, dtype)
+        tt = read_tables(tpath, pool.gamma, self.fingerprint, dtype, partial=True) or \
+            TraceTables(pool.gamma, [d.name for d in pool.drafts], self.fingerprint,
+                        dtype=dtype)
+        last = [time.perf_counter()]
+
+        def add(row: dict) -> None:
+            tt.rows[row["id"]] = {"domain": row["domain"], "length": len(row["tokens"]),
+                                  "tables": self.tables(row)}
+            if time.perf_counter() - last[0] > SAVE_EVERY_S:
+                write_tables(tpath, tt)
+                last[0] = time.perf_counter()
+
+        out = trajectories_path(pool, which, dtype)
+        trajs = engine_trajectories(self.engine, self.tokenizer, list(prompts), out, dtype,
+                                    max_new_tokens, on_row=add)
+        stale = [t for t in trajs if not tt.complete(t["id"])]
+        if stale:  # trajectories written before an interruption, tables not yet
+            _log(f"{which}: tables for {len(stale)} earlier trajectories")
+            for t in stale:
+                add(t)
+        write_tables(tpath, tt)
+        return trajs, tt
+
+    def check(self, trajs: Sequence[dict], tt: TraceTables, per_domain: int) -> dict[str, Any]:
+        """Every draft on `per_domain` prompts of its own domain (mixed: any) through the
+        engine, per iteration against the table replay."""
+        from memspec.zoo.evaluate import engine_check
+
+        total: dict[str, Any] = {"iterations_compared": 0, "mismatching_iterations": 0,
+                                 "trajectory_divergences": 0, "prompts": 0, "by_draft": {}}
+        for d in self.pool.drafts:
+            picked = [x for x in trajs if x["domain"] in (d.domain, "mixed")
+                      and x["tokens"]][:per_domain]
+            rep, _ = engine_check(self.engine, d.name, picked,
+                                  [tt.rows[t["id"]]["tables"][d.name] for t in picked])
+            for k in ("iterations_compared", "mismatching_iterations",
+                      "trajectory_divergences", "prompts"):
+                total[k] += rep[k]
+            total["by_draft"][d.name] = {k: rep[k] for k in ("iterations_compared",
+                                                             "mismatching_iterations")}
+            _log(f"check {d.name}: {rep['mismatching_iterations']} of "
+                 f"{rep['iterations_compared']} iterations differ from the table")
+        return total
+
+
+def run_trace(pool: PoolConfig, sets: Sequence[tuple[str, int | None]],
+              check_per_domain: int = 1, max_new_tokens: int = MAX_NEW_TOKENS,
+              device: str = "cpu") -> dict[str, Any]:
     if not pool.drafts:
         raise ConfigError("the pool has no drafts to trace", "add [[drafts]] sections")
     t0 = time.perf_counter()
-    tok = load_tokenizer(pool.target)
-    target = load_causal_lm(pool.target, "target")
-    vocab = int(target.get_output_embeddings().weight.shape[0])
-    fingerprint = pool_fingerprint(pool)
-    report: dict[str, Any] = {"gamma": pool.gamma, "drafts": list(fingerprint), "sets": {}}
-    for base in sets:
+    tracer = Tracer(pool, device)
+    report: dict[str, Any] = {"gamma": pool.gamma, "dtype": tracer.dtype,
+                              "drafts": list(tracer.fingerprint), "sets": {}}
+    names = [s for s, _ in sets]
+    checked = next((s for s in ("test", "dev", "mixed", "train") if s in names), None)
+    for base, count in sets:
         # longer traces (output-length sweeps) live beside the default ones
         which = base if max_new_tokens == MAX_NEW_TOKENS else f"{base}-L{max_new_tokens}"
-        prompts = prompt_set(pool, base, per_domain)
-        out = trajectories_path(pool, which)
-        _log(f"{which}: trajectories for {len(prompts)} prompts -> {out}")
-        trajs = build_trajectories(target, tok, pool.target, prompts, out,
-                                   max_new_tokens=max_new_tokens)
-        tt = build_tables(pool, trajs, vocab, which, fingerprint)
+        prompts = prompt_set(pool, base, count)
+        _log(f"{which}: {len(prompts)} prompts -> "
+             f"{trajectories_path(pool, which, tracer.dtype)}")
+        trajs, tt = tracer.trace_set(which, prompts, max_new_tokens)
         entry: dict[str, Any] = {"trajectories": len(trajs),
                                  "tokens": sum(len(t["tokens"]) for t in trajs),
-                                 "tables": str(tables_path(pool, which))}
-        if base == ("dev" if "dev" in sets else "test") and check_per_domain > 0:
-            entry["table_vs_engine"] = check_sample(
-                pool, target, eos_token_ids(pool.target, tok), trajs, tt, vocab,
-                check_per_domain)
+                                 "tables": str(tables_path(pool, which, tracer.dtype))}
+        if base == checked and check_per_domain > 0:
+            entry["table_vs_engine"] = tracer.check(trajs, tt, check_per_domain)
         report["sets"][which] = entry
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     return report
@@ -127,10 +185,7 @@ def run_trace(pool: PoolConfig, per_domain: int | None = None,
 
 def main_trace(args) -> int:
     pool = load_pool(getattr(args, "pool", None))
-    sets = [s for s in (args.sets or ",".join(SETS)).split(",") if s]
-    for s in sets:
-        if s not in SETS:
-            raise ConfigError(f"unknown prompt set '{s}'", f"use --sets {','.join(SETS)}")
-    report = run_trace(pool, args.per_domain, sets, args.check_per_domain, args.max_new_tokens)
+    sets = parse_sets(args.sets or ",".join(SETS), args.per_domain)
+    report = run_trace(pool, sets, args.check_per_domain, args.max_new_tokens)
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

@@ -5,14 +5,20 @@ target greedy trajectory (p generated tokens committed; p = 0, every, 2*every, .
 is the draft that would commit the most tokens over the next N iterations (tie-breaker: the
 next 4 intervals); points where every draft ties exactly teach nothing and are skipped.
 Three inputs are compared as in the paper's Table 2 (prompt only, recent tokens only,
-prompt + recent), one frozen-encoder head each, trained on the `train` prompt set (many
-prompts, but the drafts were distilled on their responses, so labels there are ~99% "the
-domain draft") plus the `predictor` set (held-out prompts 51-90 per domain, which neither
-the drafts nor any evaluation saw: the real label mix), and measured on the held-out
-evaluation prompts (the first 20 per domain). The runtime head (what the predictor process
-loads) sees what the runtime sends: the prompt alone at p = 0 and prompt + recent text later.
+prompt + recent), one frozen-encoder head each. Honest data only: every choice (the loss,
+the head's width) is made by training on `train` and measuring on `dev`; the final heads
+are then fitted on `train` + `dev` and measured on `test` and on the `mixed` workload
+(answers that cross domains), sets no choice ever looked at. Tables and trajectories are
+the engine's, in the runtime's target precision (`memspec trace`). Beside the heads: the
+"prompt's domain draft" rule (mixed prompts: their listed domains in order, then the
+general draft) and the majority rule. The runtime head (what the predictor process loads)
+sees what the runtime sends: the prompt alone at p = 0 and prompt + recent text later.
 
-    memspec predictor train [--out predictor/] [--json]
+    memspec predictor train [--pool P] [--out DIR] [--json]
+
+Without ``--pool`` the head goes to the committed ``predictor/``; with ``--pool P`` it goes
+beside P (``P.head.safetensors`` + ``.json``, where the predictor process looks for P's
+head), never over the committed one.
 """
 
 from __future__ import annotations
@@ -20,10 +26,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import random
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,9 +38,10 @@ from safetensors.torch import load_file, save_file
 
 from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError, MemspecError
-from memspec.common.paths import PACKAGE_ROOT, memspec_home
+from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT, memspec_home
 from memspec.procs.decoder.models import load_tokenizer
 from memspec.procs.decoder.replay import utility_label
+from memspec.procs.predictor import DEFAULT_HEAD, pool_head_path
 from memspec.procs.predictor.encoder import (
     ENCODER_NAME,
     MAX_PIECES,
@@ -285,34 +291,6 @@ def fit_head(names: Sequence[str], data: Data, cfg: TrainConfig, tag: str = ""
     return head, loss
 
 
-def split_ids(ids: Sequence[str], domain_of: Mapping[str, str], share: float, seed: int
-              ) -> set[str]:
-    """A seeded, per-domain share of prompt ids (validation split; every domain measured)."""
-    by_domain: dict[str, list[str]] = defaultdict(list)
-    for i in sorted(set(ids)):
-        by_domain[domain_of.get(i, "")].append(i)
-    rng = random.Random(seed)
-    out: set[str] = set()
-    for domain in sorted(by_domain):
-        group = by_domain[domain]
-        rng.shuffle(group)
-        out.update(group[:max(1, round(share * len(group)))])
-    return out
-
-
-def select_loss(names: Sequence[str], data: Data, cfg: TrainConfig, val_ids: set[str],
-                tag: str) -> tuple[str, dict[str, float]]:
-    """The loss with the best validation top-1 (held-out prompts of the train set)."""
-    is_val = torch.tensor([i in val_ids for i in data.ids], dtype=torch.bool)
-    scores = {}
-    for loss in LOSSES:
-        head, _ = fit_head(names, data.subset(~is_val), replace(cfg, loss=loss))
-        scores[loss] = topk_metrics(head, data.subset(is_val))["top1"] or 0.0
-    best = max(LOSSES, key=lambda k: (scores[k], k == "plain"))
-    log(f"{tag}: validation top-1 {scores}; using {best} cross-entropy")
-    return best, scores
-
-
 def topk_metrics(head: RankHead, data: Data) -> dict[str, object]:
     """Top-1 accuracy, top-2 recall, and per-label counts (thin classes show up as such)."""
     if len(data.y) == 0:
@@ -333,11 +311,27 @@ def majority_baseline(names: Sequence[str], y_train: torch.Tensor, data: Data
     return {"top1": out["top1"], "top2": out["top2"], "ranking": [names[i] for i in order]}
 
 
-def domain_rule(examples: Sequence[Example], domains: Mapping[str, str],
-                draft_index: Mapping[str, int]) -> dict[str, object]:
-    """Top-1 of "the prompt's domain draft": the ceiling of a head that only learns domains."""
-    hits = [draft_index.get(domains.get(e.prompt_id, "")) == e.label for e in examples]
-    return {"top1": round(sum(hits) / len(hits), 4) if hits else None, "n": len(hits)}
+def domain_rule(examples: Sequence[Example], domains: Mapping[str, str | Sequence[str]],
+                draft_index: Mapping[str, int], fallback: Sequence[int] = ()
+                ) -> dict[str, object]:
+    """"The prompt's domain draft": rank the drafts of the prompt's domain(s) first (a mixed
+    prompt lists several, in answer order), then `fallback` (e.g. the general draft, then
+    the majority order). The ceiling of a head that only learns domains from the prompt."""
+    if not examples:
+        return {"top1": None, "top2": None, "n": 0}
+    rows = []
+    for e in examples:
+        doms = domains.get(e.prompt_id, "")
+        doms = [doms] if isinstance(doms, str) else list(doms)
+        order = list(dict.fromkeys([*(draft_index[d] for d in doms if d in draft_index),
+                                    *fallback]))
+        order += [i for i in range(max(draft_index.values(), default=-1) + 1)
+                  if i not in order]
+        rows.append(order)
+    width = min(len(r) for r in rows)
+    got = _ranked(torch.tensor([r[:width] for r in rows]),
+                  torch.tensor([e.label for e in examples]), list(draft_index))
+    return {"top1": got["top1"], "top2": got["top2"], "n": got["n"]}
 
 
 def _ranked(order: torch.Tensor, y: torch.Tensor, names: Sequence[str]) -> dict[str, object]:
@@ -354,27 +348,28 @@ def _ranked(order: torch.Tensor, y: torch.Tensor, names: Sequence[str]) -> dict[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="memspec predictor train",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=PACKAGE_ROOT / "predictor",
-                    help="folder for head.safetensors + head.json (default: predictor/)")
-    ap.add_argument("--pool", type=Path, default=None, help="pool.toml (default: embedded)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for head.safetensors + head.json (default: predictor/, or "
+                         "with --pool P: beside P as P.head.safetensors)")
+    ap.add_argument("--pool", type=Path, default=None,
+                    help="pool.toml (default: embedded); its head is written beside it")
     ap.add_argument("--every", type=int, default=4,
                     help="generated tokens between scheduling points")
     ap.add_argument("--train-every", type=int, default=None,
                     help="the same for the train set only (larger: less embedding time; "
                          "default: --every)")
-    ap.add_argument("--train-set", default="train,predictor",
-                    help="traced prompt set(s) to learn from, comma-separated. `train` "
-                         "prompts were the drafts' distillation data, so their labels are "
-                         "~99%% the domain draft; `predictor` (held-out prompts 51-90 per "
-                         "domain) were seen by no draft and no evaluation: real labels")
+    ap.add_argument("--train-set", default="train,dev",
+                    help="traced prompt sets the final heads learn from, comma-separated "
+                         "(choices are made training on the first and measuring on `dev`)")
+    ap.add_argument("--eval-sets", default="test,mixed",
+                    help="traced sets the final heads are measured on (never tuned on)")
     ap.add_argument("--T", type=int, default=None, help="recent window (default: pool.T)")
     ap.add_argument("--interval", type=int, default=None,
                     help="label interval in iterations (default: pool.N)")
     ap.add_argument("--loss", choices=["auto", *LOSSES], default="auto",
-                    help="auto: the better on a validation split of the train prompts")
-    ap.add_argument("--val-share", type=float, default=0.2,
-                    help="share of train prompts for --loss auto")
-    ap.add_argument("--hidden", type=int, default=0, help="MLP width (0: linear head)")
+                    help="auto: the better on dev (trained on the train set)")
+    ap.add_argument("--hidden", default="auto",
+                    help="MLP width (0: linear head); auto: the best of 0 and 256 on dev")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -388,12 +383,25 @@ def main(argv: list[str] | None = None) -> int:
         log("error: --every and --train-every must be at least 1; pass a positive stride")
         return 2
     try:
+        args.head_file = head_file(args.pool, args.out)
         info = _run(args)
     except MemspecError as exc:
         log(f"error: {exc}")
         return 2
     print(json.dumps(info) if args.json else format_table(info))
     return 0
+
+
+def head_file(pool: Path | None, out: Path | None) -> Path:
+    """Where the trained head goes. A pool's own head lives beside the pool file (the
+    predictor finds it there); only the embedded pool's training replaces the committed one."""
+    path = (out / "head.safetensors" if out is not None
+            else pool_head_path(pool) if pool is not None else DEFAULT_HEAD)
+    own_pool = pool is not None and Path(pool).resolve() != DEFAULT_POOL.resolve()
+    if own_pool and path.resolve() == DEFAULT_HEAD.resolve():
+        raise ConfigError(f"the head for {pool} would replace the committed {DEFAULT_HEAD}",
+                          "drop --out (it goes beside the pool) or pick another folder")
+    return path
 
 
 def prompt_texts() -> dict[str, str]:
@@ -406,25 +414,15 @@ def prompt_texts() -> dict[str, str]:
 
 def _read_set(pool, which: str, names: Sequence[str]) -> tuple[TraceTables, dict[str, dict]]:
     """Tables and trajectories of one prompt set, or a one-line error naming the fix."""
-    tables = load_pool_tables(pool, which)
+    tables = load_pool_tables(pool, which)  # the engine's, in the runtime's precision
     if tables.drafts != list(names):
         raise ConfigError(f"{which} tables cover drafts {tables.drafts}, the pool has "
                           f"{list(names)}", "run `memspec trace` again")
-    trajs = trajectory_rows(trajectories_path(pool, which), list(tables.rows))
+    path = trajectories_path(pool, which, tables.dtype)
+    trajs = trajectory_rows(path, list(tables.rows))
     if not trajs:
-        raise ConfigError(f"no {which} trajectories at {trajectories_path(pool, which)}",
-                          "run `memspec trace` first")
-    return tables, trajs
-
-
-def _read_sets(pool, which: Sequence[str], names: Sequence[str]
-               ) -> tuple[TraceTables, dict[str, dict]]:
-    """Several prompt sets as one (ids are unique across the prompt files)."""
-    tables, trajs = _read_set(pool, which[0], names)
-    for w in which[1:]:
-        more, more_trajs = _read_set(pool, w, names)
-        tables.rows.update(more.rows)
-        trajs.update(more_trajs)
+        raise ConfigError(f"no {which} trajectories at {path}",
+                          f"run `memspec trace --sets {which}` first")
     return tables, trajs
 
 
@@ -446,6 +444,38 @@ def _examples(which: str, tables: TraceTables, trajs: Mapping[str, dict], names:
     return got
 
 
+def _prompt_domains() -> dict[str, str | list[str]]:
+    """Prompt id -> its domain, or a mixed prompt's domains in answer order."""
+    out: dict[str, str | list[str]] = {}
+    for path in sorted((PACKAGE_ROOT / "prompts").glob("*.jsonl")):
+        for p in read_prompts(path):
+            out[p["id"]] = p.get("domains") or p.get("domain", "")
+    return out
+
+
+def _concat(parts: Sequence[Data]) -> Data:
+    return Data(torch.cat([d.x for d in parts]), torch.cat([d.flags for d in parts]),
+                torch.cat([d.y for d in parts]), tuple(i for d in parts for i in d.ids))
+
+
+def choose_config(names: Sequence[str], train: Data, dev: Data, base: TrainConfig,
+                  losses: Sequence[str], widths: Sequence[int], tag: str
+                  ) -> tuple[TrainConfig, dict[str, float]]:
+    """The (loss, width) with the best dev top-1, trained on the train set only."""
+    scores: dict[str, float] = {}
+    best, best_score = base, -1.0
+    for loss in losses:
+        for width in widths:
+            cfg = replace(base, loss=loss, hidden=width)
+            head, _ = fit_head(names, train, cfg)
+            score = topk_metrics(head, dev)["top1"] or 0.0
+            scores[f"{loss}/{width}"] = score
+            if score > best_score + 1e-9:
+                best, best_score = cfg, score
+    log(f"{tag}: dev top-1 {scores}; using {best.loss} loss, width {best.hidden}")
+    return best, scores
+
+
 def _run(args: argparse.Namespace) -> dict[str, object]:
     t0 = time.perf_counter()
     if args.threads:
@@ -457,12 +487,18 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
                           "add drafts to pool.toml")
     T = args.T if args.T is not None else pool.T
     interval = args.interval or pool.N
-    raw = {"train": _read_sets(pool, args.train_set.split(","), names),
-           "heldout": _read_set(pool, "heldout", names)}
+    fit_sets = [w for w in args.train_set.split(",") if w]
+    if "test" in fit_sets or "mixed" in fit_sets:
+        raise ConfigError("the predictor must not train on test or mixed prompts",
+                          "use --train-set train,dev")
+    eval_sets = [w for w in args.eval_sets.split(",") if w]
+    every = {w: args.train_every if w == "train" else args.every
+             for w in dict.fromkeys([*fit_sets, "dev", *eval_sets])}
+    raw = {w: _read_set(pool, w, names) for w in every}  # first: the likeliest to be missing
     tokenizer = load_tokenizer(pool.target)
     prompts = prompt_texts()
-    sets = {which: _examples(which, *raw[which], names, prompts, tokenizer, T, interval, every)
-            for which, every in (("train", args.train_every), ("heldout", args.every))}
+    sets = {w: _examples(w, *raw[w], names, prompts, tokenizer, T, interval, every[w])
+            for w in every}
 
     cache = EmbeddingCache(memspec_home() / "predictor_cache")
     every_example = [e for s in sets.values() for m in MODES for e in s.modes[m]]
@@ -475,55 +511,61 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
             for w, s in sets.items() for m in MODES}
     t_embed = time.perf_counter() - t0
 
-    base = TrainConfig(hidden=args.hidden, steps=args.steps, lr=args.lr,
-                       weight_decay=args.weight_decay, seed=args.seed)
-    domains = sets["train"].domains
-    val_ids = split_ids(list(domains), domains, args.val_share, args.seed)
-    accuracy, baseline, losses, final, by_domain = {}, {}, {}, {}, {}
+    base = TrainConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
+                       seed=args.seed)
+    losses = LOSSES if args.loss == "auto" else (args.loss,)
+    widths = (0, 256) if args.hidden == "auto" else (int(args.hidden),)
+    choose_on = [w for w in fit_sets if w != "dev"] or fit_sets[:1]
     draft_index = {d.domain: i for i, d in enumerate(pool.drafts)}
-    heads = {}
+    domains = _prompt_domains()
+    chosen, dev_scores, heads, final = {}, {}, {}, {}
+    evaluation: dict[str, dict[str, object]] = {w: {} for w in eval_sets}
     for mode in MODES:
-        tr, ho = data[("train", mode)], data[("heldout", mode)]
-        loss = args.loss
-        if loss == "auto":
-            loss, _ = select_loss(names, tr, base, val_ids, mode)
-        losses[mode] = loss
-        heads[mode], final[mode] = fit_head(names, tr, replace(base, loss=loss), mode)
-        accuracy[mode] = topk_metrics(heads[mode], ho)
-        baseline[mode] = majority_baseline(names, tr.y, ho)
-        by_domain[mode] = {w: domain_rule(s.modes[mode], s.domains, draft_index)
-                           for w, s in sets.items()}
+        train_only = _concat([data[(w, mode)] for w in choose_on])
+        chosen[mode], dev_scores[mode] = choose_config(
+            names, train_only, data[("dev", mode)], base, losses, widths, mode)
+        fit = _concat([data[(w, mode)] for w in fit_sets])
+        heads[mode], final[mode] = fit_head(names, fit, chosen[mode], mode)
+        for w in eval_sets:
+            evaluation[w][mode] = topk_metrics(heads[mode], data[(w, mode)])
     # The runtime sends the prompt alone at p = 0 and prompt + recent later: exactly the
     # prompt_recent examples (flag = has recent text), so that head is the runtime head.
-    runtime, ho = heads["prompt_recent"], data[("heldout", "prompt_recent")]
-    accuracy["runtime_head"] = {
-        **accuracy["prompt_recent"],
-        "at_start": topk_metrics(runtime, ho.subset(ho.flags == 0)),
-        "with_recent": topk_metrics(runtime, ho.subset(ho.flags == 1))}
-    for mode in (*MODES, "runtime_head"):
-        a = accuracy[mode]
-        log(f"held-out {mode}: top-1 {a['top1']} top-2 {a['top2']} (n={a['n']})")
+    y_fit = _concat([data[(w, "prompt_recent")] for w in fit_sets]).y
+    majority = majority_baseline(names, y_fit, data[(eval_sets[0], "prompt_recent")]) \
+        if eval_sets else {"ranking": names}
+    fallback = [names.index(pool.general)] + [names.index(n) for n in majority["ranking"]]
+    runtime = heads["prompt_recent"]
+    for w in eval_sets:
+        ev, pr = evaluation[w], data[(w, "prompt_recent")]
+        ev["runtime_head"] = {**ev["prompt_recent"],
+                              "at_start": topk_metrics(runtime, pr.subset(pr.flags == 0)),
+                              "with_recent": topk_metrics(runtime, pr.subset(pr.flags == 1))}
+        ev["domain_rule"] = domain_rule(sets[w].modes["prompt_recent"], domains, draft_index,
+                                        fallback)
+        ev["majority"] = majority_baseline(names, y_fit, pr)
+        for k in (*MODES, "domain_rule", "majority"):
+            a = ev[k]
+            log(f"{w} {k}: top-1 {a['top1']} top-2 {a['top2']}")
 
     info = {
         "trainer": TRAINER, "labels": LABELS, "encoder": ENCODER_NAME,
         "max_pieces": MAX_PIECES, "T": T, "N": interval, "gamma": pool.gamma,
-        "train_set": args.train_set,
-        "every": {"train": args.train_every, "heldout": args.every},
+        "train_set": ",".join(fit_sets), "chosen_on": "dev", "eval_sets": eval_sets,
+        "every": every,
         "runtime_inputs": "prompt only at p=0 (flag 0), prompt + last T tokens at p>0 (flag 1)",
         "seed": args.seed, "steps": args.steps, "lr": args.lr,
-        "weight_decay": args.weight_decay, "loss": losses,
+        "weight_decay": args.weight_decay,
+        "config": {m: {"loss": c.loss, "hidden": c.hidden} for m, c in chosen.items()},
+        "dev_top1": dev_scores,
         "final_loss": {m: round(v, 5) for m, v in final.items()},
         "data": {w: s.counts() for w, s in sets.items()},
-        "skipped_ties": {w: s.ties for w, s in sets.items()},
         "label_distribution": {w: s.label_counts(names) for w, s in sets.items()},
-        "majority_baseline": baseline,
-        "domain_draft_rule": by_domain,
-        "heldout_accuracy": accuracy,
+        "evaluation": evaluation,
         "paper": {m: {"top1": a, "top2": b} for m, (a, b) in PAPER.items()},
     }
-    side = save_head(runtime, args.out / "head.safetensors", info)  # same seed, same files
+    side = save_head(runtime, args.head_file, info)  # same seed, same files
     wall = {"embed": round(t_embed, 1), "total": round(time.perf_counter() - t0, 1)}
-    log(f"wrote {args.out / 'head.safetensors'} and {side} ({wall['total']} s)")
+    log(f"wrote {args.head_file} and {side} ({wall['total']} s)")
     return {**info, "wall_s": wall}
 
 
@@ -532,23 +574,21 @@ def _pct(v: object) -> str:
 
 
 def format_table(info: Mapping) -> str:
-    acc, base, paper = info["heldout_accuracy"], info["majority_baseline"], info["paper"]
-    lines = [f"{'held-out':<13} {'top-1':>5} {'top-2':>5} {'n':>6}   {'majority 1/2':>11}   "
-             f"{'paper 1/2':>11}   loss"]
-    for mode in (*MODES, "runtime_head"):
-        same = mode if mode in MODES else "prompt_recent"  # the runtime head's inputs
-        a, b, p = acc[mode], base[same], paper[same]
-        lines.append(f"{mode:<13} {_pct(a['top1'])} {_pct(a['top2'])} {a['n']:6d}   "
-                     f"{_pct(b['top1'])} {_pct(b['top2'])}   {_pct(p['top1'])} "
-                     f"{_pct(p['top2'])}   {info['loss'][same]}")
+    ev, paper = info["evaluation"], info["paper"]
+    lines = []
+    for w, rows in ev.items():
+        lines.append(f"{w:<13} {'top-1':>5} {'top-2':>5} {'n':>6}   {'paper 1/2':>11}")
+        for k in (*MODES, "runtime_head", "domain_rule", "majority"):
+            a, p = rows[k], paper.get(k)
+            ref = f"{_pct(p['top1'])} {_pct(p['top2'])}" if p else ""
+            lines.append(f"{k:<13} {_pct(a['top1'])} {_pct(a['top2'])} "
+                         f"{a.get('n', 0) or 0:6d}   {ref}")
     for w, dist in info["label_distribution"].items():
         total = sum(dist.values()) or 1
-        rule = info["domain_draft_rule"]["prompt_recent"][w]["top1"]
         lines.append(f"labels {w:<8} " + "  ".join(f"{n} {100 * c / total:.1f}%"
-                                                    for n, c in dist.items())
-                     + f"  (exact ties skipped: {info['skipped_ties'][w]}; "
-                       f"the prompt's domain draft: {_pct(rule).strip()}%)")
+                                                    for n, c in dist.items()))
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,11 @@
-"""The target's greedy trajectories for a prompt set, batched, resumable, cached on disk.
+"""The target's greedy trajectories for a prompt set, resumable, cached on disk.
 
 With greedy decoding the output is the target's greedy output whatever the draft, so one
 trajectory per prompt serves draft training (distillation), acceptance tables and replay.
+Two builders: :func:`engine_trajectories` decodes with the runtime's own engine, in the
+precision the decoder runs (batch 1, as a request runs), which is what acceptance tables,
+oracles and the simulator must replay; :func:`build_trajectories` is the batched fp32
+Hugging Face `generate` that draft distillation reads.
 """
 
 from __future__ import annotations
@@ -51,6 +55,53 @@ def consistent_prefix(model, prompt: list[int], traj: list[int]) -> list[int]:
     agree = (logits.argmax(-1) == torch.tensor(traj)).tolist()
     n = next((i for i, ok in enumerate(agree) if not ok), len(traj))
     return traj[:n]
+
+
+class Progress:
+    """One stderr line every `every_s` seconds: done/total, tokens/s, time left."""
+
+    def __init__(self, tag: str, total: int, every_s: float = 15.0, enabled: bool = True
+                 ) -> None:
+        self.tag, self.total, self.every_s, self.enabled = tag, total, every_s, enabled
+        self.t0 = self.last = time.perf_counter()
+        self.done = self.tokens = 0
+
+    def step(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self.enabled and (now - self.last >= self.every_s or self.done == self.total):
+            self.last = now
+            el = now - self.t0
+            left = el / self.done * (self.total - self.done)
+            print(f"[{self.tag}] {self.done}/{self.total} prompts, {self.tokens / el:.1f} tok/s,"
+                  f" ~{left / 60:.1f} min left", file=sys.stderr, flush=True)
+
+
+def engine_trajectories(engine, tokenizer, prompts: list[dict], out: Path, dtype: str,
+                        max_new_tokens: int = 128, progress: bool = True,
+                        on_row=None) -> list[dict]:
+    """Target-only greedy decoding through ``engine`` (a SpecEngine in the runtime dtype),
+    one prompt at a time; appends ``{"id","domain","prompt_ids","tokens","dtype"}`` rows to
+    ``out`` and skips ids already there. ``on_row(row)`` runs after each new row (the tracer
+    builds its tables there, so an interrupted trace keeps complete rows)."""
+    done = {k: r for k, r in read_jsonl(out).items() if r.get("dtype") == dtype}
+    todo = [p for p in prompts if p["id"] not in done]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = Progress(f"trajectories {out.stem}", len(todo), enabled=progress)
+    with out.open("a") as f:
+        for p in todo:
+            ids = encode_prompt(tokenizer, p["prompt"])
+            tokens, _ = engine.generate(ids, max_new_tokens)
+            row = {"id": p["id"], "domain": p.get("domain"), "prompt_ids": ids,
+                   "tokens": tokens, "dtype": dtype}
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            done[p["id"]] = row
+            if on_row is not None:
+                on_row(row)
+            bar.step(len(tokens))
+    return [done[p["id"]] for p in prompts if p["id"] in done]
 
 
 def build_trajectories(model, tokenizer, model_dir: Path, prompts: list[dict], out: Path,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memspec.common.errors import RequestError
+from memspec.common.config import check_sampling
 
 
 @dataclass(frozen=True)
@@ -22,10 +22,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise RequestError(f"temperature {self.temperature} is negative", "use 0 or more")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p {self.top_p} is outside (0, 1]", "use e.g. 0.9")
+        check_sampling(self.temperature, self.top_p, self.seed)  # finite, in range
 
     @property
     def greedy(self) -> bool:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from memspec.common.config import PoolConfig
-from memspec.common.errors import ConfigError
+from memspec.common.errors import ConfigError, ModelError
+from memspec.common.manifest import read_manifest
 from memspec.common.safetensors_layout import read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.engine import SpecEngine, TokenCallback
@@ -45,9 +47,24 @@ class LocalRuntime:
         t0 = time.perf_counter()
         bound = load_into_slot(name, spec.path, slot, target_vocab=self.engine.vocab,
                                parts=self.engine.target_parts)
+        check_slot(name, spec.path, slot)  # before it runs, as the loader process checks
         self.load_s[name] = time.perf_counter() - t0
         self.engine.add_draft(bound)
         return slot
+
+
+def check_slot(name: str, model_dir: Path, slot: SlotBuffer) -> None:
+    """The slot's bytes against the draft's manifest, when it has one; a mismatch frees the
+    slot and is a one-line ModelError."""
+    man = read_manifest(model_dir)
+    if man is None:
+        return
+    entry = man.entry(draft_weights_file(model_dir))
+    try:
+        entry.check_bytes(slot.data[:entry.data_size].cpu().numpy(), f"draft '{name}'")
+    except ModelError:
+        slot.draft = None
+        raise
 
 
 def slot_capacity(pool: PoolConfig) -> int:

@@ -1,8 +1,10 @@
 """The MemSpec scheduling loop (paper Alg. 3), written once for the runtime and the simulator.
 
-Every N iterations: drain what the loader and the predictor sent, let the policy (and its
-cache manager, Alg. 2) decide loads and evictions, run the best *resident* draft for N
-iterations, then send a snapshot for the next ranking. Loads complete in the loader; the
+A request starts as Alg. 3 does: rank the prompt (policies that use the predictor), issue
+the first decision's loads, and only then prefill the prompt, so the initial draft loads
+while the target prefills. Then every N iterations: drain what the loader and the
+predictor sent, let the policy (and its cache manager, Alg. 2) decide loads and evictions,
+run the best *resident* draft for N iterations, then send a snapshot for the next ranking. Loads complete in the loader; the
 loop learns of them at scheduling points and never waits for one (mab-sync is the one
 policy that chooses to block, which is what it is there to show).
 
@@ -94,14 +96,19 @@ class Executor(Protocol):
 
 @dataclass
 class Job:
-    """One request as the loop runs it."""
+    """One request as the loop runs it.
+
+    `prefill` opens the executor (the target prefills the prompt); the loop calls it once
+    the initial loads are issued (Alg. 3 lines 2-5), so loading overlaps the prefill. A job
+    may instead come with its `executor` already open (prefilled)."""
 
     req_id: str
     prompt: str
     policy: Policy
-    executor: Executor
-    t_start: float  # clock time the request arrived (prefill happened since)
+    executor: Executor | None
+    t_start: float  # clock time the request arrived
     trace: bool = False  # keep iteration records and residency events for the summary
+    prefill: Callable[[], Executor] | None = None
 
 
 @dataclass
@@ -139,6 +146,7 @@ class Controller:
         self.scores: dict[str, float] | None = None
         self.running: _Running | None = None
         self.on_slots_changed: Callable[[], None] | None = None
+        self.load_seconds: dict[str, float] = {}  # the latest load of each draft, loader-timed
 
     # ---- replies from the loader and the predictor, and supervisor notices --------------
     def handle(self, msg: Message) -> None:
@@ -181,10 +189,12 @@ class Controller:
             self._changed()
             return
         self._event("loaded", msg.draft, slot.index, msg.seconds, self.clock.now() - t0)
-        if self.running is not None:
-            stats = self.running.job.executor.stats
-            stats.loads += 1
-            stats.bytes_loaded += msg.nbytes
+        if msg.seconds > 0:
+            self.load_seconds[msg.draft] = msg.seconds
+        ex = self.running.job.executor if self.running is not None else None
+        if ex is not None:
+            ex.stats.loads += 1
+            ex.stats.bytes_loaded += msg.nbytes
         self._changed()
 
     def _reissue_loads(self) -> None:
@@ -223,8 +233,9 @@ class Controller:
             self.channels.send(Cancel(slot=slot.index, generation=slot.generation))
         else:
             self.slots.unbind(draft)
-            if self.running is not None:
-                self.running.job.executor.stats.evictions += 1
+            ex = self.running.job.executor if self.running is not None else None
+            if ex is not None:
+                ex.stats.evictions += 1
         self.table.release(slot)
         self._changed()
 
@@ -253,9 +264,13 @@ class Controller:
 
     # ---- one request (Alg. 3) ------------------------------------------------------------
     def start(self, job: Job) -> None:
-        """Open a request: the first snapshot, then a bounded wait for its ranking."""
+        """Open a request as Alg. 3 does: rank the prompt (a bounded wait for the first
+        ranking), issue the first decision's loads (the initial draft, and for memspec
+        the rest of the predicted working set), then prefill while they load."""
         if self.running is not None:
             raise RuntimeError(f"request {self.running.job.req_id} is still running")
+        if job.executor is None and job.prefill is None:
+            raise ValueError("a job needs an executor or a prefill")
         if self.cold_start:
             for d in sorted(self.table.resident | self.table.loading):
                 self.evict(d)
@@ -264,7 +279,16 @@ class Controller:
         if job.policy.uses_predictor:
             self._snapshot()
             run.t_initial = self._wait_initial_ranking()
-            job.executor.stats.t_prediction += run.t_initial
+        self.drain()
+        self.apply(job.policy.decide(self.view(0, None)))
+        if job.executor is None:
+            assert job.prefill is not None
+            try:
+                job.executor = job.prefill()
+            except BaseException:  # a refused request (too long, bad ids) leaves no job behind
+                self.running = None
+                raise
+        job.executor.stats.t_prediction += run.t_initial
         run.t_loop = self.clock.now() - job.t_start
 
     def step(self) -> Summary | None:
@@ -273,6 +297,7 @@ class Controller:
         if run is None:
             raise RuntimeError("no request is running")
         job, ex = run.job, run.job.executor
+        assert ex is not None  # opened by start()
         if ex.done:
             return self._finish()
         self.clock.overhead("sched")
@@ -319,7 +344,8 @@ class Controller:
     def _snapshot(self) -> None:
         run = self.running
         assert run is not None
-        recent = run.job.executor.recent(self.T) if self.T and run.seq else []
+        ex = run.job.executor
+        recent = ex.recent(self.T) if self.T and run.seq and ex is not None else []
         self.channels.send(Snapshot(req_id=run.job.req_id, seq=run.seq, prompt=run.job.prompt,
                                     recent_ids=recent))
 
@@ -352,6 +378,7 @@ class Controller:
     def _finish(self) -> Summary:
         run = self.running
         assert run is not None
+        assert run.job.executor is not None
         job, stats = run.job, run.job.executor.stats
         self.clock.overhead("post")
         stats.t_e2e = self.clock.now() - job.t_start

@@ -56,7 +56,13 @@ from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv, send
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import encode_prompt, open_engine
-from memspec.procs.decoder.service import DecoderService, EngineSlots, draft_files, log
+from memspec.procs.decoder.service import (
+    DecoderService,
+    EngineSlots,
+    log,
+    open_drafts,
+    verify_target,
+)
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 
 HEARTBEAT_S = 0.5
@@ -138,10 +144,13 @@ class SocketChannels:
 
 def _calibrate_iteration_s(engine: SpecEngine, tokenizer, pool, slot: SlotBuffer,
                            files) -> float:
-    """Median SD iteration time with the general draft: the unit of the edge-emulated profile."""
-    spec = pool.general_draft
+    """Median SD iteration time with the general draft (another healthy one when it is
+    quarantined): the unit of the edge-emulated profile."""
+    spec = pool.general_draft if pool.general in files else pool.draft(next(iter(files)))
     layout = files[spec.name].layout
     slot.fill_from_file(layout)
+    files[spec.name].entry.check_bytes(slot.data[:layout.data_size].numpy(),
+                                       f"draft '{spec.name}'")  # it runs checked bytes only
     engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab,
                                 parts=engine.target_parts))
     ids = encode_prompt(tokenizer, "Describe the ocean in two sentences.")
@@ -169,7 +178,8 @@ class DecoderProcess:
         return Status(procs={"decoder": ProcStatus(pid=os.getpid(), state=state,
                                                    rss_mb=process_rss_mb())},
                       slots=[SlotStatus(s.index, s.generation, s.state.value, s.draft)
-                             for s in self.ctl.table.slots])
+                             for s in self.ctl.table.slots],
+                      quarantined=dict(self.ctl.table.failed))
 
     def reply(self, ident: bytes, msg: Message) -> None:
         try:
@@ -240,14 +250,15 @@ def run(args: argparse.Namespace) -> int:
     channels = SocketChannels(ctx, args.loader, args.predictor, args.control, requests)
     t0 = time.perf_counter()
     device = args.device
+    verify_target(pool.target)
     engine, tokenizer, dtype = open_engine(pool, device)
-    files = draft_files(pool)
+    files, quarantined = open_drafts(pool, engine.vocab)
     capacity = max((f.layout.data_size for f in files.values()), default=0)
     k = pool.K
     if pool.memory_budget_mb is not None:  # too small for one draft: error at start
         budget_k = slots_for_budget(pool.memory_budget_mb, capacity, len(pool.drafts))
         k = budget_k if pool.K_from_budget else k
-    k = min(k, len(pool.drafts))
+    k = min(k, len(files))  # quarantined drafts need no slot
     transport = args.transport or choose_transport(device)
     token = args.run_token or secrets.token_hex(4)
     mems = [SlotMemory.create(f"memspec-{token}-slot{i}", capacity, transport, device)
@@ -259,13 +270,14 @@ def run(args: argparse.Namespace) -> int:
             bandwidth = pool.bandwidth_mb_s * 1e6
         else:
             iter_s = _calibrate_iteration_s(engine, tokenizer, pool, buffers[0], files)
-            bandwidth = files[pool.general].layout.data_size / (pool.load_iter_ratio * iter_s)
+            unit = files[pool.general] if pool.general in files else next(iter(files.values()))
+            bandwidth = unit.layout.data_size / (pool.load_iter_ratio * iter_s)
             log(f"edge-emulated: SD iteration {iter_s * 1e3:.1f} ms -> "
                 f"{bandwidth / 1e6:.2f} MB/s (load/iteration = {pool.load_iter_ratio})")
     handles = [m.handle for m in mems]
     slots = EngineSlots(pool, engine, buffers, handles, transport, files, bandwidth)
     service = DecoderService(pool, engine, tokenizer, slots, channels,
-                             cold_start=args.cold_start)
+                             cold_start=args.cold_start, quarantined=quarantined)
     proc = DecoderProcess(channels, service)
     # the supervisor caches the slots for `memspec status`
     service.controller.on_slots_changed = lambda: channels.push(proc.status())
@@ -275,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
         bandwidth_bytes_s=bandwidth, handles=handles)))
     log(f"ready: target in {dtype}, K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
         f"{time.perf_counter() - t0:.1f}s")
+    if quarantined:  # found at start: the supervisor shows them in status and logs them
+        channels.push(proc.status())
 
     def on_signal(signum, frame):  # noqa: ANN001
         proc.stop = True

@@ -63,8 +63,12 @@ def extension(build: bool = True, verbose: bool = False) -> Any:
     return _EXT
 
 
-def linear_spec(layer: Linear, vnni: bool, bf16: bool = False) -> tuple:
-    """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights."""
+def linear_spec(layer: Linear, vnni: bool, bf16: bool = False,
+                act: torch.dtype | None = None) -> tuple:
+    """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights. ``act`` is
+    the dtype the C++ forward runs its activations in: the dense (BLAS) fallback, taken by
+    shapes the kernels do not tile (e.g. a vocabulary that is no multiple of 16), must hold
+    its weights and bias in it too."""
     if isinstance(layer, (Int4Linear, Int8Linear)):
         n, k = layer.q.shape
         vnni = vnni and n % 16 == 0 and k % 32 == 0  # the kernels' tile and block sizes
@@ -76,12 +80,17 @@ def linear_spec(layer: Linear, vnni: bool, bf16: bool = False) -> tuple:
     if isinstance(layer, Int8Linear):
         if vnni:
             return (4, layer.q, layer.d, None, layer.bias)
-        return (0, layer.dequantize().to(layer.act_dtype), None, None, layer.bias)
+        return _dense(layer.dequantize(), layer.bias, act or layer.act_dtype)
     assert isinstance(layer, DenseLinear)
     w = layer.weight
     if bf16 and w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[1] % 32 == 0:
         return (5, w, None, None, layer.bias)
-    return (0, w, None, None, layer.bias)
+    return _dense(w, layer.bias, act or w.dtype)
+
+
+def _dense(w: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype) -> tuple:
+    """Weights already in ``act`` stay what they are (a slot view stays a view)."""
+    return (0, w.to(act), None, None, None if bias is None else bias.to(act))
 
 
 class NativeLM:
@@ -98,7 +107,7 @@ class NativeLM:
                                                          torch.bfloat16) else lean.act_dtype
 
         def lin(p: Linear) -> tuple:
-            return linear_spec(p, vnni, bf16)
+            return linear_spec(p, vnni, bf16, act)
 
         layers = [(L.ln1, L.ln2, [lin(p) for p in L.qkv], lin(L.o),
                    [lin(p) for p in L.gate_up], lin(L.down)) for L in lean.layers]

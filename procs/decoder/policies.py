@@ -75,8 +75,9 @@ class Policy(Protocol):
         """Choose the next interval's draft and the cache actions to issue now."""
 
 
-# An oracle plan sees the view and names the draft to run (or ranks the drafts).
-OraclePlan = Callable[[SchedView], str | Mapping[str, float] | None]
+# An oracle plan sees the view and names the draft to run (oracle-static) or decides the
+# interval outright, loads included (oracle-dynamic; None: nothing left to plan).
+OraclePlan = Callable[[SchedView], "str | Mapping[str, float] | Decision | None"]
 
 
 def _acquire(view: SchedView, want: str | None, victim: Callable[[set[str]], str | None],
@@ -207,17 +208,23 @@ class MemSpec(TargetOnly):
         return Decision(_top1(scores, _after(view, actions)), _top1(scores), actions)
 
 
-class OracleDynamic(MemSpec):
-    """MemSpec driven by future knowledge instead of a predictor, same memory limit."""
+class OracleDynamic(TargetOnly):
+    """Future knowledge of acceptance *and* of loads: the plan (procs/decoder/oracle.py)
+    picks each interval's draft and starts every load early enough, under the same K and
+    loader. An upper bound for the online policies, not a competitor to tune."""
 
     name = "oracle-dynamic"
-    uses_predictor = False
 
     def __init__(self, plan: OraclePlan) -> None:
         self.plan = plan
 
-    def scores(self, view: SchedView) -> dict[str, float]:
-        return _plan_scores(self.plan(view), view)
+    def decide(self, view: SchedView) -> Decision:
+        d = self.plan(view)
+        if not isinstance(d, Decision):
+            return Decision(None, None, NO_ACTIONS)
+        if d.run is not None and d.run not in _after(view, d.actions):
+            return replace(d, run=None)  # guard: only resident drafts run
+        return d
 
 
 class PredictionOnly(MemSpec):
@@ -317,36 +324,6 @@ class MabSync(_Ucb):
         return self.victim(names - {active}) or self.victim(names)
 
 
-class _WaitInitial:
-    """Block on the first decision of a request until the preferred draft is resident.
-
-    The paper's Alg. 3 loads the initial draft d0 before decoding (line 3), and the static
-    baselines are 'resident from start'; later decisions keep the wrapped policy's semantics.
-    """
-
-    def __init__(self, inner: Policy) -> None:
-        self.inner = inner
-        self.name, self.uses_predictor = inner.name, inner.uses_predictor
-        self.first = True
-
-    def reset(self) -> None:
-        self.inner.reset()
-        self.first = True
-
-    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
-        self.inner.observe(draft, proposed, accepted)
-
-    def decide(self, view: SchedView) -> Decision:
-        d = self.inner.decide(view)
-        first, self.first = self.first, False
-        want = d.preferred
-        if not first or d.wait_for or want is None or want in view.resident:
-            return d
-        if want in view.loading or want in d.actions.prefetch:
-            return replace(d, run=want, wait_for=want)
-        return d
-
-
 def _need_plan(name: str, plan: object) -> OraclePlan:
     if not callable(plan):
         raise ConfigError(f"policy '{name}' needs an oracle plan from acceptance tables",
@@ -354,15 +331,16 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
     return cast(OraclePlan, plan)
 
 
-_KW = ("oracle_plan", "wait_initial")
+_KW = ("oracle_plan",)
 
 
 def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
     """Build a policy by its config name (memspec.common.config.POLICIES); every policy
     here is deterministic.
 
-    kw: `oracle_plan` (oracle-static/-dynamic: view -> draft name or scores),
-    `wait_initial` (block once at request start for the preferred draft, Alg. 3 line 3).
+    kw: `oracle_plan` (oracle-static: view -> draft name or scores; oracle-dynamic: view
+    -> Decision). Every policy's first decision is taken before the prompt prefills, so
+    its initial loads overlap the prefill (procs/decoder/loop.py, Alg. 3 line 3).
     """
     unknown = sorted(set(kw) - set(_KW))
     if unknown:
@@ -370,8 +348,7 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
                           f"valid: {', '.join(_KW)}")
     if not (isinstance(ucb_c, (int, float)) and math.isfinite(ucb_c) and ucb_c >= 0):
         raise ConfigError(f"ucb_c = {ucb_c!r} is not a finite number >= 0", "use e.g. 2.0")
-    policy = _build(name, float(ucb_c), kw)
-    return _WaitInitial(policy) if kw.get("wait_initial") else policy
+    return _build(name, float(ucb_c), kw)
 
 
 def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:

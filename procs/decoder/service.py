@@ -18,27 +18,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memspec.common.config import PoolConfig
-from memspec.common.errors import MemspecError
-from memspec.common.files import sha256_file
+from memspec.common.config import PoolConfig, check_submit
+from memspec.common.errors import MemspecError, ModelError
+from memspec.common.manifest import NAME as MANIFEST
+from memspec.common.manifest import WeightsEntry, read_manifest, verify, weights_entry
 from memspec.common.messages import Done, Error, ErrorKind, Load, Message, Submit, Tokens
 from memspec.common.metrics import IterationRecord, RunStats
+from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.detok import StreamDecoder
 from memspec.procs.decoder.engine import Session, SpecEngine
+from memspec.procs.decoder.head import is_head
 from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
 from memspec.procs.decoder.models import encode_chat, encode_prompt
 from memspec.procs.decoder.oracle import (
     ORACLE_POLICIES,
     OracleIndex,
+    PlanCostMeter,
     make_plan,
     oracle_index,
+    plan_costs,
     prompt_tables,
 )
 from memspec.procs.decoder.policies import make_policy
-from memspec.procs.decoder.slots import SlotBuffer, bind_draft, draft_weights_file
-from memspec.procs.decoder.stops import StopMatcher, check_stops
+from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft, draft_weights_file
+from memspec.procs.decoder.stops import StopMatcher
+from memspec.procs.decoder.tablefiles import runtime_dtype
 
 Emit = Callable[[Message], None]
 
@@ -61,18 +67,61 @@ class MonotonicClock:
 class DraftFile:
     path: Path
     layout: Layout
-    sha256: str  # of the data section: what the loader checks after copying it
+    entry: WeightsEntry  # header and tensor ranges: what the loader checks while copying
 
 
-def draft_files(pool: PoolConfig) -> dict[str, DraftFile]:
-    """Header layout and data-section checksum of every draft, read once at start."""
-    out = {}
+def open_drafts(pool: PoolConfig, target_vocab: int
+                ) -> tuple[dict[str, DraftFile], dict[str, str]]:
+    """Every draft checked once at start, against its manifest when it has one (a full read
+    of its files, as the loader's later copies are); a draft that fails is quarantined with
+    a one-line reason and the rest serve. A draft without a manifest is measured now, so a
+    later change of its bytes is still caught, and said once."""
+    files: dict[str, DraftFile] = {}
+    quarantined: dict[str, str] = {}
     for d in pool.drafts:
-        path = draft_weights_file(d.path)
-        layout = read_layout(path)
-        out[d.name] = DraftFile(path, layout, sha256_file(path, layout.data_offset,
-                                                          layout.data_size))
-    return out
+        try:
+            path = draft_weights_file(d.path)
+            layout = read_layout(path)
+            man = read_manifest(d.path)
+            if man is None:
+                log(f"draft '{d.name}' has no {MANIFEST}: checked against its bytes at start "
+                    f"only (write one: memspec manifest {d.path})")
+                entry = weights_entry(path, path.name)
+            else:
+                entry = man.entry(path)
+                entry.check_layout(layout)
+                verify(man)
+            check_vocab(d.name, d.path, layout, target_vocab)
+        except MemspecError as exc:
+            quarantined[d.name] = exc.problem
+            log(f"draft '{d.name}' quarantined: {exc.problem}")
+            continue
+        files[d.name] = DraftFile(path, layout, entry)
+    return files, quarantined
+
+
+def verify_target(target: Path) -> None:
+    """The target's files against its manifest (written by `memspec zoo target`), hashed
+    once per change of a file: a corrupt target is an error at start, never decoded with."""
+    man = read_manifest(target)
+    if man is None:
+        log(f"target {target} has no {MANIFEST}: its bytes are not checked "
+            f"(write one: memspec manifest {target})")
+        return
+    verify(man, stamps=memspec_home() / "verified.json")
+
+
+def check_vocab(name: str, model_dir: Path, layout: Layout, target_vocab: int) -> None:
+    """A draft proposes target token ids: either through its id map or because its
+    vocabulary covers the target's (extra rows are never proposed)."""
+    tensors = {t.name: t for t in layout.tensors}
+    if ID_MAP_KEY in tensors or is_head(model_dir):
+        return  # the map is checked against the target when the draft is bound
+    embed = tensors.get("model.embed_tokens.weight") or tensors.get("lm_head.weight")
+    if embed is not None and embed.shape and embed.shape[0] < target_vocab:
+        raise ModelError(f"draft '{name}' has a vocabulary of {embed.shape[0]} tokens, the "
+                         f"target {target_vocab}, and no id map ({ID_MAP_KEY})",
+                         "train it on the target's vocabulary or remove it from the pool")
 
 
 class EngineSlots:
@@ -90,7 +139,8 @@ class EngineSlots:
         return Load(slot=slot, generation=generation, draft=draft, path=str(f.path),
                     transport=self.transport, handle=self.handles[slot],
                     capacity=self.buffers[slot].capacity, storage=self.pool.storage,
-                    bandwidth_bytes_s=self.bandwidth, expected_sha256=f.sha256)
+                    bandwidth_bytes_s=self.bandwidth, header_sha256=f.entry.header_sha256,
+                    ranges=list(f.entry.ranges))
 
     def bind(self, slot: int, generation: int, draft: str) -> None:
         buf = self.buffers[slot]
@@ -174,14 +224,19 @@ class DecoderService:
     """At most one request on the loop; `step` is one scheduling interval of it."""
 
     def __init__(self, pool: PoolConfig, engine: SpecEngine, tokenizer: Any,
-                 slots: EngineSlots, channels: Channels, cold_start: bool = False) -> None:
+                 slots: EngineSlots, channels: Channels, cold_start: bool = False,
+                 quarantined: dict[str, str] | None = None) -> None:
         self.pool, self.engine, self.tokenizer = pool, engine, tokenizer
         self.clock = MonotonicClock()
         self.controller = Controller(
             [d.name for d in pool.drafts], pool.general, len(slots.buffers), pool.N, pool.T,
             self.clock, channels, slots, cold_start=cold_start, log=log)
+        self.controller.table.failed.update(quarantined or {})  # found at start
         self.current: _Current | None = None
         self._oracles: OracleIndex | None = None
+        self.K = len(slots.buffers)
+        self.plan_meter = PlanCostMeter(plan_costs(
+            pool, {d: f.layout.data_size for d, f in slots.files.items()}))
 
     @property
     def busy(self) -> bool:
@@ -198,20 +253,23 @@ class DecoderService:
 
     def _start(self, req: Submit, emit: Emit) -> None:
         t_start = self.clock.now()
+        check_submit(req)
         policy_name = req.policy or self.pool.policy
         params = SamplingParams(req.temperature, req.top_p, req.seed)
-        check_stops(req.stop)
         ids = (encode_chat(self.tokenizer, [{"role": m.role, "content": m.content}
                                             for m in req.messages])
                if req.messages else encode_prompt(self.tokenizer, req.prompt))
         plan = None
         if policy_name in ORACLE_POLICIES:
             if self._oracles is None:
-                self._oracles = oracle_index(self.pool)
+                self._oracles = oracle_index(self.pool,
+                                             runtime_dtype(self.pool, self.engine.device))
                 log(f"oracle tables for {len(self._oracles)} traced prompts")
             tables = prompt_tables(self._oracles, policy_name, ids, params.greedy)
             plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
-                             lambda: len(self.current.session.generated) if self.current else 0)
+                             lambda: len(self.current.session.generated) if self.current else 0,
+                             self.K, self.plan_meter.costs(self.controller.load_seconds),
+                             len(ids))
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
@@ -222,11 +280,16 @@ class DecoderService:
             if ids or text:
                 emit(Tokens(req_id=req.req_id, ids=ids, text=text))
 
-        session = self.engine.start(ids, max_new, params, stream)
-        out.executor = SessionExecutor(session)
-        self.current = _Current(req, emit, session, out)
-        self.controller.start(Job(req.req_id, req.prompt, policy, out.executor,
-                                  t_start, trace=req.trace))
+        def prefill() -> SessionExecutor:
+            """The target prefills while the initial loads run (the loop calls this); a
+            request the engine refuses (too long, bad ids) raises its RequestError here."""
+            session = self.engine.start(ids, max_new, params, stream)
+            out.executor = SessionExecutor(session)
+            self.current = _Current(req, emit, session, out)
+            return out.executor
+
+        self.controller.start(Job(req.req_id, req.prompt, policy, None, t_start,
+                                  trace=req.trace, prefill=prefill))
 
     def step(self) -> None:
         """One scheduling interval of the running request; its Done after the last one."""
@@ -237,6 +300,7 @@ class DecoderService:
         if summary is None:
             return
         self.current = None
+        self.plan_meter.observe(cur.session.stats.records)
         out = cur.out
         rest = out.flush()  # text held back for an incomplete character at the end
         if rest:

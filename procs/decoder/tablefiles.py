@@ -1,9 +1,13 @@
 """Acceptance tables on disk: one JSON file per prompt set, tied to the drafts that made them.
 
-Tables are only valid for the exact draft weights and gamma they came from, so every file
-records both; a reader that finds other weights treats the file as absent (and `memspec
-trace` rebuilds it) instead of silently replaying stale acceptance. Pure I/O, read by the
-decoder's oracle policies and written and read by the offline tools (zoo/tablestore.py).
+Tables are only valid for the exact draft weights, gamma and target precision they came
+from, so every file records all three; a reader that finds other weights treats the file as
+absent (and `memspec trace` rebuilds it) instead of silently replaying stale acceptance.
+The target's greedy trajectory depends on its precision (int4 and fp32 argmaxes differ on
+near-ties), so traces made by the engine live in one folder per runtime dtype
+(``traces/<dtype>/``); the top folder keeps the fp32 Hugging Face trajectories that draft
+training and `memspec zoo eval` use. Pure I/O, read by the decoder's oracle policies and
+written and read by the offline tools (zoo/tablestore.py).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from memspec.common.config import PoolConfig
 from memspec.common.files import read_jsonl, sha256_file
 from memspec.common.paths import default_target_dir, memspec_home
+from memspec.procs.decoder.precision import resolve_dtype
 from memspec.procs.decoder.slots import draft_weights_file
 
 FORMAT = "memspec-tables/1"
@@ -28,8 +35,18 @@ def pool_fingerprint(pool: PoolConfig) -> dict[str, str]:
     return {d.name: sha256_file(draft_weights_file(d.path)) for d in pool.drafts}
 
 
-def traces_dir() -> Path:
-    return memspec_home() / "traces"
+def traces_dir(dtype: str | None = None) -> Path:
+    """Where traces live: one folder per target precision for the engine's traces."""
+    root = memspec_home() / "traces"
+    return root / dtype if dtype else root
+
+
+def runtime_dtype(pool: PoolConfig, device: str | torch.device | None = None) -> str:
+    """The precision the decoder runs this pool's target in (`dtype = "auto"` resolved for
+    the device it picks: CUDA when present, else the CPU), i.e. whose traces it reads."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_dtype(pool.dtype, pool.target, device)
 
 
 def _suffix(pool: PoolConfig) -> str:
@@ -38,37 +55,49 @@ def _suffix(pool: PoolConfig) -> str:
         else f"-{pool.target.name}"
 
 
-def trajectories_path(pool: PoolConfig, which: str) -> Path:
-    return traces_dir() / f"{which}{_suffix(pool)}.jsonl"
+def trajectories_path(pool: PoolConfig, which: str, dtype: str | None = None) -> Path:
+    return traces_dir(dtype) / f"{which}{_suffix(pool)}.jsonl"
 
 
-def tables_path(pool: PoolConfig, which: str) -> Path:
-    return traces_dir() / f"{TABLES_PREFIX}{which}{_suffix(pool)}.json"
+def tables_path(pool: PoolConfig, which: str, dtype: str | None = None) -> Path:
+    return traces_dir(dtype) / f"{TABLES_PREFIX}{which}{_suffix(pool)}.json"
 
 
-def traced_sets(pool: PoolConfig) -> list[str]:
+def traced_sets(pool: PoolConfig, dtype: str | None = None) -> list[str]:
     """Every prompt set with a tables file for this pool's target, by name."""
     suffix = _suffix(pool) + ".json"
-    names = sorted(p.name for p in traces_dir().glob(f"{TABLES_PREFIX}*{suffix}"))
+    names = sorted(p.name for p in traces_dir(dtype).glob(f"{TABLES_PREFIX}*{suffix}"))
+    names = [n for n in names if n.count(".") == 1]  # not an interrupted writer's .tmp
     return [n[len(TABLES_PREFIX):len(n) - len(suffix)] for n in names]
 
 
 @dataclass
 class TraceTables:
-    """A_d(t) for every trajectory of one prompt set: rows[id] = {"domain", "tables"}."""
+    """A_d(t) for every trajectory of one prompt set: rows[id] = {"domain", "tables"}.
+
+    ``dtype``: the target precision of the trajectories ("" for the fp32 HF ones)."""
 
     gamma: int
     drafts: list[str]
     fingerprint: dict[str, str]
     rows: dict[str, dict] = field(default_factory=dict)
+    dtype: str = ""
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "gamma": self.gamma, "drafts": self.drafts,
-                "fingerprint": self.fingerprint, "rows": self.rows}
+                "fingerprint": self.fingerprint, "dtype": self.dtype, "rows": self.rows}
+
+    def complete(self, row_id: str) -> bool:
+        """Whether a row has a table of every draft (a trace in progress may not yet)."""
+        row = self.rows.get(row_id)
+        return row is not None and set(row.get("tables", {})) >= set(self.drafts)
 
 
-def read_tables(path: Path, gamma: int, fingerprint: Mapping[str, str]) -> TraceTables | None:
-    """The file's tables if they match these drafts and gamma, else None (stale or absent)."""
+def read_tables(path: Path, gamma: int, fingerprint: Mapping[str, str],
+                dtype: str | None = None, partial: bool = False) -> TraceTables | None:
+    """The file's tables if they match these drafts, gamma (and target ``dtype`` when
+    given), else None (stale or absent). Rows missing a draft's table are left out unless
+    ``partial`` (the tracer resuming its own work)."""
     if not path.is_file():
         return None
     try:
@@ -78,7 +107,13 @@ def read_tables(path: Path, gamma: int, fingerprint: Mapping[str, str]) -> Trace
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("gamma") != gamma \
             or raw.get("fingerprint") != dict(fingerprint):
         return None
-    return TraceTables(gamma, list(raw["drafts"]), dict(raw["fingerprint"]), dict(raw["rows"]))
+    if dtype is not None and raw.get("dtype", "") != dtype:
+        return None
+    tt = TraceTables(gamma, list(raw["drafts"]), dict(raw["fingerprint"]), dict(raw["rows"]),
+                     str(raw.get("dtype", "")))
+    if not partial:
+        tt.rows = {k: v for k, v in tt.rows.items() if tt.complete(k)}
+    return tt
 
 
 def write_tables(path: Path, tt: TraceTables) -> None:

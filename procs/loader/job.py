@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memspec.common.errors import MemspecError
+from memspec.common.manifest import RangeVerifier
 from memspec.common.messages import Load
 from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.common.slotmem import TRANSPORTS, SlotWriter
@@ -62,6 +63,8 @@ def validate(load: Load) -> Layout:
         raise LoadError(f"bad slot capacity {load.capacity}")
     if load.expected_sha256 and len(load.expected_sha256) != 64:
         raise LoadError("expected_sha256 is not a sha256 hex digest")
+    if load.header_sha256 and len(load.header_sha256) != 64:
+        raise LoadError("header_sha256 is not a sha256 hex digest")
     try:
         layout = read_layout(Path(load.path))
         size = os.stat(load.path).st_size
@@ -74,7 +77,31 @@ def validate(load: Load) -> Layout:
     if layout.data_size > load.capacity:
         raise LoadError(f"draft '{load.draft}' needs {layout.data_size} bytes but the slot "
                         f"holds {load.capacity}")
+    _check_manifest(load, layout)
     return layout
+
+
+def _check_manifest(load: Load, layout: Layout) -> None:
+    """The header is the one the manifest was made of and its ranges tile this data section;
+    the bytes themselves are checked range by range while they are copied (`stream`)."""
+    if load.header_sha256:
+        try:
+            with open(load.path, "rb") as f:
+                header = f.read(layout.data_offset)
+        except OSError as exc:
+            raise LoadError(f"cannot read {load.path}: {exc.strerror}") from None
+        if hashlib.sha256(header).hexdigest() != load.header_sha256.lower():
+            raise LoadError(f"draft '{load.draft}': the header of {load.path} differs from "
+                            "its manifest")
+    pos = 0
+    for r in load.ranges:
+        if r.start != pos or r.end <= r.start:
+            raise LoadError(f"draft '{load.draft}': manifest ranges do not tile the data "
+                            f"section at byte {pos}")
+        pos = r.end
+    if load.ranges and pos != layout.data_size:
+        raise LoadError(f"draft '{load.draft}': manifest covers {pos} bytes, the data section "
+                        f"has {layout.data_size}")
 
 
 def open_slot(load: Load) -> SlotWriter:
@@ -88,11 +115,13 @@ def open_slot(load: Load) -> SlotWriter:
 
 def stream(load: Load, layout: Layout, writer: SlotWriter, between: Callable[[], None],
            chunk: int, io_mode: str) -> Result:
-    """Copy the data section to slot offset 0, hashing what was written."""
+    """Copy the data section to slot offset 0, hashing what was written: each manifest
+    range is checked as soon as its last byte is in the slot."""
     t0 = time.perf_counter()
     bucket = (TokenBucket(load.bandwidth_bytes_s, burst=chunk)
               if load.bandwidth_bytes_s > 0 else None)
     digest = hashlib.sha256()
+    ranges = RangeVerifier(load.ranges, f"draft '{load.draft}'")
     done = 0
     reader = ColdReader(layout.path, layout.data_offset, layout.data_size, chunk, io_mode,
                         ring=RING)
@@ -101,12 +130,15 @@ def stream(load: Load, layout: Layout, writer: SlotWriter, between: Callable[[],
         for part in chunks:
             writer.write(done, part)
             digest.update(part)
+            ranges.update(done, part)
             done += part.nbytes
             between()
             if bucket is not None:
                 _wait(bucket.reserve(part.nbytes), between)
-    except (LoadError, MemspecError):
+    except LoadError:
         raise
+    except MemspecError as exc:
+        raise LoadError(exc.problem) from None
     except EOFError as exc:
         raise LoadError(f"{load.path} is truncated: {exc}") from None
     except OSError as exc:

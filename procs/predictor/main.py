@@ -38,7 +38,7 @@ from memspec.common.messages import (  # noqa: E402
 )
 from memspec.common.procexit import fast_exit  # noqa: E402
 from memspec.common.sockets import RejectLog, configure, recv, send  # noqa: E402
-from memspec.procs.predictor import DEFAULT_HEAD  # noqa: E402
+from memspec.procs.predictor import FALLBACK  # noqa: E402
 
 PROC = "predictor"
 HEARTBEAT_S = 0.5
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", required=True, help="supervisor PULL address (Ready/Heartbeat)")
     ap.add_argument("--pool", type=Path, default=None, help="pool.toml (default: embedded)")
     ap.add_argument("--head", type=Path, default=None,
-                    help="head.safetensors (default: pool.predictor_head, else predictor/)")
+                    help="head.safetensors (default: pool.predictor_head, else the pool's "
+                         "own P.head.safetensors, else predictor/; none that fits the pool's "
+                         "drafts: a similarity ranking)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: leave the cores to the decoder)")
@@ -173,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         pool = load_pool(args.pool, check=False)
         # checked before torch is imported: the commonest setup mistake fails in a blink
-        head = Path(args.head or pool.predictor_head or DEFAULT_HEAD)
-        if not head.is_file():
-            raise ModelError(f"predictor head not found at {head}",
-                             "train one: memspec predictor train")
+        named = args.head or pool.predictor_head  # else the pool's own, the committed one
+        if named is not None and not Path(named).is_file():
+            raise ModelError(f"predictor head not found at {named}",
+                             "train one: memspec predictor train, or unset predictor_head")
         try:
             router.bind(args.endpoint)
         except zmq.ZMQError as exc:
@@ -184,15 +186,21 @@ def main(argv: list[str] | None = None) -> int:
                                "pick a free endpoint") from None
         import torch  # only now: a missing head or a busy endpoint fails in a blink
 
-        from memspec.procs.predictor.ranker import Ranker
+        from memspec.procs.predictor.ranker import Ranker, head_path_for
 
         if args.threads > 0:
             torch.set_num_threads(args.threads)
-        ranker = Ranker.load(pool, head, device=args.device)
+        ranker = Ranker.load(pool, args.head, device=args.device)
+        if ranker.encoder is not None:
+            ranker.encoder.warm()
+        if ranker.notice:
+            log(ranker.notice)  # once: the supervisor repeats it on its own stderr
         load_s = time.perf_counter() - t0
         server = Server(router, control, ranker)
+        head = f"{FALLBACK}{ranker.notice}" if ranker.notice else str(head_path_for(pool,
+                                                                                   args.head))
         send(control, Ready(proc=PROC, pid=os.getpid(), info=PredictorInfo(
-            drafts=ranker.names, load_s=round(load_s, 3), head=str(head), device=args.device,
+            drafts=ranker.names, load_s=round(load_s, 3), head=head, device=args.device,
             threads=torch.get_num_threads(), T=ranker.T)))
         log(f"ready in {load_s:.1f}s: ranking {', '.join(ranker.names)}")
         server.serve()

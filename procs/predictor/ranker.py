@@ -2,6 +2,12 @@
 
 Kept apart from the process so the evaluation (offline scoring of trajectories) and tests
 rank exactly as the running predictor does.
+
+Any pool ranks: a pool with no head trained for its drafts (none beside the pool file, and
+the committed head ranks other drafts) falls back to the cosine similarity between the
+snapshot's embedding and each draft's description (``description`` in the pool, else a
+phrase for its domain), as a softmax; without the encoder, to a uniform ranking. The
+ranker says which in ``notice``, and the process logs it once.
 """
 
 from __future__ import annotations
@@ -13,33 +19,82 @@ from pathlib import Path
 
 import torch
 
-from memspec.common.config import PoolConfig
+from memspec.common.config import DraftSpec, PoolConfig
+from memspec.common.errors import ModelError
 from memspec.procs.decoder.models import load_tokenizer
+from memspec.procs.predictor import pool_head_path
 from memspec.procs.predictor.encoder import Encoder, recent_text
 from memspec.procs.predictor.head import RankHead, default_head_path, load_head
 
+SIMILARITY_TEMPERATURE = 0.05  # cosine similarities of MiniLM sentences differ by ~0.1-0.3
+# what a draft named only by its domain is about, in words the encoder places well
+DOMAIN_PHRASES = {
+    "general": "everyday questions, stories, explanations and general knowledge",
+    "code": "programming: source code, Python functions, algorithms and software APIs",
+    "math": "mathematics: arithmetic word problems, equations, numbers and proofs",
+    "law": "law: legal text, licences, contracts, statutes and terms of use",
+    "medical": "medicine: diseases, symptoms, clinical findings, drugs and treatment",
+}
+
 
 def head_path_for(pool: PoolConfig, override: Path | None = None) -> Path:
-    return Path(override or pool.predictor_head or default_head_path())
+    """The head to load: an explicit one (``--head``, ``pool.predictor_head``), else the
+    pool's own (written beside it by ``memspec predictor train --pool``), else the
+    committed head."""
+    if override or pool.predictor_head:
+        return Path(override or pool.predictor_head)
+    own = pool_head_path(pool.source)
+    return own if own is not None and own.is_file() else default_head_path()
+
+
+def describe(draft: DraftSpec) -> str:
+    """The text a draft is ranked by when no head knows it."""
+    return draft.description or DOMAIN_PHRASES.get(draft.domain, draft.domain)
 
 
 @dataclass
 class Ranker:
-    encoder: Encoder | None  # None (with head) for a pool without drafts: nothing to rank
-    head: RankHead | None  # columns in ``names`` order
+    encoder: Encoder | None  # None: nothing to rank, or no encoder (uniform ranking)
+    head: RankHead | None  # columns in ``names`` order; None: the fallback ranking
     tokenizer: object  # the target's (recent ids are target LM ids)
     names: list[str]
     T: int
+    profiles: torch.Tensor | None = None  # [drafts, dim] description embeddings (fallback)
+    notice: str = ""  # how this ranker ranks, when it is not a trained head
 
     @classmethod
     def load(cls, pool: PoolConfig, head: Path | None = None, device: str = "cpu") -> Ranker:
-        """Head first (cheap, most likely to be wrong), then tokenizer, then encoder."""
+        """Head first (cheap, most likely to be wrong), then tokenizer, then encoder. A head
+        named explicitly must fit the pool; one found by default may not (fallback)."""
         names = [d.name for d in pool.drafts]
         if not names:  # a target-only pool: answer every snapshot with an empty ranking
             return cls(None, None, load_tokenizer(pool.target), [], pool.T)
-        rank_head = load_head(head_path_for(pool, head), names).to(device)
+        path = head_path_for(pool, head)
+        try:
+            rank_head = load_head(path, names).to(device)
+        except ModelError as exc:
+            if head or pool.predictor_head:
+                raise
+            return cls.fallback(pool, exc.problem, device)
         tokenizer = load_tokenizer(pool.target)
         return cls(Encoder(device=device), rank_head, tokenizer, names, pool.T)
+
+    @classmethod
+    def fallback(cls, pool: PoolConfig, why: str, device: str = "cpu") -> Ranker:
+        names = [d.name for d in pool.drafts]
+        tokenizer = load_tokenizer(pool.target)
+        train = "train one: memspec predictor train" + (f" --pool {pool.source}"
+                                                        if pool.source else "")
+        try:
+            encoder = Encoder(device=device)
+        except ModelError as exc:
+            return cls(None, None, tokenizer, names, pool.T,
+                       notice=f"no predictor head ({why}) and no encoder ({exc.problem}): "
+                              f"every draft ranks equally; {train}")
+        profiles = encoder.embed([describe(d) for d in pool.drafts])
+        return cls(encoder, None, tokenizer, names, pool.T, profiles,
+                   notice=f"no predictor head for these drafts ({why}): ranking by similarity "
+                          f"of the prompt to each draft's description; {train}")
 
     @property
     def vocab_size(self) -> int:
@@ -53,9 +108,16 @@ class Ranker:
              ) -> tuple[list[list[float]], float]:
         """Probabilities (pool order) for each snapshot, and the seconds spent (one batch)."""
         t0 = time.perf_counter()
-        if self.head is None or self.encoder is None:
+        if not self.names:
             return [[] for _ in prompts], 0.0
+        if self.encoder is None:
+            return [[1.0 / len(self.names)] * len(self.names) for _ in prompts], 0.0
         recents = [recent_text(self.tokenizer, ids, self.T) for ids in recent_ids]
-        emb = self.encoder.embed(prompts, recents).to(next(self.head.parameters()).device)
-        probs = self.head.probs(emb, torch.tensor([bool(r) for r in recents]).to(emb.device))
+        emb = self.encoder.embed(prompts, recents)
+        if self.head is None:
+            assert self.profiles is not None
+            probs = torch.softmax(emb @ self.profiles.T / SIMILARITY_TEMPERATURE, dim=-1)
+        else:
+            emb = emb.to(next(self.head.parameters()).device)
+            probs = self.head.probs(emb, torch.tensor([bool(r) for r in recents]).to(emb.device))
         return probs.cpu().tolist(), time.perf_counter() - t0
