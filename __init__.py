@@ -7,3 +7,15 @@ The repository root is the package: ``procs/`` (decoder, loader, predictor),
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Result", "Runtime", "Stream", "__version__"]
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    """`from memspec import Runtime` imports the runtime only when asked: the package root
+    is also the command line's package, which must start fast."""
+    if name in ("Runtime", "Result", "Stream"):
+        from memspec.launch import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'memspec' has no attribute {name!r}")

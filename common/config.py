@@ -17,6 +17,7 @@ import tomllib
 
 from memspec.common.errors import ConfigError, RequestError
 from memspec.common.paths import DEFAULT_POOL, TARGET_DIRNAME, default_target_dir, expand_path
+from memspec.procs.decoder.stops import check_stops
 
 if TYPE_CHECKING:
     from memspec.common.messages import Submit
@@ -291,7 +292,8 @@ def check_sampling(temperature: object, top_p: object, seed: object) -> None:
 
 
 def check_submit(req: Submit) -> None:
-    """A request's own fields, before it is queued: policy, length, sampling, ucb_c."""
+    """A request's own fields, before it is queued: policy, length, sampling, stop strings,
+    ucb_c."""
     if req.policy and req.policy not in POLICIES:
         raise RequestError(f"unknown policy '{req.policy}'", f"use one of: {', '.join(POLICIES)}")
     if req.max_new_tokens < 0:
@@ -300,5 +302,6 @@ def check_submit(req: Submit) -> None:
     if not req.prompt:
         raise RequestError("empty prompt", "send some text")
     check_sampling(req.temperature, req.top_p, req.seed)
+    check_stops(req.stop)
     if req.ucb_c is not None and _finite("ucb_c", req.ucb_c) < 0:
         raise RequestError(f"ucb_c {req.ucb_c} is negative", "use 0 or more (default 2.0)")

@@ -10,11 +10,11 @@ answer with an :class:`Error` reply or a log line, never by dying.
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from memspec.common.metrics import Summary
+from memspec.common.metrics import Summary, Totals
 
 PROTOCOL_VERSION = 2  # 1: msgpack maps with a "v" key (before typed unions)
 MAX_FRAME_BYTES = 8 << 20  # a frame larger than this is rejected before msgpack sees it
@@ -162,7 +162,25 @@ class LoadFailed(Message):
 
 
 # --- clients <-> supervisor <-> decoder ----------------------------------------------------
+class ChatTurn(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One chat message; the target's chat template renders a list of them."""
+
+    role: str
+    content: str
+
+
+def chat_text(turns: list[ChatTurn]) -> str:
+    """The text of a chat the predictor ranks drafts from (`Submit.prompt`): what the
+    system and user said (a one-turn chat gives the prompt `memspec generate` would)."""
+    return "\n".join(t.content for t in turns if t.role != "assistant") or turns[-1].content
+
+
 class Submit(Message):
+    """A request. `prompt` is a user turn rendered by the target's chat template (what
+    `memspec generate` does), unless `messages` is given: then the whole chat is rendered
+    and `prompt` is only the text the predictor ranks the drafts from. Generation ends at
+    the first of `stop` (the text is cut before it)."""
+
     req_id: str
     prompt: str
     max_new_tokens: int = 0  # 0: the pool's default
@@ -172,6 +190,8 @@ class Submit(Message):
     seed: int | None = None
     trace: bool = False  # Done.stats gets a per-iteration / per-load timeline
     ucb_c: float | None = None  # mab-* exploration constant (None: the pool's)
+    messages: list[ChatTurn] = []
+    stop: list[str] = []
 
 
 class Queued(Message):
@@ -201,11 +221,20 @@ class Done(Message):
     text: str
     token_ids: list[int]
     stats: Summary
+    finish_reason: str = ""  # "stop" (end of sequence or a stop string) | "length"
+
+
+ErrorKind = Literal["", "request", "busy", "unavailable"]
 
 
 class Error(Message):
+    """`kind` says what the client may do: "request" (the request itself is wrong: fix it),
+    "busy" (the queue is full: retry later), "unavailable" (a process is restarting or the
+    server is stopping: retry later), "" (anything else, e.g. cancelled)."""
+
     req_id: str
     message: str
+    kind: ErrorKind = ""
 
 
 class StatusRequest(Message):
@@ -216,6 +245,7 @@ class Status(Message):
     procs: dict[str, ProcStatus]
     slots: list[SlotStatus]
     quarantined: dict[str, str] = {}  # draft -> why it is never loaded or run
+    totals: Totals | None = None  # the supervisor's counters (None from the decoder)
 
 
 # --- encoding and one decoder per socket ----------------------------------------------------

@@ -99,6 +99,74 @@ class Summary(msgspec.Struct, forbid_unknown_fields=True):
     trace: Trace | None = None
 
 
+OUTCOMES = ("done", "failed", "cancelled", "busy", "invalid")
+
+
+class Totals(msgspec.Struct, forbid_unknown_fields=True):
+    """The supervisor's counters over every request it took (stdin, ZeroMQ, HTTP and
+    in-process alike), so `/metrics` and `memspec status` report the same numbers. Every
+    field but `queued` and `running` (gauges at the time of the snapshot) only grows."""
+
+    requests: dict[str, int] = {}  # outcome (OUTCOMES) -> requests
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    iterations: int = 0
+    num_drafts: int = 0  # vLLM's speculative-decoding counters
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    loads: int = 0
+    evictions: int = 0
+    switches: int = 0
+    bytes_loaded: int = 0
+    fallback_s: float = 0.0  # a non-preferred resident draft ran
+    target_fallback_s: float = 0.0  # the target alone ran (nothing preferred resident)
+    load_wait_s: float = 0.0
+    prediction_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    e2e_s: float = 0.0
+    draft_iterations: dict[str, int] = {}  # draft -> iterations it ran
+    queued: int = 0
+    running: int = 0
+
+    def count(self, outcome: str) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def add(self, s: Summary) -> None:
+        """A finished request's summary."""
+        self.count("done")
+        self.prompt_tokens += s.prompt_tokens
+        self.generation_tokens += s.generated_tokens
+        self.iterations += s.iterations
+        self.num_drafts += s.num_drafts
+        self.num_draft_tokens += s.num_draft_tokens
+        self.num_accepted_tokens += s.num_accepted_tokens
+        self.loads += s.loads
+        self.evictions += s.evictions
+        self.switches += s.switches
+        self.bytes_loaded += s.bytes_loaded
+        t = s.time
+        self.fallback_s += t.fallback
+        self.target_fallback_s += t.target_fallback
+        self.load_wait_s += t.load_wait
+        self.prediction_s += t.prediction
+        self.prefill_s += t.prefill
+        self.decode_s += t.decode
+        self.e2e_s += t.e2e
+        for draft, n in s.drafts_used.items():
+            self.draft_iterations[draft] = self.draft_iterations.get(draft, 0) + n
+
+    def snapshot(self, queued: int, running: int) -> Totals:
+        """A copy that shares no container with this one (it may go to another thread)."""
+        return msgspec.structs.replace(self, requests=dict(self.requests),
+                                       draft_iterations=dict(self.draft_iterations),
+                                       queued=queued, running=running)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
 @dataclass
 class RunStats:
     """Everything one request produced besides its tokens."""

@@ -83,8 +83,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                            "let at least one request wait")
     if not args.no_stdin:  # in the background, reading the terminal fails instead of stopping
         signal.signal(signal.SIGTTIN, signal.SIG_IGN)
+    if args.api_key and not args.http:
+        raise MemspecError("--api-key needs --http", "add e.g. --http 127.0.0.1:8000")
+    api_key = args.api_key or os.environ.get("MEMSPEC_API_KEY") or None
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
-                 cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue)
+                 cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue,
+                 http=args.http, api_key=api_key)
 
 
 def _timeouts(args: argparse.Namespace):  # noqa: ANN202
@@ -123,7 +127,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     st = status(args.endpoint, _timeouts(args))
     if args.json:
         print(json.dumps({"procs": as_json(st.procs), "slots": as_json(st.slots),
-                          "quarantined": st.quarantined}))
+                          "quarantined": st.quarantined, "totals": as_json(st.totals)}))
     else:
         for name, p in st.procs.items():
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
@@ -132,6 +136,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
         print(f"quarantined: {json.dumps(st.quarantined) if st.quarantined else 'none'}")
+        if st.totals is not None:
+            t = st.totals
+            outcomes = ", ".join(f"{n} {k}" for k, n in sorted(t.requests.items())) or "none"
+            print(f"requests: {outcomes}; running {t.running}, queued {t.queued}; "
+                  f"{t.generation_tokens} tokens generated, mean acceptance length "
+                  f"{t.mean_acceptance_length:.2f}")
     return 0
 
 
@@ -233,12 +243,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.gpu import main_bench_gpu
 
         return main_bench_gpu(args)
+    if args.what == "http":
+        from memspec.bench.http import main_bench_http
+
+        return main_bench_http(args)
     if args.what == "soak":
         from memspec.bench.soak import main_bench_soak
 
         return main_bench_soak(args)
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use eval, engine, pipeline, messages, gpu or soak")
+                       "use eval, engine, pipeline, messages, gpu, soak or http")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -277,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one; more get a "
                         "'server busy' error (default 16)")
+    u.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API, /health and /metrics "
+                        "(e.g. 127.0.0.1:8000; a bare PORT is loopback)")
+    u.add_argument("--api-key", default=None,
+                   help="HTTP clients must send `Authorization: Bearer KEY` on /v1 "
+                        "(default: $MEMSPEC_API_KEY, else no key)")
     u.set_defaults(func=cmd_up)
 
     sm = sub.add_parser("submit", help="send a prompt to a running `memspec up`")
@@ -332,10 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
-                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak"],
+                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
-    b.add_argument("--prompts", type=int, default=3, help="engine/pipeline: prompts")
+    b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
     b.add_argument("--requests", type=int, default=200,
                    help="soak: requests served (RSS per process after 20, 100 and 200)")
     b.add_argument("--dtypes", default=None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zmq
@@ -86,6 +86,12 @@ class Connection:
 
     def request(self, msg: Message, on_msg: Callable[[Message], bool]) -> None:
         """Send `msg`, then hand every reply to `on_msg` until it returns True."""
+        for reply in self.replies(msg):
+            if on_msg(reply):
+                return
+
+    def replies(self, msg: Message) -> Iterator[Message]:
+        """Send `msg`, then yield every reply, each within its timeout (the caller stops)."""
         send(self.sock, msg)
         wait, what = self.timeouts.first, "answered"
         poller = zmq.Poller()
@@ -96,8 +102,7 @@ class Connection:
             left = deadline - time.monotonic()
             events = dict(poller.poll(max(0, int(left * 1000)) + 1)) if left > 0 else {}
             if self.sock in events:
-                if on_msg(_checked(_decode(self.sock.recv_multipart()))):
-                    return
+                yield _checked(_decode(self.sock.recv_multipart()))
                 wait, what = self.timeouts.idle, "sent anything"
                 deadline = time.monotonic() + wait
             elif self.monitor in events:

@@ -11,7 +11,12 @@ client tells a long queue from a dead server, and a client that has gone (the se
 gets its request cancelled. A REQ client gets exactly one reply per request (its Done,
 Error or Status). Only the supervisor stops the server: there is no stop message on the
 client endpoint, and the decoder obeys Shutdown only from the supervisor's own socket.
-The object is not thread-safe: call it from the thread that calls `tick`.
+Every request's outcome and every Done's stats add up in `totals` (`status` reports them,
+and the HTTP front end's /metrics renders that same Status).
+
+The object is not thread-safe: call it from the thread that calls `tick`. Other threads
+(the HTTP server, the Python API) hand it work through `launch/bridge.py`, whose wake-up
+descriptor `tick` watches (`add_waker`) beside its sockets.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from memspec.common.messages import (
     Submit,
     encode,
 )
+from memspec.common.metrics import Totals
 from memspec.common.shmclean import cleanup_shm, owned_run_token, sweep_orphans
 from memspec.common.sockets import (
     SUPERVISOR_ID_ENV,
@@ -87,6 +93,13 @@ Reply = Callable[[Message], None]
 
 class ServerBusy(MemspecError):
     """The request queue is full; the caller may retry later (HTTP 429)."""
+
+
+def error_kind(exc: MemspecError) -> str:
+    """The `Error.kind` of a refused submit: what the client may do about it."""
+    if isinstance(exc, ServerBusy):
+        return "busy"
+    return "request" if isinstance(exc, RequestError) else "unavailable"
 
 
 def _log(msg: str) -> None:
@@ -175,6 +188,9 @@ class Supervisor:
         self.rejected = RejectLog(_log)
         self.reported = RejectLog(_log, what="process report")
         self.closed = False
+        self.totals = Totals()
+        self._aborted: set[str] = set()  # running requests cancelled (their Error is no failure)
+        self._wakers: list[int] = []
         self.lock: EndpointLock | None = None
         self.client: zmq.Socket | None = None
         self.run_dir: Path | None = None
@@ -290,7 +306,8 @@ class Supervisor:
             cleanup_shm(f"memspec-{self.decoder_token}-")
             if self.in_flight:
                 pending, self.in_flight = self.in_flight, None
-                pending.reply(Error(req_id=pending.req.req_id,
+                self._ended(pending.req.req_id, "failed")
+                pending.reply(Error(req_id=pending.req.req_id, kind="unavailable",
                                     message=f"decoder crashed ({why}) during this request; "
                                             "resubmit it"))
             self.slots = []
@@ -383,8 +400,13 @@ class Supervisor:
                 continue
             pending = self.in_flight
             if msg.req_id in (pending.req.req_id, ""):
-                if isinstance(msg, (Done, Error)):
+                if isinstance(msg, Done):
                     self.in_flight = None
+                    self._aborted.discard(pending.req.req_id)
+                    self.totals.add(msg.stats)
+                elif isinstance(msg, Error):
+                    self.in_flight = None
+                    self._ended(pending.req.req_id, "failed")
                 pending.reply(msg)
 
     def _poll_clients(self) -> None:
@@ -405,7 +427,7 @@ class Supervisor:
                 try:
                     self.submit(msg, reply)
                 except MemspecError as exc:
-                    reply(Error(req_id=msg.req_id, message=str(exc)))
+                    reply(Error(req_id=msg.req_id, message=str(exc), kind=error_kind(exc)))
             else:
                 reply(self.status())
 
@@ -434,16 +456,23 @@ class Supervisor:
         field (checked here, in one place, before anything is queued)."""
         if self.closed:
             raise MemspecError("the server is stopping", "resubmit once it is back")
-        check_submit(req)
+        try:
+            check_submit(req)
+        except RequestError:
+            self.totals.count("invalid")
+            raise
         if len(self.queue) >= self.max_queue:
+            self.totals.count("busy")
             raise ServerBusy(f"server busy: {len(self.queue)} requests are queued",
                              "retry in a few seconds")
         try:
             encode(req)
         except (UnicodeEncodeError, ValueError, TypeError, OverflowError) as exc:
+            self.totals.count("invalid")
             raise RequestError(f"request {req.req_id!r} cannot be sent ({exc})",
                                "send the prompt as UTF-8 text") from None
         if any(p.req.req_id == req.req_id for p in self._pending()):
+            self.totals.count("invalid")
             raise RequestError(f"request id {req.req_id!r} is already in use",
                                "give every request its own req_id")
         self.queue.append(Pending(req, reply))
@@ -479,9 +508,11 @@ class Supervisor:
         for pending in list(self.queue):
             if pending.req.req_id == req_id:
                 self.queue.remove(pending)
+                self.totals.count("cancelled")
                 pending.reply(Error(req_id=req_id, message=reason))
                 return True
         if self.in_flight is not None and self.in_flight.req.req_id == req_id:
+            self._aborted.add(req_id)
             try:
                 send(self.decoder, Abort(req_id=req_id))
             except zmq.Again:
@@ -493,10 +524,36 @@ class Supervisor:
         procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
                                **(process_info(p.pid) if p.pid else {}))
                  for n, p in self.procs.items()}
-        return Status(procs=procs, slots=self.slots, quarantined=self.quarantined)
+        return Status(procs=procs, slots=self.slots, quarantined=self.quarantined,
+                      totals=self.totals.snapshot(len(self.queue), int(self.in_flight is not None)))
+
+    @property
+    def ready(self) -> bool:
+        """All three processes are up and the server is not stopping (HTTP /health)."""
+        return not self.closed and all(p.state == "ready" for p in self.procs.values())
+
+    def add_waker(self, fd: int) -> None:
+        """`tick` also returns as soon as `fd` is readable (another thread has work)."""
+        self._wakers.append(fd)
+
+    def _ended(self, req_id: str, outcome: str) -> None:
+        self.totals.count("cancelled" if req_id in self._aborted else outcome)
+        self._aborted.discard(req_id)
+
+    def _wait(self, timeout_ms: int) -> None:
+        """Until a process, the decoder, a client or a waker has something, or the timeout:
+        replies are relayed as soon as they arrive."""
+        poller = zmq.Poller()
+        for sock in (self.control, self.decoder, self.client):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        for fd in self._wakers:
+            poller.register(fd, zmq.POLLIN)
+        poller.poll(timeout_ms)
 
     def tick(self, timeout_ms: int = 50) -> None:
-        self._poll_control(timeout_ms)
+        self._wait(timeout_ms)
+        self._poll_control(0)
         self._poll_decoder()
         self._poll_clients()
         self._check_procs()
@@ -519,7 +576,8 @@ class Supervisor:
         self.closed = True
         pending, self.queue, self.in_flight = self._pending(), deque(), None
         for item in pending:
-            item.reply(Error(req_id=item.req.req_id, message=f"{reason}; resubmit the request"))
+            item.reply(Error(req_id=item.req.req_id, message=f"{reason}; resubmit the request",
+                             kind="unavailable"))
         procs = [p for p in self.procs.values() if p.popen]
         for p in procs:
             if p.popen.poll() is None:

@@ -7,14 +7,18 @@ import secrets
 import select
 import signal
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memspec.common.errors import MemspecError
 from memspec.common.messages import Done, Error, Message, Submit, Tokens
 from memspec.common.metrics import as_json
+from memspec.launch.bridge import Bridge, serve_forever
 from memspec.launch.endpoint import default_endpoint
 from memspec.launch.supervisor import MAX_QUEUE, Supervisor
 from memspec.launch.terminal import CONSOLE, Interrupted, StopSignals, check_utf8
+
+if TYPE_CHECKING:
+    from memspec.launch.http import HttpServer
 
 MAX_LINE = 1 << 20  # a longer stdin line is dropped with an error
 
@@ -89,26 +93,63 @@ class StdinPrompts:
 
 
 def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
-          cold_start: bool = False, tcp: bool = False, max_queue: int = MAX_QUEUE) -> int:
-    """Serve until SIGINT (exit code 130), SIGTERM or SIGHUP (0)."""
+          cold_start: bool = False, tcp: bool = False, max_queue: int = MAX_QUEUE,
+          http: str | None = None, api_key: str | None = None) -> int:
+    """Serve until SIGINT (exit code 130), SIGTERM or SIGHUP (0). The supervisor runs in
+    this (the main) thread; `http` adds the HTTP front end in a thread of its own, which
+    reaches the supervisor only through a Bridge (launch/bridge.py)."""
     stop = StopSignals()
     endpoint = endpoint or default_endpoint()
-    sup = Supervisor(pool, client_endpoint=endpoint, cold_start=cold_start, tcp=tcp,
-                     max_queue=max_queue)
+    web = _http_server(pool, http, api_key) if http else None  # a port in use: no start
+    try:
+        sup = Supervisor(pool, client_endpoint=endpoint, cold_start=cold_start, tcp=tcp,
+                         max_queue=max_queue)
+    except BaseException:
+        if web is not None:
+            web.sock.close()
+        raise
+    bridge = web.app.bridge if web is not None else Bridge()
+
+    def starting() -> bool:  # /health and /metrics answer while the models load
+        bridge.pump(sup)
+        return stop()
+
     try:
         CONSOLE.note(f"starting decoder, loader, predictor (logs: {sup.run_dir})")
-        if sup.start(stop=stop):
-            CONSOLE.note(f"ready on {endpoint}" + ("; reading prompts from stdin"
-                                                   if read_stdin else ""))
+        if web is not None:
+            web.start()
+            CONSOLE.note(f"HTTP on {web.url}/v1 (model {web.app.model}; /health is 503 "
+                         "until the processes are ready)")
+        if sup.start(stop=starting):
+            CONSOLE.note(f"ready on {endpoint}" + (f" and {web.url}" if web else "")
+                         + ("; reading prompts from stdin" if read_stdin else ""))
             stdin = StdinPrompts(sup, endpoint) if read_stdin else None
-            while not stop():
-                if stdin is not None:
-                    stdin.poll()
-                sup.tick(50)
+            serve_forever(sup, bridge, stop, stdin.poll if stdin is not None else None)
     finally:
-        sup.shutdown()
+        if web is not None:
+            web.server.should_exit = True  # no new connections while the rest stops
+        sup.shutdown()  # every waiting request, HTTP ones too, gets its Error
+        bridge.close(sup)
+        if web is not None:
+            web.stop()
     CONSOLE.note(f"stopped ({signal.Signals(stop.signum).name})")
     return 130 if stop.signum == signal.SIGINT else 0
+
+
+def _http_server(pool: str | None, address: str, api_key: str | None) -> HttpServer:
+    """The HTTP front end for the pool's target, its port bound (nothing started yet)."""
+    from memspec.common.config import POLICIES, load_pool
+    from memspec.launch.http import App, HttpServer, is_loopback  # noqa: F811
+
+    cfg = load_pool(pool)
+    app = App(Bridge(), cfg.target.name, [d.name for d in cfg.drafts], api_key,
+              info={"general": cfg.general, "K": cfg.K, "policy": cfg.policy,
+                    "policies": list(POLICIES)})
+    web = HttpServer(app, address)
+    if not api_key and not is_loopback(web.host):
+        CONSOLE.note(f"warning: HTTP on {web.host} without --api-key: anyone who reaches it "
+                     "can use it")
+    return web
 
 
 def _stdout_reply(msg: Message) -> None:

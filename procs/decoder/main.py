@@ -201,9 +201,10 @@ class DecoderProcess:
                 self.service.start(req, lambda m, ident=ident: self.reply(ident, m))
         cur = self.service.current
         if cur is not None:
-            self.service.abort(cur.req.req_id, "the decoder is shutting down; resubmit it")
+            self.service.abort(cur.req.req_id, "the decoder is shutting down; resubmit it",
+                               kind="unavailable")
         for ident, req in self.pending:
-            self.reply(ident, Error(req_id=req.req_id,
+            self.reply(ident, Error(req_id=req.req_id, kind="unavailable",
                                     message="the decoder is shutting down; resubmit it"))
 
     def handle_requests(self) -> None:
@@ -302,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
         cur = service.current
         if cur is not None:  # tell the client why, before the supervisor restarts us
             service.abort(cur.req.req_id, f"decoder failed ({type(exc).__name__}: {exc}); "
-                                          "it restarts, resubmit the request")
+                                          "it restarts, resubmit the request",
+                          kind="unavailable")
             linger = 1000
         return 1
     finally:

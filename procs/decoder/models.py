@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from memspec.common.errors import ModelError
+from memspec.common.errors import ModelError, RequestError
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.lean import LeanLM
 from memspec.procs.decoder.precision import resolve_dtype
@@ -111,9 +111,22 @@ def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = No
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
     """Chat-formatted when the tokenizer has a template (instruct targets), raw otherwise."""
     if chat and getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return [int(t) for t in out]
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A chat rendered by the target's own template, ready for the assistant's reply. A
+    one-user-turn chat gives exactly `encode_prompt`'s ids (what `memspec generate` runs)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("the target's tokenizer has no chat template",
+                           "send a plain prompt instead of chat messages")
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # a template's own checks (roles, order) raise anything
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise RequestError(f"the target's chat template rejects these messages ({first})",
+                           "send user/assistant turns as the model expects") from None
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return [int(t) for t in out]

@@ -22,7 +22,7 @@ from memspec.common.config import PoolConfig, check_submit
 from memspec.common.errors import MemspecError, ModelError
 from memspec.common.manifest import NAME as MANIFEST
 from memspec.common.manifest import WeightsEntry, read_manifest, verify, weights_entry
-from memspec.common.messages import Done, Error, Load, Message, Submit, Tokens
+from memspec.common.messages import Done, Error, ErrorKind, Load, Message, Submit, Tokens
 from memspec.common.metrics import IterationRecord, RunStats
 from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
@@ -31,7 +31,7 @@ from memspec.procs.decoder.detok import StreamDecoder
 from memspec.procs.decoder.engine import Session, SpecEngine
 from memspec.procs.decoder.head import is_head
 from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
-from memspec.procs.decoder.models import encode_prompt
+from memspec.procs.decoder.models import encode_chat, encode_prompt
 from memspec.procs.decoder.oracle import (
     ORACLE_POLICIES,
     OracleIndex,
@@ -43,6 +43,7 @@ from memspec.procs.decoder.oracle import (
 )
 from memspec.procs.decoder.policies import make_policy
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft, draft_weights_file
+from memspec.procs.decoder.stops import StopMatcher
 from memspec.procs.decoder.tablefiles import runtime_dtype
 
 Emit = Callable[[Message], None]
@@ -153,15 +154,16 @@ class EngineSlots:
 
 
 class SessionExecutor:
-    """An engine Session as the loop's Executor."""
+    """An engine Session as the loop's Executor; `stopped` ends it early (a stop string)."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.stats: RunStats = session.stats
+        self.stopped = False
 
     @property
     def done(self) -> bool:
-        return self.session.done
+        return self.session.done or self.stopped
 
     def step(self, draft: str | None, desired: bool) -> IterationRecord:
         return self.session.step(draft, desired=desired)
@@ -170,12 +172,52 @@ class SessionExecutor:
         return self.session.generated[-n:] if n > 0 else []
 
 
+class _Output:
+    """What a request streams: text decoded incrementally and, with stop strings, cut at
+    the first one (the tokens after the one that completed it are not reported)."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self.detok = StreamDecoder(tokenizer)
+        self.stops = StopMatcher(stops) if stops else None
+        self.kept = 0  # tokens reported
+        self.pieces: list[str] = []
+        self.executor: SessionExecutor | None = None
+
+    def push(self, new: list[int]) -> tuple[list[int], str]:
+        if self.stops is None:
+            self.kept += len(new)
+            return new, self.detok.push(new)
+        kept: list[int] = []
+        text = ""
+        for tok in new:
+            if self.stops.hit:
+                break
+            kept.append(tok)
+            text += self.stops.push(self.detok.push([tok]))
+        if self.stops.hit and self.executor is not None:
+            self.executor.stopped = True
+        self.kept += len(kept)
+        self.pieces.append(text)
+        return kept, text
+
+    def flush(self) -> str:
+        rest = self.detok.flush()
+        if self.stops is not None:
+            rest = self.stops.push(rest) + self.stops.flush()
+            self.pieces.append(rest)
+        return rest
+
+    @property
+    def hit(self) -> bool:
+        return self.stops is not None and self.stops.hit
+
+
 @dataclass
 class _Current:
     req: Submit
     emit: Emit
     session: Session
-    detok: StreamDecoder
+    out: _Output
 
 
 class DecoderService:
@@ -207,14 +249,16 @@ class DecoderService:
         except MemspecError as exc:
             self.current = None
             self.controller.abort(req.req_id)
-            emit(Error(req_id=req.req_id, message=str(exc)))
+            emit(Error(req_id=req.req_id, message=str(exc), kind="request"))
 
     def _start(self, req: Submit, emit: Emit) -> None:
         t_start = self.clock.now()
         check_submit(req)
         policy_name = req.policy or self.pool.policy
         params = SamplingParams(req.temperature, req.top_p, req.seed)
-        ids = encode_prompt(self.tokenizer, req.prompt)
+        ids = (encode_chat(self.tokenizer, [{"role": m.role, "content": m.content}
+                                            for m in req.messages])
+               if req.messages else encode_prompt(self.tokenizer, req.prompt))
         plan = None
         if policy_name in ORACLE_POLICIES:
             if self._oracles is None:
@@ -229,17 +273,20 @@ class DecoderService:
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
-        detok = StreamDecoder(self.tokenizer)
+        out = _Output(self.tokenizer, req.stop)
 
         def stream(new: list[int]) -> None:
-            emit(Tokens(req_id=req.req_id, ids=new, text=detok.push(new)))
+            ids, text = out.push(new)
+            if ids or text:
+                emit(Tokens(req_id=req.req_id, ids=ids, text=text))
 
         def prefill() -> SessionExecutor:
             """The target prefills while the initial loads run (the loop calls this); a
             request the engine refuses (too long, bad ids) raises its RequestError here."""
             session = self.engine.start(ids, max_new, params, stream)
-            self.current = _Current(req, emit, session, detok)
-            return SessionExecutor(session)
+            out.executor = SessionExecutor(session)
+            self.current = _Current(req, emit, session, out)
+            return out.executor
 
         self.controller.start(Job(req.req_id, req.prompt, policy, None, t_start,
                                   trace=req.trace, prefill=prefill))
@@ -254,19 +301,23 @@ class DecoderService:
             return
         self.current = None
         self.plan_meter.observe(cur.session.stats.records)
-        rest = cur.detok.flush()  # text held back for an incomplete character at the end
+        out = cur.out
+        rest = out.flush()  # text held back for an incomplete character at the end
         if rest:
             cur.emit(Tokens(req_id=cur.req.req_id, ids=[], text=rest))
-        cur.emit(Done(req_id=cur.req.req_id,
-                      text=self.tokenizer.decode(cur.session.generated, skip_special_tokens=True),
-                      token_ids=cur.session.generated, stats=summary))
+        ids = cur.session.generated[:out.kept]
+        text = ("".join(out.pieces) if out.stops is not None
+                else self.tokenizer.decode(ids, skip_special_tokens=True))
+        ended = out.hit or (bool(ids) and ids[-1] in self.engine.eos_ids)
+        cur.emit(Done(req_id=cur.req.req_id, text=text, token_ids=ids, stats=summary,
+                      finish_reason="stop" if ended else "length"))
 
-    def abort(self, req_id: str, reason: str = "aborted") -> bool:
+    def abort(self, req_id: str, reason: str = "aborted", kind: ErrorKind = "") -> bool:
         """Stop the running request `req_id` at this scheduling point with an Error reply."""
         cur = self.current
         if cur is None or cur.req.req_id != req_id:
             return False
         self.controller.abort(req_id)
         self.current = None
-        cur.emit(Error(req_id=req_id, message=reason))
+        cur.emit(Error(req_id=req_id, message=reason, kind=kind))
         return True

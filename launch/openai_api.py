@@ -1,0 +1,269 @@
+"""The OpenAI API's request and response bodies, as memspec serves them (pure: no sockets).
+
+Requests decode into typed msgspec structs, so a wrong type, a value out of range or an
+unknown field is an `ApiError` (400) naming the field, never a half-read request. The
+fields are the OpenAI API's that memspec honours (`max_tokens`, `temperature`, `top_p`,
+`seed`, `stop`, `stream`, `stream_options.include_usage`), those it accepts at their
+neutral value only (`n` = 1, no penalties, no logprobs, no tools: anything else is a 400
+that says so), and one extension, `policy`. Differences from OpenAI, on purpose:
+
+- `temperature` defaults to 0 (greedy, as `memspec generate`), not 1;
+- `max_tokens` defaults to the pool's `max_new_tokens`;
+- `/v1/completions` treats `prompt` as one user turn of the chat template, exactly as
+  `memspec generate PROMPT` does, so both give the same tokens.
+
+Responses carry a `memspec` object: the policy, the generated token ids and the request's
+stats as `memspec generate --json` prints them.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from memspec.common.config import POLICIES
+from memspec.common.messages import ChatTurn, Done, Submit, chat_text
+from memspec.common.metrics import as_json
+from memspec.procs.decoder.stops import MAX_STOP_CHARS, MAX_STOPS
+
+MAX_BODY_BYTES = 1 << 20  # a request body over 1 MiB is refused (413)
+MAX_MESSAGES = 1024
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+NonNeg = Annotated[float, Meta(ge=0.0)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+MaxTokens = Annotated[int, Meta(ge=1, le=1 << 20)]
+Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOPS)]
+
+
+class ApiError(Exception):
+    """An error reply: HTTP status and the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+        self.param, self.code, self.retry_after = param, code, retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    n: int | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    policy: str | None = None  # memspec: which policy schedules the drafts
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+def _unsupported(field: str, why: str) -> ApiError:
+    return ApiError(400, f"`{field}` {why}", param=field, code="unsupported")
+
+
+def _check_common(r: _Common) -> None:
+    if r.n not in (None, 1):
+        raise _unsupported("n", f"= {r.n} is not supported: memspec decodes one sequence "
+                                "per request (send n = 1, or several requests)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(r, name) not in (None, 0, 0.0):
+            raise _unsupported(name, "is not supported (speculative decoding here is "
+                                     "lossless sampling from the target); send 0 or omit it")
+    if r.logit_bias:
+        raise _unsupported("logit_bias", "is not supported; omit it")
+    if r.stream_options is not None and not r.stream:
+        raise ApiError(400, "`stream_options` is only allowed with `stream` true",
+                       param="stream_options")
+    if r.policy is not None and r.policy not in POLICIES:
+        raise ApiError(400, f"unknown policy `{r.policy}`; use one of: {', '.join(POLICIES)}",
+                       param="policy")
+
+
+def _text(m: ChatMessage, i: int) -> str:
+    if m.content is None:
+        raise ApiError(400, f"message {i} has no content", param=f"messages[{i}].content")
+    if isinstance(m.content, str):
+        return m.content
+    if any(p.type != "text" for p in m.content):
+        raise _unsupported(f"messages[{i}].content", "may hold only text parts")
+    return "".join(p.text for p in m.content)
+
+
+def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc})") from None
+
+
+class Call:
+    """One validated request: what to submit and how to answer it."""
+
+    def __init__(self, chat: bool, req: ChatRequest | CompletionRequest, submit: Submit) -> None:
+        self.chat, self.req, self.submit = chat, req, submit
+        self.model = req.model
+        self.stream = bool(req.stream)
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.id = submit.req_id
+        self.created = int(time.time())
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _submit(prefix: str, r: _Common, prompt: str, max_tokens: int | None,
+            messages: list[ChatTurn]) -> Submit:
+    return Submit(req_id=f"{prefix}-{secrets.token_hex(12)}", prompt=prompt,
+                  max_new_tokens=max_tokens or 0, policy=r.policy or "",
+                  temperature=0.0 if r.temperature is None else r.temperature,
+                  top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
+                  messages=messages, stop=_stops(r.stop))
+
+
+def parse_chat(body: bytes) -> Call:
+    r: ChatRequest = _decode(body, ChatRequest)
+    _check_common(r)
+    if r.logprobs or r.top_logprobs:
+        raise _unsupported("logprobs", "is not supported; omit it")
+    if r.tools or r.tool_choice not in (None, "none"):
+        raise _unsupported("tools", "are not supported: the target has no tool calling")
+    if r.response_format not in (None, {"type": "text"}):
+        raise _unsupported("response_format", "other than text is not supported")
+    turns = []
+    for i, m in enumerate(r.messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise ApiError(400, f"message {i} has role `{m.role}`; use system, user or "
+                                "assistant", param=f"messages[{i}].role")
+        turns.append(ChatTurn(role=role, content=_text(m, i)))
+    prompt = chat_text(turns)
+    if r.max_tokens and r.max_completion_tokens and r.max_tokens != r.max_completion_tokens:
+        raise ApiError(400, "`max_tokens` and `max_completion_tokens` differ; send one",
+                       param="max_completion_tokens")
+    return Call(True, r, _submit("chatcmpl", r, prompt,
+                                 r.max_completion_tokens or r.max_tokens, turns))
+
+
+def parse_completion(body: bytes) -> Call:
+    r: CompletionRequest = _decode(body, CompletionRequest)
+    _check_common(r)
+    if r.logprobs is not None:
+        raise _unsupported("logprobs", "is not supported; omit it")
+    if r.echo:
+        raise _unsupported("echo", "is not supported; omit it")
+    if r.best_of not in (None, 1):
+        raise _unsupported("best_of", "is not supported; send 1 or omit it")
+    if r.suffix:
+        raise _unsupported("suffix", "is not supported; omit it")
+    prompt = r.prompt if isinstance(r.prompt, str) else r.prompt[0]
+    return Call(False, r, _submit("cmpl", r, prompt, r.max_tokens, []))
+
+
+# ---- responses --------------------------------------------------------------------------
+def usage(done: Done) -> dict[str, int]:
+    n = len(done.token_ids)
+    return {"prompt_tokens": done.stats.prompt_tokens, "completion_tokens": n,
+            "total_tokens": done.stats.prompt_tokens + n}
+
+
+def extension(done: Done) -> dict[str, Any]:
+    """The `memspec` object: what `memspec generate --json` prints, less the text."""
+    return {"policy": done.stats.policy, "token_ids": done.token_ids,
+            "stats": as_json(done.stats)}
+
+
+def response(call: Call, done: Done) -> dict[str, Any]:
+    """The whole reply of a non-streamed request."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason or "stop",
+                              "logprobs": None}
+    if call.chat:
+        choice["message"] = {"role": "assistant", "content": done.text}
+    else:
+        choice["text"] = done.text
+    return {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
+            "created": call.created, "model": call.model, "choices": [choice],
+            "usage": usage(done), "memspec": extension(done)}
+
+
+def chunk(call: Call, text: str | None = None, done: Done | None = None,
+          first: bool = False) -> dict[str, Any]:
+    """One streamed event: the role (first), a piece of text, or the end (`done`)."""
+    finish = (done.finish_reason or "stop") if done is not None else None
+    if call.chat:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                                  "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    out = {"id": call.id, "object": "chat.completion.chunk" if call.chat else "text_completion",
+           "created": call.created, "model": call.model, "choices": [choice]}
+    if done is not None:
+        out["memspec"] = extension(done)
+    return out
+
+
+def usage_chunk(call: Call, done: Done) -> dict[str, Any]:
+    """The last event with `stream_options.include_usage`: no choices, the usage."""
+    return {"id": call.id, "object": "chat.completion.chunk" if call.chat else "text_completion",
+            "created": call.created, "model": call.model, "choices": [],
+            "usage": usage(done)}

@@ -1,0 +1,63 @@
+"""`from memspec import Runtime`: the runtime started in this process (its own three
+processes), greedy output identical across policies, streaming, stop strings, clean exit.
+The same API against a running `memspec up` is in test_http.py."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+from test_pipeline import _ready_pool
+
+from memspec import Result, Runtime
+from memspec.common.errors import MemspecError, RequestError
+from memspec.launch.client import Timeouts
+
+PROMPT = "Name three primary colours."
+
+
+def test_runtime_refuses_bad_use_in_one_line():
+    with pytest.raises(MemspecError, match="not started"):
+        Runtime().generate("x")
+    with pytest.raises(MemspecError, match="endpoint or a pool"):
+        Runtime("ipc:///nowhere", pool="pool.toml")
+    t0 = time.monotonic()
+    with pytest.raises(MemspecError):
+        Runtime("ipc:///tmp/memspec-test-nobody-here.sock",
+                timeouts=Timeouts(connect=0.5, first=0.5)).start()
+    assert time.monotonic() - t0 < 5
+
+
+def _children() -> set[int]:
+    alive = set()
+    for p in psutil.Process().children():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_runtime_in_this_process():
+    _ready_pool()
+    before = _children()
+    with Runtime() as rt:
+        assert len(_children() - before) == 3  # decoder, loader, predictor
+        ref = rt.generate(PROMPT, max_new_tokens=20, policy="target-only")
+        assert isinstance(ref, Result) and ref.policy == "target-only"
+        res = rt.generate(PROMPT, max_new_tokens=20)  # the pool's policy, drafts and all
+        assert res.token_ids == ref.token_ids and res.text == ref.text
+        stream = rt.stream([{"role": "user", "content": PROMPT}], max_new_tokens=20)
+        assert "".join(stream) == ref.text and stream.result.token_ids == ref.token_ids
+        words = ref.text.split()
+        cut = rt.generate(PROMPT, max_new_tokens=20, stop=" " + words[1])
+        assert cut.text == words[0] and cut.finish_reason == "stop"
+        with pytest.raises(RequestError):
+            rt.generate([{"role": "robot", "content": "x"}])
+        assert rt.status().totals.requests["done"] == 4
+    deadline = time.monotonic() + 10
+    while _children() - before:
+        assert time.monotonic() < deadline, "the processes outlived the Runtime"
+        time.sleep(0.05)
