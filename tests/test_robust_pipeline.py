@@ -101,19 +101,10 @@ def monkeypatch_module():
 
 def _trace(pool_path: Path) -> None:
     """Acceptance tables for PROMPTS, so the oracle policies have something to replay."""
-    from memspec.procs.decoder.models import load_causal_lm, load_tokenizer
-    from memspec.zoo.tablestore import pool_fingerprint, trajectories_path
-    from memspec.zoo.trace import build_tables
-    from memspec.zoo.trajectories import build_trajectories
+    from memspec.zoo.trace import Tracer
 
-    pool = load_pool(pool_path)
-    target = load_causal_lm(pool.target)
     prompts = [{"id": f"q{i}", "domain": "general", "prompt": p} for i, p in enumerate(PROMPTS)]
-    trajs = build_trajectories(target, load_tokenizer(pool.target), pool.target, prompts,
-                               trajectories_path(pool, "dev"), max_new_tokens=MAX_NEW,
-                               progress=False)
-    build_tables(pool, trajs, int(target.get_output_embeddings().weight.shape[0]), "dev",
-                 pool_fingerprint(pool))
+    Tracer(load_pool(pool_path)).trace_set("dev", prompts, MAX_NEW)
 
 
 def test_qwen2_pool_without_a_head_is_lossless_for_every_policy_and_survives_corruption(
