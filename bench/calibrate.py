@@ -19,6 +19,7 @@ from memspec.bench.realruns import RealRequest, run_real
 from memspec.common.config import PoolConfig
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
+from memspec.procs.decoder.threads import decoder_threads
 from memspec.sim.costmodel import CostModel, fit
 
 CATCHUP_TOKENS = (8, 32, 96, 192)
@@ -32,7 +33,7 @@ def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
     """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does;
     only the fallback when the traced runs switched too rarely. A head catches up on the
     target's features, which only a running engine has: none measured here for heads."""
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    torch.set_num_threads(decoder_threads())  # as the decoder process runs
     spec = pool.general_draft
     cfg = json.loads((Path(spec.path) / "config.json").read_text())
     if cfg.get("memspec_kind", "model") != "model":

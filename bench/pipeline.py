@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from memspec.common.config import load_pool
@@ -42,6 +43,7 @@ from memspec.common.sockets import configure, recv, send
 from memspec.launch.supervisor import Supervisor
 from memspec.procs.decoder.inprocess import build_local, run_request
 from memspec.procs.decoder.models import encode_prompt
+from memspec.procs.decoder.threads import decoder_threads
 from memspec.procs.loader.reader import ColdReader
 from memspec.zoo.prompts import load_prompts
 
@@ -221,6 +223,7 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
     try:
         _log("starting the pipeline and an in-process engine")
         sup.start()
+        torch.set_num_threads(decoder_threads())  # the decoder process's count: IPC alone differs
         rt = build_local(pool)
         _request(sup, prompts[0], "general-static", 8)  # warm: the general draft resident
         run_request(rt, prompts[0], "general-static", 8)

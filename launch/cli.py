@@ -402,7 +402,6 @@ def main(argv: list[str] | None = None, run: Callable | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from disk, never a hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see launch/supervisor.py
     args = build_parser().parse_args(argv)
     fast = args.command in FAST_EXIT
     try:

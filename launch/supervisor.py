@@ -251,12 +251,12 @@ class Supervisor:
         log = open(self.log_path(name), "ab") if self.quiet_logs else None  # noqa: SIM115
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
-        # Three processes share the cores: spinning OpenMP workers of one starve the others
-        # (measured here: a verify went from 67 ms to 4 s); passive waiting avoids that.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         helper = name != "decoder"
         if helper:  # one thread each: the decoder owns the cores for its forwards
-            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            # Spinning OpenMP workers of a helper starve the decoder (measured: a verify went
+            # from 67 ms to 4 s); the decoder keeps OpenMP's default brief spin, since
+            # passive waiting between its many small kernels halves decode speed (bench engine).
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
         else:
             env[SUPERVISOR_ID_ENV] = self.supervisor_id
         p.popen = subprocess.Popen(self._cmd(name), stdin=subprocess.DEVNULL,

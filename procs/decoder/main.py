@@ -64,6 +64,7 @@ from memspec.procs.decoder.service import (
     verify_target,
 )
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
+from memspec.procs.decoder.threads import decoder_threads
 
 HEARTBEAT_S = 0.5
 
@@ -244,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pool = load_pool(args.pool)
     torch.manual_seed(0)
+    if args.device == "cpu":
+        torch.set_num_threads(decoder_threads())
     ctx = zmq.Context.instance()
     requests = configure(ctx.socket(zmq.ROUTER))
     requests.bind(args.endpoint)
@@ -285,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         load_s=time.perf_counter() - t0, K=k, transport=transport, dtype=dtype,
         slot_bytes=capacity,
         bandwidth_bytes_s=bandwidth, handles=handles)))
-    log(f"ready: target in {dtype}, K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
+    log(f"ready: target in {dtype} ({torch.get_num_threads()} threads), K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
         f"{time.perf_counter() - t0:.1f}s")
     if quarantined:  # found at start: the supervisor shows them in status and logs them
         channels.push(proc.status())
