@@ -26,6 +26,7 @@
 namespace {
 
 constexpr int64_t KB = 16;  // keys per K-cache block (one AVX-512 register of fp32)
+constexpr int64_t QR = 3;   // queries scored together in attention (one KV group of SmolLM2)
 
 struct Lin {
   int64_t kind = 0;
@@ -302,7 +303,26 @@ class Core {
       const float* vb = vp + j * cap * hd;  // [cap, hd]
       for (int64_t l0 = 0; l0 < n_pad; l0 += KB) {
         const float* blk = kb + l0 * hd;
-        for (int64_t r = 0; r < rows; ++r) {
+        // QR queries at a time: independent FMA chains hide the FMA latency, while each
+        // query's own chain (d in order) is unchanged, so its bits do not depend on T
+        int64_t r = 0;
+        for (; r + QR <= rows; r += QR) {
+          bool any = false;
+          for (int64_t u = 0; u < QR; ++u) any |= l0 < lim[r + u];
+          if (!any) continue;
+          float s[QR][KB] = {};
+          for (int64_t d = 0; d < hd; ++d) {
+            const float* k = blk + d * KB;
+            for (int64_t u = 0; u < QR; ++u) {
+              const float qd = qr[r + u][d];
+#pragma omp simd
+              for (int64_t i = 0; i < KB; ++i) s[u][i] += qd * k[i];
+            }
+          }
+          for (int64_t u = 0; u < QR; ++u)
+            if (l0 < lim[r + u]) std::copy(s[u], s[u] + KB, sc.data() + (r + u) * n_pad + l0);
+        }
+        for (; r < rows; ++r) {
           if (l0 >= lim[r]) continue;
           const float* qv = qr[r];
           float s[KB] = {0.f};
