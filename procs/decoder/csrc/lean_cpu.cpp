@@ -290,10 +290,12 @@ class Core {
     const float* qp = q.data_ptr<float>();
     const float* kp = kc.data_ptr<float>();
     const float* vp = vc.data_ptr<float>();
+    // KV heads in parallel: each writes its own columns of out, with its own buffers
+    at::parallel_for(0, kvh_, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> sc(rows * n_pad), acc(rows * hd);
     std::vector<const float*> qr(rows);
     std::vector<int64_t> lim(rows);
-    for (int64_t j = 0; j < kvh_; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < g; ++i) {
           qr[t * g + i] = qp + t * nq + (j * g + i) * hd;
@@ -370,6 +372,7 @@ class Core {
           }
       });
     }
+    });
   }
 
   int64_t hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0;
