@@ -283,11 +283,7 @@ class Controller:
         self.apply(job.policy.decide(self.view(0, None)))
         if job.executor is None:
             assert job.prefill is not None
-            try:
-                job.executor = job.prefill()
-            except BaseException:  # a refused request (too long, bad ids) leaves no job behind
-                self.running = None
-                raise
+            job.executor = job.prefill()  # a refusal raises; the service's abort clears it
         job.executor.stats.t_prediction += run.t_initial
         run.t_loop = self.clock.now() - job.t_start
 
