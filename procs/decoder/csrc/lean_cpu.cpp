@@ -275,6 +275,27 @@ class Core {
     });
   }
 
+  // Scores of U queries against one K block of KB keys, into their rows of sc (row stride
+  // n_pad); a query whose causal limit ends before the block is skipped.
+  template <int64_t U>
+  static void score_block(const float* const* q, const int64_t* lim, const float* blk,
+                          int64_t l0, int64_t hd, float* sc, int64_t n_pad) {
+    bool any = false;
+    for (int64_t u = 0; u < U; ++u) any |= l0 < lim[u];
+    if (!any) return;
+    float s[U][KB] = {};
+    for (int64_t d = 0; d < hd; ++d) {
+      const float* k = blk + d * KB;
+      for (int64_t u = 0; u < U; ++u) {
+        const float qd = q[u][d];
+#pragma omp simd
+        for (int64_t i = 0; i < KB; ++i) s[u][i] += qd * k[i];
+      }
+    }
+    for (int64_t u = 0; u < U; ++u)
+      if (l0 < lim[u]) std::copy(s[u], s[u] + KB, sc + u * n_pad + l0);
+  }
+
   // Causal GQA attention over fp32 caches: K is stored in blocks of KB keys, each block
   // [hd, KB] contiguous, so scores for KB consecutive keys are KB lanes of one FMA chain
   // over 4 KB read in order (a plain [hd, capacity] layout strides by the capacity and
@@ -308,34 +329,10 @@ class Core {
         // QR queries at a time: independent FMA chains hide the FMA latency, while each
         // query's own chain (d in order) is unchanged, so its bits do not depend on T
         int64_t r = 0;
-        for (; r + QR <= rows; r += QR) {
-          bool any = false;
-          for (int64_t u = 0; u < QR; ++u) any |= l0 < lim[r + u];
-          if (!any) continue;
-          float s[QR][KB] = {};
-          for (int64_t d = 0; d < hd; ++d) {
-            const float* k = blk + d * KB;
-            for (int64_t u = 0; u < QR; ++u) {
-              const float qd = qr[r + u][d];
-#pragma omp simd
-              for (int64_t i = 0; i < KB; ++i) s[u][i] += qd * k[i];
-            }
-          }
-          for (int64_t u = 0; u < QR; ++u)
-            if (l0 < lim[r + u]) std::copy(s[u], s[u] + KB, sc.data() + (r + u) * n_pad + l0);
-        }
-        for (; r < rows; ++r) {
-          if (l0 >= lim[r]) continue;
-          const float* qv = qr[r];
-          float s[KB] = {0.f};
-          for (int64_t d = 0; d < hd; ++d) {
-            const float qd = qv[d];
-            const float* k = blk + d * KB;
-#pragma omp simd
-            for (int64_t i = 0; i < KB; ++i) s[i] += qd * k[i];
-          }
-          std::copy(s, s + KB, sc.data() + r * n_pad + l0);
-        }
+        for (; r + QR <= rows; r += QR)
+          score_block<QR>(&qr[r], &lim[r], blk, l0, hd, &sc[r * n_pad], n_pad);
+        for (; r < rows; ++r)
+          score_block<1>(&qr[r], &lim[r], blk, l0, hd, &sc[r * n_pad], n_pad);
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = sc.data() + r * n_pad;
