@@ -145,7 +145,8 @@ def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
 
 def sim_config(pool: PoolConfig, cost: CostModel | None = None, **kw: Any) -> SimConfig:
     cfg = SimConfig(tuple(d.name for d in pool.drafts), pool.general, pool.K, pool.N, pool.gamma,
-                    pool.max_new_tokens, cost.plan_costs() if cost is not None else None)
+                    pool.max_new_tokens, cost.plan_costs() if cost is not None else None,
+                    pool.spec_gate)
     return replace(cfg, **kw)
 
 

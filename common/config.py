@@ -38,7 +38,7 @@ TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 _POOL_KEYS = {
     "target", "K", "gamma", "N", "T", "policy", "storage", "general",
     "memory_budget_mb", "load_iter_ratio", "bandwidth_mb_s", "ucb_c", "predictor_head",
-    "max_new_tokens", "dtype", "max_context",
+    "max_new_tokens", "dtype", "max_context", "spec_gate",
 }
 _DRAFT_KEYS = {"name", "domain", "path", "kind", "description"}
 # model: an independent causal LM sharing the tokenizer; head: a one-layer head over the
@@ -74,6 +74,7 @@ class PoolConfig:
     load_iter_ratio: float = 2.7
     bandwidth_mb_s: float | None = None
     ucb_c: float = 2.0
+    spec_gate: bool = True  # memspec / prediction-only run the target alone when no draft pays
     predictor_head: Path | None = None
     K_from_budget: bool = False  # K was not given: derive it from memory_budget_mb
     source: Path | None = field(default=None, compare=False)
@@ -106,6 +107,13 @@ def _float_field(raw: dict[str, Any], key: str, default: float | None) -> float 
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"pool.{key} must be a positive number, got {value!r}", f"fix {key}")
     return float(value)
+
+
+def _bool_field(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"pool.{key} must be true or false, got {value!r}", f"fix {key}")
+    return value
 
 
 def _choice(raw: dict[str, Any], key: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -190,6 +198,7 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
         load_iter_ratio=_float_field(raw, "load_iter_ratio", 2.7) or 2.7,
         bandwidth_mb_s=_float_field(raw, "bandwidth_mb_s", None),
         ucb_c=_float_field(raw, "ucb_c", 2.0) or 2.0,
+        spec_gate=_bool_field(raw, "spec_gate", True),
         predictor_head=expand_path(head, base) if isinstance(head, str) else None,
         K_from_budget="K" not in raw and "memory_budget_mb" in raw,
         source=source,

@@ -76,7 +76,7 @@ class CostModel:
         unit = self.mean_iteration_s or sum(self.spec_s.values()) / max(1, len(self.spec_s))
         return PlanCosts(load={d: s / unit for d, s in self.load_s.items()},
                          target=self.target_s / unit, switch=self.catchup_base_s / unit,
-                         switch_per_token=self.catchup_per_token_s / unit)
+                         switch_per_token=self.catchup_per_token_s / unit, timed=True)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -54,6 +54,7 @@ class SimConfig:
     gamma: int
     max_new_tokens: int | None = None  # cut trajectories (output-length sweeps)
     plan: PlanCosts | None = None  # what oracle-dynamic believes loads cost (the runtime's)
+    gate: bool = True  # memspec's speculation gate (reads `plan`'s timed costs)
 
 
 class SimClock:
@@ -276,4 +277,4 @@ def build_policy(name: str, req: SimRequest, cfg: SimConfig, position: Callable[
     """The runtime's policy object, with an oracle plan over this request's tables."""
     plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position, cfg.K, cfg.plan,
                      req.prompt_len)
-    return make_policy(name, ucb_c=ucb_c, oracle_plan=plan)
+    return make_policy(name, ucb_c=ucb_c, oracle_plan=plan, costs=cfg.plan, gate=cfg.gate)

@@ -44,6 +44,7 @@ class PlanCosts:
     switch_per_token: float = 0.0  # ... and per token of context it catches up on
     spec: Mapping[str, float] = field(default_factory=dict)  # per-draft iteration (default 1)
     quantum: float = 0.25  # load time is tracked in these units, rounded up
+    timed: bool = False  # `target` was measured (not the prior): the speculation gate trusts it
 
     @classmethod
     def uniform(cls, drafts: Sequence[str], load_iters: float, **kw: float) -> PlanCosts:
@@ -98,7 +99,9 @@ class LoadPlanner:
                  ) -> list[tuple[str | None, str | None, str | None]]:
         """(run, load, evict) moves allowed in a state."""
         out: list[tuple[str | None, str | None, str | None]] = []
-        runs: list[str | None] = sorted(resident) or [None]
+        # the target alone is always a choice: an upper bound must also know when not to
+        # speculate (the online policies' speculation gate may choose it too)
+        runs: list[str | None] = [*sorted(resident), None] if resident else [None]
         out += [(r, None, None) for r in runs]
         if loading is not None or self.K < 1:
             return out

@@ -79,12 +79,14 @@ class DynamicPlan:
 
 def _decision(move, view: SchedView, waiting_for: str | None) -> Decision:
     """The move as a Decision; a draft that is not runnable (or quarantined) never runs or
-    loads. Target steps while the planned draft loads are fallback, as for every policy."""
+    loads. Target steps while the planned draft loads are fallback, as for every policy;
+    target steps the plan chose over a resident draft are not."""
     load = move.load if move.load is not None and move.load not in view.failed else None
     evict = move.evict if load is not None and move.evict in view.runnable() else None
     run = move.run if move.run in view.runnable() and move.run != evict else None
     actions = CacheActions(prefetch=(load,) if load else (), evict=(evict,) if evict else ())
-    return Decision(run, run if run is not None else waiting_for, actions)
+    chose_target = move.run is None and bool(view.runnable() - {evict})
+    return Decision(run, run if run is not None or chose_target else waiting_for, actions)
 
 
 def dynamic_plan(tables: Mapping[str, Table], gamma: int, interval: int, K: int,
@@ -137,7 +139,8 @@ class PlanCostMeter:
         if len(self.catchup) >= 5:
             a, b = linear_fit([n for n, _ in self.catchup], [t for _, t in self.catchup])
             switch, per_token = max(0.0, a) / unit, b / unit
-        return PlanCosts(load=load, target=target, switch=switch, switch_per_token=per_token)
+        return PlanCosts(load=load, target=target, switch=switch, switch_per_token=per_token,
+                         timed=len(self.target) >= 8)
 
 
 def make_plan(policy: str, tables: Mapping[str, Table], gamma: int, interval: int,

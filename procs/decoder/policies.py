@@ -26,6 +26,7 @@ from memspec.procs.decoder.cache_manager import (
     rank,
     update_cache,
 )
+from memspec.procs.decoder.loadplan import PlanCosts
 
 
 @dataclass
@@ -189,11 +190,74 @@ def _plan_scores(result: str | Mapping[str, float] | None, view: SchedView) -> d
     return {d: float(scores[d]) for d in view.usable() if d in scores}
 
 
+class SpecGate:
+    """Speculate only when it pays (beyond the paper, which always runs a draft).
+
+    Lossless speculation is not free: an iteration costs gamma draft steps and a
+    (gamma+1)-row verify, so a draft must average more tokens per iteration than that costs
+    in target steps (on a 2-core CPU, int4: ~2.0) or decoding gets *slower*. The gate keeps
+    this request's tokens per iteration of each draft (an EMA, optimistic before the first
+    one) and lets the chosen draft run only if ``tau * target >= spec`` in the decoder's
+    measured costs (``PlanCosts``, in SD iterations; nothing is gated until the target
+    step has been timed). A gated draft is probed again after 4, 8, 16, ... gated
+    intervals, so a draft that starts paying later (new domain, easier text) gets back in.
+    The cache manager's loads are untouched: the working set stays warm either way.
+    """
+
+    ALPHA = 0.2  # weight of one iteration: an interval (4) carries ~59% of the estimate
+    FIRST_GAP = 4
+
+    def __init__(self, costs: PlanCosts | None) -> None:
+        self.costs = costs
+        self.tau: dict[str, float] = {}
+        self.gap, self.skipped, self.gated = self.FIRST_GAP, 0, 0
+
+    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
+        if draft is None:
+            return
+        old = self.tau.get(draft, proposed + 1.0)  # optimistic start: one bad iteration
+        self.tau[draft] = (1 - self.ALPHA) * old + self.ALPHA * (accepted + 1.0)  # is noise
+
+    def pays(self, draft: str) -> bool:
+        c, tau = self.costs, self.tau.get(draft)
+        if c is None or not c.timed or tau is None:
+            return True
+        return tau * c.target >= c.spec.get(draft, 1.0)
+
+    def allow(self, draft: str | None) -> bool:
+        """May `draft` run the next interval? (False: the target alone, by choice.)"""
+        if draft is None:
+            return False
+        if self.pays(draft):
+            self.gap, self.skipped = self.FIRST_GAP, 0
+            return True
+        self.skipped += 1
+        if self.skipped > self.gap:  # probe: refresh the estimate
+            self.skipped, self.gap = 0, self.gap * 2
+            return True
+        self.gated += 1
+        return False
+
+
 class MemSpec(TargetOnly):
-    """Keep the predicted top-K resident (Alg. 2), run the best resident one (Alg. 3)."""
+    """Keep the predicted top-K resident (Alg. 2), run the best resident one (Alg. 3),
+    unless the speculation gate says the target alone is faster."""
 
     name = "memspec"
     uses_predictor = True
+
+    def __init__(self, costs: PlanCosts | None = None, gate: bool = True) -> None:
+        self.gate = SpecGate(costs) if gate else None
+
+    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
+        if self.gate is not None:
+            self.gate.observe(draft, proposed, accepted)
+
+    def _gated(self, run: str | None, preferred: str | None, actions: CacheActions
+               ) -> Decision:
+        if self.gate is None or run is None or self.gate.allow(run):
+            return Decision(run, preferred, actions)
+        return Decision(None, None, actions)  # chosen, not a fallback
 
     def scores(self, view: SchedView) -> dict[str, float]:
         """The predictor's scores over usable drafts; before any arrives, the general draft."""
@@ -205,7 +269,7 @@ class MemSpec(TargetOnly):
         scores = self.scores(view)
         keep = _keeper(view, lambda names: _top1(scores, names))
         actions = update_cache(scores, view.runnable(), view.in_flight(), view.capacity, keep)
-        return Decision(_top1(scores, _after(view, actions)), _top1(scores), actions)
+        return self._gated(_top1(scores, _after(view, actions)), _top1(scores), actions)
 
 
 class OracleDynamic(TargetOnly):
@@ -237,7 +301,7 @@ class PredictionOnly(MemSpec):
         want = _top1(scores)
         keep = _keeper(view, lambda names: _top1(scores, names))
         actions = _acquire(view, want, lambda names: lowest(scores, names), {keep})
-        return Decision(_top1(scores, _after(view, actions)), want, actions)
+        return self._gated(_top1(scores, _after(view, actions)), want, actions)
 
 
 class _Ucb:
@@ -331,7 +395,7 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
     return cast(OraclePlan, plan)
 
 
-_KW = ("oracle_plan",)
+_KW = ("oracle_plan", "costs", "gate")
 
 
 def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
@@ -339,7 +403,8 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
     here is deterministic.
 
     kw: `oracle_plan` (oracle-static: view -> draft name or scores; oracle-dynamic: view
-    -> Decision). Every policy's first decision is taken before the prompt prefills, so
+    -> Decision); `costs` (PlanCosts, what the decoder has measured) and `gate` (bool,
+    default True) for memspec's and prediction-only's speculation gate. Every policy's first decision is taken before the prompt prefills, so
     its initial loads overlap the prefill (procs/decoder/loop.py, Alg. 3 line 3).
     """
     unknown = sorted(set(kw) - set(_KW))
@@ -352,13 +417,17 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
 
 
 def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
-    builders = _builders(name, c, kw.get("oracle_plan"))
+    costs = kw.get("costs")
+    gate = bool(kw.get("gate", True))
+    builders = _builders(name, c, kw.get("oracle_plan"),
+                         costs if isinstance(costs, PlanCosts) else None, gate)
     if name not in builders:
         raise ConfigError(f"unknown policy '{name}'", f"valid: {', '.join(builders)}")
     return builders[name]()
 
 
-def _builders(name: str, c: float, plan: object) -> dict[str, Callable[[], Policy]]:
+def _builders(name: str, c: float, plan: object, costs: PlanCosts | None = None,
+              gate: bool = True) -> dict[str, Callable[[], Policy]]:
     """Every policy by config name; oracle plans are checked only when an oracle is built."""
     return {
         "target-only": TargetOnly,
@@ -366,8 +435,8 @@ def _builders(name: str, c: float, plan: object) -> dict[str, Callable[[], Polic
         "oracle-static": lambda: OracleStatic(_need_plan(name, plan)),
         "mab-sync": lambda: MabSync(c),
         "mab-async": lambda: MabAsync(c),
-        "prediction-only": PredictionOnly,
-        "memspec": MemSpec,
+        "prediction-only": lambda: PredictionOnly(costs, gate),
+        "memspec": lambda: MemSpec(costs, gate),
         "oracle-dynamic": lambda: OracleDynamic(_need_plan(name, plan)),
     }
 

@@ -260,6 +260,7 @@ class DecoderService:
                                             for m in req.messages])
                if req.messages else encode_prompt(self.tokenizer, req.prompt))
         plan = None
+        costs = self.plan_meter.costs(self.controller.load_seconds)
         if policy_name in ORACLE_POLICIES:
             if self._oracles is None:
                 self._oracles = oracle_index(self.pool,
@@ -268,10 +269,10 @@ class DecoderService:
             tables = prompt_tables(self._oracles, policy_name, ids, params.greedy)
             plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
                              lambda: len(self.current.session.generated) if self.current else 0,
-                             self.K, self.plan_meter.costs(self.controller.load_seconds),
-                             len(ids))
+                             self.K, costs, len(ids))
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
-        policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan)
+        policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
+                             gate=self.pool.spec_gate)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
         out = _Output(self.tokenizer, req.stop)
 
