@@ -38,7 +38,7 @@ TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 _POOL_KEYS = {
     "target", "K", "gamma", "N", "T", "policy", "storage", "general",
     "memory_budget_mb", "load_iter_ratio", "bandwidth_mb_s", "ucb_c", "predictor_head",
-    "max_new_tokens", "dtype", "max_context", "spec_gate",
+    "max_new_tokens", "dtype", "max_context", "spec_gate", "lookup",
 }
 _DRAFT_KEYS = {"name", "domain", "path", "kind", "description"}
 # model: an independent causal LM sharing the tokenizer; head: a one-layer head over the
@@ -75,6 +75,8 @@ class PoolConfig:
     bandwidth_mb_s: float | None = None
     ucb_c: float = 2.0
     spec_gate: bool = True  # memspec / prediction-only run the target alone when no draft pays
+    lookup: int = 2  # greedy: a context suffix of >= this many tokens seen before proposes
+    # what followed it, in place of the draft's guess (procs/decoder/lookup.py); 0: off
     predictor_head: Path | None = None
     K_from_budget: bool = False  # K was not given: derive it from memory_budget_mb
     source: Path | None = field(default=None, compare=False)
@@ -199,6 +201,7 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
         bandwidth_mb_s=_float_field(raw, "bandwidth_mb_s", None),
         ucb_c=_float_field(raw, "ucb_c", 2.0) or 2.0,
         spec_gate=_bool_field(raw, "spec_gate", True),
+        lookup=_int_field(raw, "lookup", 2, 0),
         predictor_head=expand_path(head, base) if isinstance(head, str) else None,
         K_from_budget="K" not in raw and "memory_budget_mb" in raw,
         source=source,

@@ -20,10 +20,10 @@ PROMPTS = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7]]
 DTYPES = ["float32", "bfloat16", "int8", "int4", "bfloat16-torch", "int8-torch", "int4-torch"]
 
 
-def engine_with(tiny_dir, names, gamma=4, eos=(), dtype="float32"):
+def engine_with(tiny_dir, names, gamma=4, eos=(), dtype="float32", lookup=0):
     fmt, _, path = dtype.partition("-")
     target = build_target(tiny_dir / "target", fmt, fast=path != "torch")
-    eng = SpecEngine(target, eos, gamma=gamma)
+    eng = SpecEngine(target, eos, gamma=gamma, lookup=lookup)
     for name in names:
         eng.add_draft(load_into_slot(name, tiny_dir / name, SlotBuffer(1 << 20), TINY_VOCAB))
     return eng
@@ -52,6 +52,32 @@ def test_greedy_identical_to_target_only(tiny_dir, draft, dtype):
         if draft == "self" and dtype == "float32":  # the target drafting for itself
             assert summary["acceptance_rate"] == 1.0
             assert summary["mean_acceptance_length"] == 5.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4", "int8-torch"])
+def test_context_lookup_keeps_output_identical_and_lifts_a_bad_draft(tiny_dir, tiny_heads,
+                                                                     dtype):
+    """With the lookup on, proposals come from the context where it repeats itself; output
+    stays the target's greedy output for model drafts and heads, and what a draft gets
+    accepted changes (the lookup is really consulted)."""
+    eng = engine_with(tiny_dir, ["random", "small"], dtype=dtype, lookup=1)
+    plain = engine_with(tiny_dir, ["random"], dtype=dtype)
+    if dtype != "float32":
+        eng.add_draft(load_into_slot("h", tiny_heads[0], SlotBuffer(1 << 20), TINY_VOCAB,
+                                     eng.target_parts))
+    moved = []
+    for prompt in PROMPTS:
+        ref, _ = eng.generate(prompt, 60)
+        for name in eng.drafts:
+            out, stats = eng.generate(prompt, 60, select=lambda s, n=name: n)
+            assert out == ref, name
+        order = itertools.cycle([*eng.drafts, None])
+        out, _ = eng.generate(prompt, 60, select=lambda s, o=order: next(o))
+        assert out == ref
+        _, on = eng.generate(prompt, 60, select=lambda s: "random")
+        _, off = plain.generate(prompt, 60, select=lambda s: "random")
+        moved.append([r.accepted for r in on.records] != [r.accepted for r in off.records])
+    assert any(moved)
 
 
 def test_random_draft_is_mostly_rejected(tiny_dir):

@@ -106,3 +106,16 @@ def test_pool_spec_gate_option_is_validated(tmp_path):
     else:
         raise AssertionError("spec_gate = 1 was accepted")
     assert load_pool().spec_gate is True
+
+
+def test_ngram_index_proposes_the_latest_successor_of_the_longest_suffix():
+    from memspec.procs.decoder.lookup import NgramIndex
+
+    idx = NgramIndex(2, [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3])
+    assert idx.propose([2, 3]) == 7  # most recent earlier "2 3" (the last is not indexed yet)
+    assert idx.propose([9, 1, 2, 3]) == 7
+    assert idx.propose([5, 1, 2, 3]) == 7  # longest match that exists: "1 2 3"
+    assert idx.propose([3]) is None  # below n_min
+    assert idx.propose([4, 4]) is None
+    idx.extend([8])
+    assert idx.propose([2, 3]) == 8  # the newest occurrence wins

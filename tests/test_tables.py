@@ -353,17 +353,19 @@ def tiny_head(tmp_path_factory):
     return make_tiny_head(tmp_path_factory.mktemp("rt-head") / "h", seed=3)
 
 
-@pytest.mark.parametrize("dtype", ["int4", "bfloat16", "int8-torch"])
-def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype):
+@pytest.mark.parametrize(("dtype", "lookup"), [("int4", 0), ("bfloat16", 0), ("int8-torch", 0),
+                                             ("int4", 1), ("int8-torch", 3)])
+def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lookup):
     """Tables from the engine's own runners (model drafts and heads) replay every
-    iteration's accepted count of real runs, static and switching schedules alike."""
+    iteration's accepted count of real runs, static and switching schedules alike, with
+    the context lookup off and on."""
     from memspec.procs.decoder.models import build_target
     from memspec.zoo.tables import runtime_table
 
     fmt, _, path = dtype.partition("-")
     gamma = 3
     eng = SpecEngine(build_target(tiny_dir / "target", fmt, fast=path != "torch"), (),
-                     gamma=gamma)
+                     gamma=gamma, lookup=lookup)
     for n in DRAFTS:
         eng.add_draft(load_into_slot(n, tiny_dir / n, SlotBuffer(1 << 20), TINY_VOCAB))
     eng.add_draft(load_into_slot("head", tiny_head, SlotBuffer(1 << 20), TINY_VOCAB,

@@ -40,6 +40,7 @@ from memspec.zoo.tables import (
     acceptance_table,
     capped_engine_accepts,
     head_table,
+    lookup_rows,
     runtime_table,
     target_features,
 )
@@ -136,7 +137,10 @@ def runtime_tables(engine: SpecEngine, bound: dict[str, BoundDraft], trajs: Sequ
             if not tokens:
                 out[name].append([])
             elif b.kind == HEAD_KIND:
-                out[name].append(head_table(b, feat, ids, len(prompt), tokens, engine.gamma))
+                lk = lookup_rows(prompt, tokens, engine.gamma, engine.lookup, b.to_target) \
+                    if engine.lookup else None
+                out[name].append(head_table(b, feat, ids, len(prompt), tokens, engine.gamma,
+                                            lk))
             else:
                 out[name].append(runtime_table(engine, b, prompt, tokens))
         if (i + 1) % 20 == 0 or i + 1 == len(trajs):

@@ -13,9 +13,11 @@ replay over tables (runtime oracles, simulator) lives in procs/decoder/replay.py
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from memspec.procs.decoder.lookup import NgramIndex
 
 # --------------------------------------------------------------------------- model pass
 
@@ -79,6 +81,8 @@ def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
     dev = engine.device
     ids = torch.tensor(seq, dtype=torch.long, device=dev)
     P = len(prompt_ids)
+    lk = lookup_rows(prompt_ids, tokens, gamma, engine.lookup, bound.to_target) \
+        if engine.lookup else None
     if bound.kind != "head":
         inp = ids[:-1] if bound.to_draft is None else bound.to_draft[ids[:-1]]
         logits = bound.runner.forward(inp, 0, bound.new_cache(len(seq) + gamma + 1))
@@ -89,10 +93,48 @@ def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
         if bound.to_target is not None:
             pred = bound.to_target[pred]
         correct = (pred.cpu() == torch.tensor(list(tokens), dtype=torch.long)).tolist()
-        return table_from_correct(correct, gamma)
+        if lk is None:
+            return table_from_correct(correct, gamma)
+        return [_run(lk[t], tokens, t, lambda k, t=t: correct[t + k]) for t in range(n)]
     # a head: the target's features for every position first, then per start position
     # the engine's calls
-    return head_table(bound, target_features(engine, ids), ids, P, tokens, gamma)
+    return head_table(bound, target_features(engine, ids), ids, P, tokens, gamma, lk)
+
+
+def lookup_rows(prompt_ids: Sequence[int], tokens: Sequence[int], gamma: int, n_min: int,
+                to_target: torch.Tensor | None) -> list[list[int | None]]:
+    """``rows[t][k]``: the token the engine's context lookup proposes at step k of an
+    iteration that starts with ``t`` tokens committed, every earlier proposal right (None:
+    the draft's own guess stands, as for a token outside the draft's vocabulary)."""
+    idx = NgramIndex(n_min, prompt_ids)
+    seq = [int(x) for x in prompt_ids] + [int(x) for x in tokens]
+    P, n = len(prompt_ids), len(tokens)
+    ok = None
+    if to_target is not None:
+        inside = set(to_target.tolist())
+        ok = inside.__contains__
+    rows: list[list[int | None]] = []
+    for t in range(n):
+        tail = seq[max(0, P + t - idx.n_max):P + t]
+        row: list[int | None] = []
+        for k in range(min(gamma, n - t)):
+            c = idx.propose(tail)
+            row.append(c if c is not None and (ok is None or ok(c)) else None)
+            tail.append(seq[P + t + k])  # a chain goes on only past a right proposal
+        rows.append(row)
+        idx.extend(seq[P + t:P + t + 1])
+    return rows
+
+
+def _run(row: Sequence[int | None], tokens: Sequence[int], t: int,
+         draft_right: Callable[[int], bool]) -> int:
+    """Accepted proposals from t: the looked-up token where there is one, else the draft's."""
+    a = 0
+    for k, c in enumerate(row):
+        if not (c == tokens[t + k] if c is not None else draft_right(k)):
+            break
+        a += 1
+    return a
 
 
 @torch.inference_mode()
@@ -107,10 +149,11 @@ def target_features(engine, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def head_table(bound, feat: torch.Tensor, ids: torch.Tensor, P: int, tokens: Sequence[int],
-               gamma: int) -> list[int]:
+               gamma: int, lookup: Sequence[Sequence[int | None]] | None = None) -> list[int]:
     """A head's A_d(t) given the target's feature rows of positions 0..len(ids)-2 (the
     rows :func:`runtime_table` computes; training reuses them across checkpoints).
-    ``ids`` is prompt + tokens on the engine's device, ``P`` the prompt length."""
+    ``ids`` is prompt + tokens on the engine's device, ``P`` the prompt length;
+    ``lookup``: :func:`lookup_rows` when the engine's context lookup is on."""
     n = len(tokens)
     head, to_target = bound.runner, bound.to_target
     cache = bound.new_cache(len(ids) + gamma + 1)
@@ -123,7 +166,8 @@ def head_table(bound, feat: torch.Tensor, ids: torch.Tensor, P: int, tokens: Seq
             logits, hidden = head.teacher(ids[L - 1:L], L - 1, cache, feat[L - 2:L - 1])
         a, lg, hid = 0, logits, hidden
         for k in range(min(gamma, n - t)):
-            if int(to_target[lg[-1].argmax()]) != tokens[t + k]:
+            c = lookup[t][k] if lookup is not None else None
+            if (c if c is not None else int(to_target[lg[-1].argmax()])) != tokens[t + k]:
                 break
             a += 1
             if k < gamma - 1 and t + k + 1 < n:

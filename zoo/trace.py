@@ -163,7 +163,7 @@ def run_trace(pool: PoolConfig, sets: Sequence[tuple[str, int | None]],
     t0 = time.perf_counter()
     tracer = Tracer(pool, device)
     report: dict[str, Any] = {"gamma": pool.gamma, "dtype": tracer.dtype,
-                              "drafts": list(tracer.fingerprint), "sets": {}}
+                              "drafts": [d.name for d in pool.drafts], "sets": {}}
     names = [s for s, _ in sets]
     checked = next((s for s in ("test", "dev", "mixed", "train") if s in names), None)
     for base, count in sets:

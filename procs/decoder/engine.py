@@ -33,6 +33,7 @@ from memspec.procs.decoder.acceptance import (
     warp,
 )
 from memspec.procs.decoder.head import HEAD_KIND, TargetParts
+from memspec.procs.decoder.lookup import NgramIndex
 from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
 from memspec.procs.decoder.slots import BoundDraft
 
@@ -59,9 +60,14 @@ class SpecEngine:
     """Target runner + registered drafts; :meth:`start` opens a request."""
 
     def __init__(self, target: Runner | torch.nn.Module, eos_ids: tuple[int, ...] | list[int],
-                 gamma: int = 4, max_context: int = DEFAULT_MAX_CONTEXT) -> None:
+                 gamma: int = 4, max_context: int = DEFAULT_MAX_CONTEXT, lookup: int = 0) -> None:
+        """``lookup``: shortest context suffix whose earlier successor replaces a draft's
+        greedy proposal (procs/decoder/lookup.py); 0 turns the lookup off."""
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
+        if lookup < 0:
+            raise ValueError("lookup must be >= 0")
+        self.lookup = int(lookup)
         self.target = as_runner(target)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.gamma = gamma
@@ -119,6 +125,20 @@ class SpecEngine:
         return s.generated, s.stats
 
 
+def _lookup_index(tok: int | None, bound: BoundDraft, device: torch.device
+                  ) -> torch.Tensor | None:
+    """The draft-vocabulary index of a looked-up target token (None: none, or outside the
+    draft's vocabulary, where the draft's own guess stands)."""
+    if tok is None:
+        return None
+    if bound.to_target is None:
+        return torch.tensor([tok], dtype=torch.long, device=device)
+    if bound.to_draft is None or tok >= bound.to_draft.numel():
+        return None
+    idx = bound.to_draft[tok]
+    return idx.view(1) if int(bound.to_target[idx]) == tok else None
+
+
 class Session:
     """One request in flight; :meth:`step` is the body of the hot loop."""
 
@@ -148,6 +168,8 @@ class Session:
         if not params.greedy:
             self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                      else torch.seed())
+        self._ngrams = NgramIndex(engine.lookup, self.tokens) \
+            if engine.lookup and params.greedy else None
         self._drafts: dict[str, _DraftCache] = {}
         self._last_draft: str | None = None
         self._dev = engine.device
@@ -183,6 +205,8 @@ class Session:
             L = len(self.tokens)
             self._tok[L:L + len(out)] = torch.tensor(out, dtype=torch.long)
             self.tokens.extend(out)
+            if self._ngrams is not None:
+                self._ngrams.extend(out)
         if len(self.generated) >= self.max_new_tokens:
             self.done = True
         if out and self.on_tokens:
@@ -240,9 +264,16 @@ class Session:
         t_catch = time.perf_counter()
         props: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
+        ng = self._ngrams
+        tail = self.tokens[-ng.n_max:] if ng is not None else []
         for i in range(g):
             row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
-            if self.params.greedy:
+            if ng is not None:  # greedy: the context's own continuation, else the draft's
+                d_idx = _lookup_index(ng.propose(tail), bound, self._dev)
+                if d_idx is None:
+                    d_idx = row.argmax().view(1)
+                tail.append(int(d_idx) if to_target is None else int(to_target[d_idx]))
+            elif self.params.greedy:
                 d_idx = row.argmax().view(1)
             else:  # sampling runs on the CPU generator: seeded runs repeat on any device
                 q_sub = warp(row.cpu(), self.params)

@@ -104,7 +104,7 @@ def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = No
     chosen = resolve_dtype(dtype or pool.dtype, pool.target, device)
     target = build_target(pool.target, chosen, device, fast=fast)
     engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma,
-                        max_context=pool.max_context)
+                        max_context=pool.max_context, lookup=pool.lookup)
     return engine, tokenizer, chosen
 
 

@@ -202,8 +202,8 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
             raise ModelError(f"head '{name}' has no draft-vocabulary id map of {arch.vocab}",
                              "rebuild the head with `memspec zoo drafts`")
         runner: Runner = HeadRunner(name, arch, weights, parts, to_target)
-        return BoundDraft(name, runner, slot, slot.generation, to_target, None, config,
-                          weights)
+        return BoundDraft(name, runner, slot, slot.generation, to_target,
+                          _inverse(to_target, target_vocab), config, weights)
     config = config or AutoConfig.from_pretrained(model_dir)
     lean = _lean_runner(name, config, weights)
     if lean is not None:
@@ -213,12 +213,16 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         runner = accelerate(lean)
     else:
         runner = HFRunner(_hf_module(name, config, weights, slot.data.device))
-    to_draft = None
-    if to_target is not None:
-        vocab = max(target_vocab or 0, int(to_target.max()) + 1)
-        to_draft = torch.zeros(max(vocab, 1), dtype=torch.long, device=to_target.device)
-        to_draft[to_target] = torch.arange(to_target.numel(), device=to_target.device)
+    to_draft = _inverse(to_target, target_vocab) if to_target is not None else None
     return BoundDraft(name, runner, slot, slot.generation, to_target, to_draft, config, weights)
+
+
+def _inverse(to_target: torch.Tensor, target_vocab: int | None) -> torch.Tensor:
+    """Target id -> draft id (ids outside the draft vocabulary -> 0)."""
+    vocab = max(target_vocab or 0, int(to_target.max()) + 1)
+    to_draft = torch.zeros(max(vocab, 1), dtype=torch.long, device=to_target.device)
+    to_draft[to_target] = torch.arange(to_target.numel(), device=to_target.device)
+    return to_draft
 
 
 def load_into_slot(name: str, model_dir: Path, slot: SlotBuffer,

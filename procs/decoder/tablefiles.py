@@ -31,8 +31,12 @@ TABLES_PREFIX = "tables-"
 
 
 def pool_fingerprint(pool: PoolConfig) -> dict[str, str]:
-    """sha256 of every draft's weights file, by draft name (pool order)."""
-    return {d.name: sha256_file(draft_weights_file(d.path)) for d in pool.drafts}
+    """sha256 of every draft's weights file, by draft name (pool order); and the context
+    lookup's setting when it is on (it changes what a draft proposes)."""
+    fp = {d.name: sha256_file(draft_weights_file(d.path)) for d in pool.drafts}
+    if pool.lookup:
+        fp["(lookup)"] = str(pool.lookup)
+    return fp
 
 
 def traces_dir(dtype: str | None = None) -> Path:
