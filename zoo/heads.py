@@ -102,10 +102,11 @@ def default_plans(minutes: float | None = None) -> dict[str, HeadPlan]:
     plans = {"general": HeadPlan("general", minutes or 30.0, 1e-3,
                                  (("responses", ALL, 0.7), ("corpus", ALL, 0.3)))}
     for d in HEAD_NAMES[1:]:
-        plans[d] = HeadPlan(d, minutes or 15.0, 3e-4,
+        plans[d] = HeadPlan(d, minutes or 5.5, 3e-4,
                             (("responses", d, 0.5), ("corpus", d, 0.3),
                              ("responses", ALL, 0.1), ("corpus", ALL, 0.1)),
-                            init_from="general", warmup_steps=10, eval_every_s=150.0)
+                            init_from="general", warmup_steps=10, eval_every_s=110.0,
+                            patience=2)
     return plans
 
 
