@@ -80,6 +80,26 @@ def test_context_lookup_keeps_output_identical_and_lifts_a_bad_draft(tiny_dir, t
     assert any(moved)
 
 
+def test_a_head_that_lands_after_a_request_started_still_runs(tiny_dir, tiny_heads):
+    """open_engine keeps the heads' feature rows from the start: a request that began before
+    its head was bound (a cold start) can switch to the head when it lands."""
+    from types import SimpleNamespace
+
+    from memspec.procs.decoder.models import _keep_head_features
+
+    eng = engine_with(tiny_dir, [], dtype="int4")
+    _keep_head_features(eng, SimpleNamespace(drafts=[SimpleNamespace(path=tiny_dir / "none"),
+                                                     SimpleNamespace(path=tiny_heads[0])]))
+    ref, _ = eng.generate(PROMPTS[1], 30)
+    s = eng.start(PROMPTS[1], 30)
+    s.step(None)
+    eng.add_draft(load_into_slot("h", tiny_heads[0], SlotBuffer(1 << 20), TINY_VOCAB,
+                                 eng.target_parts))
+    while not s.done:
+        s.step("h")
+    assert s.generated == ref
+
+
 def test_random_draft_is_mostly_rejected(tiny_dir):
     eng = engine_with(tiny_dir, ["random"])
     _, stats = eng.generate(PROMPTS[0], 40, select=lambda s: "random")

@@ -105,7 +105,23 @@ def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = No
     target = build_target(pool.target, chosen, device, fast=fast)
     engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma,
                         max_context=pool.max_context, lookup=pool.lookup)
+    _keep_head_features(engine, pool)
     return engine, tokenizer, chosen
+
+
+def _keep_head_features(engine: SpecEngine, pool) -> None:
+    """A pool with heads: the target keeps their feature rows from the first request on (a
+    request that starts before a head lands must still have the rows the head will read)."""
+    from memspec.procs.decoder.head import is_head, read_head_config
+
+    for d in pool.drafts:
+        if not is_head(d.path):
+            continue
+        try:
+            engine.use_features(read_head_config(d.path)[0].feature_layers)
+            return
+        except ModelError:
+            continue  # a broken head is quarantined when it loads; the next one decides
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
