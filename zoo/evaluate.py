@@ -39,8 +39,8 @@ from memspec.zoo.prompts import load_prompts
 from memspec.zoo.tables import (
     acceptance_table,
     capped_engine_accepts,
+    engine_lookup,
     head_table,
-    lookup_rows,
     runtime_table,
     target_features,
 )
@@ -137,10 +137,8 @@ def runtime_tables(engine: SpecEngine, bound: dict[str, BoundDraft], trajs: Sequ
             if not tokens:
                 out[name].append([])
             elif b.kind == HEAD_KIND:
-                lk = lookup_rows(prompt, tokens, engine.gamma, engine.lookup, b.to_target) \
-                    if engine.lookup else None
                 out[name].append(head_table(b, feat, ids, len(prompt), tokens, engine.gamma,
-                                            lk))
+                                            engine_lookup(engine, b, prompt, tokens)))
             else:
                 out[name].append(runtime_table(engine, b, prompt, tokens))
         if (i + 1) % 20 == 0 or i + 1 == len(trajs):

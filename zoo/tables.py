@@ -81,8 +81,7 @@ def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
     dev = engine.device
     ids = torch.tensor(seq, dtype=torch.long, device=dev)
     P = len(prompt_ids)
-    lk = lookup_rows(prompt_ids, tokens, gamma, engine.lookup, bound.to_target) \
-        if engine.lookup else None
+    lk = engine_lookup(engine, bound, prompt_ids, tokens)
     if bound.kind != "head":
         inp = ids[:-1] if bound.to_draft is None else bound.to_draft[ids[:-1]]
         logits = bound.runner.forward(inp, 0, bound.new_cache(len(seq) + gamma + 1))
@@ -99,6 +98,14 @@ def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
     # a head: the target's features for every position first, then per start position
     # the engine's calls
     return head_table(bound, target_features(engine, ids), ids, P, tokens, gamma, lk)
+
+
+def engine_lookup(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int]
+                  ) -> list[list[int | None]] | None:
+    """:func:`lookup_rows` for a draft bound in ``engine``, None when its lookup is off."""
+    if not engine.lookup:
+        return None
+    return lookup_rows(prompt_ids, tokens, engine.gamma, engine.lookup, bound.to_target)
 
 
 def lookup_rows(prompt_ids: Sequence[int], tokens: Sequence[int], gamma: int, n_min: int,

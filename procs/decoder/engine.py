@@ -269,10 +269,12 @@ class Session:
         for i in range(g):
             row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
             if ng is not None:  # greedy: the context's own continuation, else the draft's
-                d_idx = _lookup_index(ng.propose(tail), bound, self._dev)
+                tok = ng.propose(tail)
+                d_idx = _lookup_index(tok, bound, self._dev)
                 if d_idx is None:
                     d_idx = row.argmax().view(1)
-                tail.append(int(d_idx) if to_target is None else int(to_target[d_idx]))
+                    tok = int(d_idx) if to_target is None else int(to_target[d_idx])
+                tail.append(tok)
             elif self.params.greedy:
                 d_idx = row.argmax().view(1)
             else:  # sampling runs on the CPU generator: seeded runs repeat on any device

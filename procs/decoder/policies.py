@@ -210,7 +210,7 @@ class SpecGate:
     def __init__(self, costs: PlanCosts | None) -> None:
         self.costs = costs
         self.tau: dict[str, float] = {}
-        self.gap, self.skipped, self.gated = self.FIRST_GAP, 0, 0
+        self.gap, self.skipped = self.FIRST_GAP, 0
 
     def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
         if draft is None:
@@ -235,7 +235,6 @@ class SpecGate:
         if self.skipped > self.gap:  # probe: refresh the estimate
             self.skipped, self.gap = 0, self.gap * 2
             return True
-        self.gated += 1
         return False
 
 
@@ -404,8 +403,9 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
 
     kw: `oracle_plan` (oracle-static: view -> draft name or scores; oracle-dynamic: view
     -> Decision); `costs` (PlanCosts, what the decoder has measured) and `gate` (bool,
-    default True) for memspec's and prediction-only's speculation gate. Every policy's first decision is taken before the prompt prefills, so
-    its initial loads overlap the prefill (procs/decoder/loop.py, Alg. 3 line 3).
+    default True) for memspec's and prediction-only's speculation gate. Every policy's
+    first decision is taken before the prompt prefills, so its initial loads overlap the
+    prefill (procs/decoder/loop.py, Alg. 3 line 3).
     """
     unknown = sorted(set(kw) - set(_KW))
     if unknown:
