@@ -308,11 +308,16 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None) -> None:
     if c:
         L += ["", "## Cost model (measured on the real runtime, train prompts)", "",
               f"- SD iteration {1e3 * sum(c['spec_s'].values()) / len(c['spec_s']):.1f} ms, "
-              f"target-only step {1e3 * c['target_s']:.1f} ms, draft load "
+              f"target-only step {1e3 * c['target_s']:.1f} ms at an empty context, + "
+              f"{1e6 * c.get('per_context_token_s', 0.0):.1f} us per context token (as run: "
+              f"{1e3 * c.get('mean_iteration_s', 0.0):.1f} and "
+              f"{1e3 * c.get('mean_target_s', 0.0):.1f} ms); draft load "
               f"{1e3 * sum(c['load_s'].values()) / len(c['load_s']):.0f} ms",
               f"- catch-up {1e3 * c['catchup_base_s']:.2f} ms + "
-              f"{1e6 * c['catchup_per_token_s']:.1f} us/token, snapshot -> ranking "
-              f"{1e3 * c['predict_s']:.1f} ms, between intervals {1e3 * c['sched_s']:.2f} ms"]
+              f"{1e6 * c['catchup_per_token_s']:.1f} us/token, the predictor's time per ranking "
+              f"{1e3 * c['predict_s']:.1f} ms (slowing iterations it overlaps by "
+              f"{100 * c.get('predictor_slowdown', 0.0):.1f}%), between intervals "
+              f"{1e3 * c['sched_s']:.2f} ms"]
     est = r.get("estimate_full_run")
     if est:
         L += ["", f"Full run at the default sizes: ~{est['total_min']} min "

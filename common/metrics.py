@@ -51,13 +51,25 @@ class LoadEvent(msgspec.Struct, forbid_unknown_fields=True):
     bind_s: float = 0.0
 
 
+class RankEvent(msgspec.Struct, forbid_unknown_fields=True):
+    """A snapshot the predictor answered: sent `t` seconds after the request started, and
+    the predictor's own `seconds` for it (when it competed with the decoder for the CPU)."""
+
+    t: float
+    seq: int
+    seconds: float
+
+
 class Trace(msgspec.Struct, forbid_unknown_fields=True):
     """What a traced request did and when (iteration `t_start`s are relative to its start)."""
 
     iterations: list[IterationRecord]
     loads: list[LoadEvent]
     loop_start: float  # request start -> first scheduling decision
-    initial_prediction: float  # of which waiting for the first ranking
+    initial_prediction: float  # of which waiting for the first ranking (after the prefill)
+    uses_predictor: bool = False
+    ranking_s: float = 0.0  # the predictor's own time for the first ranking (0: none came)
+    rankings: list[RankEvent] = []
 
 
 class TimeBreakdown(msgspec.Struct, forbid_unknown_fields=True):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memspec.common.metrics import LoadEvent, Summary
+from memspec.common.metrics import LoadEvent, RankEvent, Summary
 from memspec.procs.decoder.loadplan import PlanCosts, linear_fit
 from memspec.sim.loadqueue import LoadQueue
 
@@ -35,6 +35,7 @@ class CostModel:
     prefill_per_token_s: float = 0.0
     per_context_token_s: float = 0.0  # both grow with the context (attention, streaming)
     mean_iteration_s: float = 0.0  # mean SD iteration seen (load/iteration reference)
+    mean_target_s: float = 0.0  # mean target-only step seen (context included)
     load_slowdown: float = 0.0  # iterations run this much slower while the loader reads,
     # checksums and copies a draft on the same cores
     bind_s: float = 0.0  # decoder binding a landed draft (at the next drain)
@@ -74,8 +75,11 @@ class CostModel:
         """oracle-dynamic's beliefs in SD iterations, as the decoder learns them from its
         own finished requests (procs/decoder/oracle.py:PlanCostMeter)."""
         unit = self.mean_iteration_s or sum(self.spec_s.values()) / max(1, len(self.spec_s))
+        # the meter's ratio of raw means (both at the contexts seen), not the empty-context
+        # intercept over a mean: that made target steps look ~40% cheaper than they are
+        target = self.mean_target_s or self.target_s
         return PlanCosts(load={d: s / unit for d, s in self.load_s.items()},
-                         target=self.target_s / unit, switch=self.catchup_base_s / unit,
+                         target=target / unit, switch=self.catchup_base_s / unit,
                          switch_per_token=self.catchup_per_token_s / unit, timed=True)
 
     def to_json(self) -> dict[str, Any]:
@@ -122,6 +126,22 @@ def load_windows(events: Sequence[LoadEvent]) -> list[tuple[float, float]]:
     return queue.windows()
 
 
+def predictor_windows(events: Sequence[RankEvent]) -> list[tuple[float, float]]:
+    """When the predictor was encoding: each answered snapshot from when it was sent (or
+    the previous one finished) for the seconds the predictor reported."""
+    out: list[tuple[float, float]] = []
+    end = float("-inf")
+    for ev in sorted(events, key=lambda e: e.t):
+        start = max(ev.t, end)
+        end = start + ev.seconds
+        out.append((start, end))
+    return out
+
+
+def busy_at(windows: Sequence[tuple[float, float]], t: float) -> bool:
+    return any(s <= t < e for s, e in windows)
+
+
 def _busy(windows: Sequence[tuple[float, float]], a: float, b: float) -> bool:
     return any(s < b and a < e for s, e in windows)
 
@@ -131,7 +151,7 @@ def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
         ) -> CostModel:
     """Fit from traced request summaries (`Summary.trace`) plus two direct measurements:
     `catchup` = (tokens, seconds) prefill timings of a draft, `predict_s` = the predictor's
-    measured round trip. Drafts of one architecture (`arch`: draft -> key; default: all
+    measured time per ranking. Drafts of one architecture (`arch`: draft -> key; default: all
     alike) share one iteration cost: which policy happened to run a draft, and where in a
     request, would otherwise leak into its cost."""
     spec: list[tuple[str, float, float]] = []  # (draft, context tokens, seconds), loader idle
@@ -161,8 +181,12 @@ def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
         for ev in tr.loads:
             if ev.kind == "loaded" and ev.draft in loads:
                 loads[ev.draft].append(ev.seconds)
-        uses_predictor = tr.initial_prediction > 0
+        uses_predictor = tr.uses_predictor or tr.initial_prediction > 0
         busy = load_windows(tr.loads)
+        # iterations that began while the predictor encoded pay its slowdown; traces from
+        # before rankings were recorded count every iteration of a predictor run
+        encoding = predictor_windows(tr.rankings)
+        timed_rankings = bool(tr.rankings)
         ctx = float(st.prompt_tokens)
         for it in its:
             d, dur, catch = it.draft, it.duration, it.t_catchup
@@ -174,11 +198,13 @@ def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
                     target.append((ctx, dur))
             elif d in loads:
                 sample = (d, ctx, dur - catch)
+                predicting = uses_predictor and (busy_at(encoding, it.t_start)
+                                                 or not timed_rankings)
                 if loading:
                     if not uses_predictor:
                         during_load.append(sample)
                 else:
-                    (with_pred if uses_predictor else spec).append(sample)
+                    (with_pred if predicting else spec).append(sample)
             ctx += it.emitted
         if not its:
             continue
@@ -193,7 +219,7 @@ def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
         prefill_x.append(float(st.prompt_tokens))
         prefill_y.append(t.prefill)
         n_snap = (len(its) - 1) // N
-        if tr.initial_prediction > 0 and n_snap:
+        if uses_predictor and n_snap:
             snaps.append(max(0.0, t.prediction - tr.initial_prediction) / n_snap)
     # one line over context for every draft's iterations (same verify, same streaming), then
     # each draft's mean offset from it
@@ -218,7 +244,7 @@ def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
     pa, pb = linear_fit(prefill_x, prefill_y)
     return CostModel(
         spec_s=spec_s, target_s=target_s, per_context_token_s=per_tok,
-        mean_iteration_s=_mean(seen),
+        mean_iteration_s=_mean(seen), mean_target_s=_mean([x for _, x in target]),
         catchup_base_s=a, catchup_per_token_s=b,
         load_s={d: _median(xs, _median(seen_loads)) for d, xs in loads.items()},
         predict_s=predict_s, snapshot_s=_median(snaps), sched_s=_mean(sched),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from memspec.common.messages import Cancel, Load, Loaded, LoadFailed, Message, Ranking, Snapshot
 from memspec.common.metrics import IterationRecord, RunStats, Summary
+from memspec.procs.decoder.engine import PREFILL_CHUNK
 from memspec.procs.decoder.loadplan import PlanCosts
 from memspec.procs.decoder.loop import Controller, Job, Overhead
 from memspec.procs.decoder.oracle import make_plan
@@ -55,6 +56,7 @@ class SimConfig:
     max_new_tokens: int | None = None  # cut trajectories (output-length sweeps)
     plan: PlanCosts | None = None  # what oracle-dynamic believes loads cost (the runtime's)
     gate: bool = True  # memspec's speculation gate (reads `plan`'s timed costs)
+    prefill_chunk: int = PREFILL_CHUNK  # the engine's, where its target chunks (CPU); 0: never
 
 
 class SimClock:
@@ -97,20 +99,38 @@ class TableExecutor:
     """One request's iterations from the tables; opening it is the prompt's prefill."""
 
     def __init__(self, req: SimRequest, cost: CostModel, cfg: SimConfig, clock: SimClock,
-                 uses_predictor: bool, slots: SimSlots | None = None) -> None:
+                 slots: SimSlots | None = None, between: Callable[[], bool] | None = None
+                 ) -> None:
         self.req, self.cost, self.gamma, self.clock = req, cost, cfg.gamma, clock
         self.length = req.length if cfg.max_new_tokens is None \
             else min(req.length, cfg.max_new_tokens)
         self.stats = RunStats(prompt_tokens=req.prompt_len)
         self.stats.t_prefill = cost.prefill_s(req.prompt_len)
-        clock.advance(cost.pre_s + self.stats.t_prefill)
-        # the predictor process encodes snapshots on the decoder's cores (CPU)
-        self.speed = 1.0 + (cost.predictor_slowdown if uses_predictor else 0.0)
+        clock.advance(cost.pre_s)
+        self._prefill(cfg.prefill_chunk if between is not None else 0, between)
+        # the predictor process encodes snapshots on the decoder's cores (CPU) and slows
+        # the iterations that start while it works (as the cost model was fitted)
+        self.predictor_busy: Callable[[float], bool] = lambda _t: False
         self.loader_busy: Callable[[float], bool] = lambda _t: False
         self.pos = 0
         self.slots = slots or SimSlots(cost, clock)
         self.kv = self.slots.kv
         self.last: str | None = None
+
+    def _prefill(self, chunk: int, between: Callable[[], bool] | None) -> None:
+        """The engine's chunked prefill (engine.py `Session._prefill`): the prefill's time in
+        proportion to each chunk's tokens, `between` after each but the last."""
+        n = max(self.req.prompt_len - 1, 0)
+        step = chunk if chunk > 0 else n
+        a = 0
+        while a < n:
+            b = n if n - a <= step else a + step
+            self.clock.advance(self.stats.t_prefill * (b - a) / n)
+            a = b
+            if a < n and between is not None and not between():
+                step = n
+        if n == 0:
+            self.clock.advance(self.stats.t_prefill)
 
     # ---- Executor -------------------------------------------------------------------------
     @property
@@ -122,7 +142,8 @@ class TableExecutor:
 
     def step(self, draft: str | None, desired: bool) -> IterationRecord:
         t = self.clock.now()
-        speed = self.speed + (self.cost.load_slowdown if self.loader_busy(t) else 0.0)
+        speed = 1.0 + (self.cost.predictor_slowdown if self.predictor_busy(t) else 0.0) \
+            + (self.cost.load_slowdown if self.loader_busy(t) else 0.0)
         rec = self._iterate(draft, t, desired, speed)
         if draft is not None and self.last is not None and draft != self.last:
             self.stats.switches += 1
@@ -185,6 +206,10 @@ class SimChannels:
             if msg.seq:  # the first snapshot's cost is part of the measured pre_s
                 self.clock.advance(self.cost.snapshot_s)
             self._predict(self.clock.now(), msg.seq)
+
+    def predictor_busy(self, t: float) -> bool:
+        """Is the predictor encoding a snapshot at `t`?"""
+        return any(start <= t < ready for ready, start, _, _ in self.waiting)
 
     def _predict(self, at: float, seq: int) -> None:
         """The predictor answers the newest snapshot: one still waiting is replaced."""
@@ -259,10 +284,11 @@ def _run(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig, ucb
         if slot is not None:
             ctl.table.complete(slot.index, slot.generation, d)
 
-    def prefill() -> TableExecutor:
+    def prefill(between: Callable[[], bool] | None) -> TableExecutor:
         nonlocal executor
-        executor = TableExecutor(req, cost, cfg, clock, policy.uses_predictor, sim_slots)
+        executor = TableExecutor(req, cost, cfg, clock, sim_slots, between)
         executor.loader_busy = channels.loader.busy
+        executor.predictor_busy = channels.predictor_busy
         return executor
 
     ctl.start(Job(req.prompt_id, "", policy, None, t_start=0.0, trace=trace, prefill=prefill))

@@ -228,6 +228,64 @@ def test_no_first_ranking_costs_at_most_the_timeout():
     assert ctl.scores is None and ex.stats.t_prediction == pytest.approx(2.0)
 
 
+def _chunked_prefill(ex: FakeExecutor, ch: FakeChannels, seen: list, ranked_after: int | None,
+                     chunks: int = 4):
+    """A prefill of `chunks` chunks of 0.5 s; the predictor's ranking of the prompt lands
+    after chunk `ranked_after` (None: never). `seen` gets what went out by each call."""
+
+    def prefill(between):
+        seen.append(("between", between is not None))
+        for i in range(chunks):
+            ex.clock.t += 0.5
+            if i == ranked_after:
+                ch.replies.append(Ranking("r", 0, list(DRAFTS), [0.1, 0.6, 0.1, 0.1, 0.1],
+                                          0.8))
+            if i < chunks - 1 and between is not None:
+                more = between()
+                seen.append((i, len(ch.of(Load)), more))
+                if not more:
+                    break
+        ex.clock.t += 0.5 * (chunks - 1 - i)  # the rest in one piece
+        return ex
+
+    return prefill
+
+
+def test_the_prompt_is_ranked_while_it_prefills():
+    """memspec sends the prompt's snapshot and prefills at once: the initial loads go out
+    between the two chunks where the ranking has landed, no time is booked as waiting for
+    the predictor, and the trace keeps the predictor's own time for that ranking."""
+    ctl, ch, _slots, ex = setup(scores=None, auto=False)
+    seen: list = []
+    ctl.start(Job("r", "a prompt", make_policy("memspec"), None, 0.0, trace=True,
+                  prefill=_chunked_prefill(ex, ch, seen, ranked_after=1)))
+    assert seen == [("between", True), (0, 0, True), (1, 2, False)]  # K = 2 slots filled
+    assert ch.of(Load)[0].draft == "code"  # the predicted top-1 first
+    assert ex.stats.t_prediction == 0.0 and ex.clock.t == pytest.approx(2.0)
+    out = finish(ctl)
+    assert out.trace.initial_prediction == 0.0 and out.trace.ranking_s == 0.8
+    assert out.trace.uses_predictor
+
+
+def test_a_ranking_later_than_the_prefill_is_waited_for_and_booked():
+    ctl, ch, _slots, ex = setup(scores=None, auto=False)
+    seen: list = []
+    ctl.start(Job("r", "a prompt", make_policy("memspec"), None, 0.0,
+                  prefill=_chunked_prefill(ex, ch, seen, ranked_after=None)))
+    assert seen[-1] == (2, 0, True)  # asked for every chunk; nothing loaded yet
+    assert ex.stats.t_prediction == pytest.approx(2.0)  # then the bounded wait
+    assert ctl.scores is None and len(ch.of(Load)) == 1  # the first decision still went out
+
+
+def test_a_policy_without_the_predictor_loads_before_the_prefill():
+    ctl, ch, _slots, ex = setup(scores=None, auto=False)
+    seen: list = []
+    ctl.start(Job("r", "a prompt", make_policy("general-static"), None, 0.0,
+                  prefill=_chunked_prefill(ex, ch, seen, ranked_after=None)))
+    assert seen == [("between", False)] and [m.draft for m in ch.of(Load)] == ["general"]
+    assert not ch.of(Snapshot) and ex.stats.t_prediction == 0.0
+
+
 def test_stale_and_mismatched_completions_are_ignored():
     ctl, ch, slots, _ = setup(auto=False)
     ctl.prefetch("code")

@@ -8,7 +8,7 @@ from memspec.common.config import load_pool
 from memspec.procs.decoder.loadplan import PlanCosts
 from memspec.procs.decoder.policies import MemSpec, SchedView, SpecGate, make_policy
 from memspec.sim.costmodel import CostModel
-from memspec.sim.simulate import SimConfig, SimRequest, simulate
+from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
 from memspec.zoo.tables import table_from_correct
 
 DRAFTS = ("general", "code", "math", "law", "medical")
@@ -39,6 +39,41 @@ def test_gate_passes_a_paying_draft_and_probes_a_losing_one_with_growing_gaps():
     pattern = [slow.allow("law") for _ in range(4 + 1 + 8 + 1)]
     assert pattern == [False] * 4 + [True] + [False] * 8 + [True]
     assert not slow.allow(None)
+
+
+def test_a_closed_gate_rests_the_predictor_until_just_before_its_probe():
+    """While closed, the ranking cannot change what runs, so memspec asks for none until
+    RANK_AHEAD (2) intervals before the probe; a paying draft asks every interval."""
+    slow = SpecGate(COSTS)
+    for _ in range(12):
+        slow.observe("law", 4, 0)
+    asks = []
+    for _ in range(4 + 1 + 8 + 1):
+        slow.allow("law")
+        asks.append(slow.wants_ranking())
+    assert asks == [False] * 2 + [True] * 2 + [True] + [False] * 6 + [True] * 2 + [True]
+    fast = SpecGate(COSTS)
+    for _ in range(4):
+        fast.observe("code", 4, 3)
+    assert all(fast.allow("code") and fast.wants_ranking() for _ in range(5))
+    assert make_policy("memspec", costs=COSTS, gate=False).wants_ranking()
+    assert not make_policy("mab-async").wants_ranking()
+
+
+def test_the_loop_sends_no_snapshot_while_the_gate_is_closed():
+    """In the simulator (the runtime's loop): with drafts that lose, memspec sends far fewer
+    snapshots than intervals, and the predictor's slowdown is paid only while it encodes."""
+    c = cost()
+    c.predictor_slowdown = 0.5
+    req = SimRequest("p", "x", 40, tables(0.2),
+                     scores=lambda p: {d: 1.0 if d == "code" else 0.1 for d in DRAFTS})
+    cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=c.plan_costs())
+    s = simulate_traced("memspec", req, c, cfg, resident=["general", "code"])
+    intervals = -(-len(s.trace.iterations) // 4)
+    assert len(s.trace.rankings) <= intervals // 2
+    slow = [it for it in s.trace.iterations if it.draft is None]
+    durations = sorted({round(it.duration, 6) for it in slow})
+    assert durations[0] == round(c.target_s, 6)  # target steps with the predictor at rest
 
 
 def test_gate_is_off_until_the_target_step_is_timed():

@@ -31,7 +31,7 @@ from memspec.common.messages import (
 from memspec.common.sockets import configure, endpoint, make_run_dir, recv, send
 from memspec.procs.predictor.encoder import MAX_PIECES, encoder_available
 from memspec.procs.predictor.head import RankHead, load_head, save_head
-from memspec.procs.predictor.main import newest_per_request
+from memspec.procs.predictor.main import newest_per_peer
 
 pytestmark = pytest.mark.skipif(not encoder_available(),
                                 reason="all-MiniLM-L6-v2 wheel missing: "
@@ -65,6 +65,22 @@ def test_encoder_is_deterministic_and_normalised(encoder):
 def test_code_is_closer_to_code_than_to_medical(encoder):
     code_a, code_b, med = encoder.embed([CODE_A, CODE_B, MEDICAL])
     assert float(code_a @ code_b) > float(code_a @ med)
+
+
+def test_bf16_encoder_embeds_as_float32_does(encoder):
+    """The predictor process may run the encoder in bf16 (`--dtype auto` on CPUs with
+    native bf16); its embeddings must stay those the head was trained on (float32)."""
+    from memspec.procs.predictor.encoder import Encoder, encoder_dtype
+
+    half = Encoder(dtype=torch.bfloat16)
+    texts, recents = [CODE_A, CODE_B, MEDICAL], ["", "def g(): pass", "the liver is enlarged"]
+    a, b = encoder.embed(texts, recents), half.embed(texts, recents)
+    assert b.dtype == torch.float32 and torch.allclose(b.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert float((a * b).sum(-1).min()) > 0.99
+    assert encoder_dtype("float32") == torch.float32
+    assert encoder_dtype("auto") in (torch.float32, torch.bfloat16)
+    with pytest.raises(ModelError, match="unknown encoder dtype"):
+        encoder_dtype("fp8")
 
 
 def test_long_prompt_is_cut_and_recent_tail_survives(encoder):
@@ -117,12 +133,13 @@ def test_head_name_mismatch_and_corruption_are_one_line_errors(tmp_path):
         load_head(path, NAMES)
 
 
-def test_newest_per_request_drops_stale_snapshots():
+def test_newest_per_peer_drops_stale_snapshots():
+    """Older snapshots of a request, and a finished request's behind the next one's first,
+    are dropped; each decoder (peer) keeps its newest."""
     snaps = [(b"p", Snapshot("a", s, "x", [])) for s in range(3)]
-    snaps += [(b"p", Snapshot("b", 7, "y", [])), (b"q", Snapshot("a", 9, "z", []))]
-    kept = newest_per_request(snaps)
-    assert [(i, s.req_id, s.seq) for i, s in kept] == [(b"p", "a", 2), (b"p", "b", 7),
-                                                      (b"q", "a", 9)]
+    snaps += [(b"q", Snapshot("a", 9, "z", [])), (b"p", Snapshot("b", 0, "y", []))]
+    kept = newest_per_peer(snaps)
+    assert [(i, s.req_id, s.seq) for i, s in kept] == [(b"p", "b", 0), (b"q", "a", 9)]
 
 
 # --- the process -------------------------------------------------------------------------
@@ -206,8 +223,10 @@ def test_ready_then_heartbeats(proc):
 
 
 def test_only_the_newest_queued_snapshot_is_answered(proc):
+    """One decoder queued five snapshots of request a, then three of b: a is over, so only
+    b's newest is answered."""
     got = sorted((m.req_id, m.seq) for m in _replies(proc["dealer"]) if isinstance(m, Ranking))
-    assert got == [("burst-a", 4), ("burst-b", 2)]
+    assert got == [("burst-b", 2)]
 
 
 def test_snapshot_gets_a_valid_ranking(proc):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from memspec.common.metrics import IterationRecord, LoadEvent, RunStats, Summary, Trace
+from memspec.common.metrics import IterationRecord, LoadEvent, RankEvent, RunStats, Summary, Trace
 from memspec.procs.decoder.loadplan import LoadPlanner, PlanCosts
 from memspec.procs.decoder.oracle import dynamic_plan, static_plan
 from memspec.procs.decoder.policies import POLICY_NAMES, SchedView
@@ -179,6 +179,8 @@ def test_costmodel_fit_from_a_trace():
     c = fit([run], 4, [(16, 0.002), (64, 0.005)], 0.025, ["general", "code"])
     assert c.spec_s["code"] == pytest.approx(0.09)
     assert c.target_s == pytest.approx(0.04)
+    # the planner's beliefs, as the decoder's meter forms them: raw means, in SD iterations
+    assert c.plan_costs().target == pytest.approx(0.04 / 0.09)
     assert c.load_s["code"] == pytest.approx(0.2)
     assert c.sched_s == pytest.approx((0.01 + 0.002 + 0.002) / 3, rel=1e-6)
     assert linear_fit([16, 64], [0.002, 0.005]) == pytest.approx((0.001, 6.25e-5))
@@ -200,6 +202,32 @@ def test_fit_separates_load_interference_and_bind_cost():
     assert c.load_slowdown == pytest.approx(0.1, abs=0.02)
     assert c.bind_s == pytest.approx(0.01)
     assert c.sched_s == pytest.approx(0.0005, abs=1e-4)  # the bind is not a scheduling cost
+
+
+def test_fit_charges_the_predictor_slowdown_only_while_it_encodes():
+    """A predictor-driven run (a general-static run gives the plain iteration cost): only
+    iterations that start inside a ranking's window (sent, plus the predictor's seconds)
+    are slower; the simulator then slows only those."""
+    base, t = [], 0.1
+    for _ in range(8):
+        base.append(IterationRecord("general", 4, 0, 1, t, t_verify=0.10))
+        t += 0.1005
+    plain = _traced(base, [], loop_start=0.0995, prefill=0.05, e2e=t, prompt_tokens=20)
+    its, t = [], 0.1
+    for i in range(16):
+        busy = i % 4 < 2  # each snapshot keeps the predictor busy for two iterations
+        dur = 0.13 if busy else 0.10
+        its.append(IterationRecord("general", 4, 0, 1, t, t_verify=dur))
+        t += dur + 0.0005
+    rankings = [RankEvent(its[i].t_start - 0.001, i // 4, 0.2) for i in range(0, 16, 4)]
+    run = _traced(its, [], loop_start=0.0995, prefill=0.05, e2e=t, prompt_tokens=20)
+    run.trace.uses_predictor, run.trace.rankings = True, rankings
+    c = fit([plain, run], 4, [(8, 0.001), (64, 0.002)], 0.2, ["general", "code"])
+    assert c.predictor_slowdown == pytest.approx(0.3, abs=0.01)
+    assert c.spec_s["general"] == pytest.approx(0.10, abs=1e-3)
+    run.trace.rankings = []  # an older trace: every iteration of the run counts
+    assert fit([plain, run], 4, [(8, 0.001)], 0.2, ["general", "code"]).predictor_slowdown \
+        == pytest.approx(0.15, abs=0.01)
 
 
 def test_load_queue_is_fifo_and_a_cancel_frees_the_loader():

@@ -38,7 +38,11 @@ from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
 from memspec.procs.decoder.slots import BoundDraft
 
 TokenCallback = Callable[[list[int]], None]
+Between = Callable[[], bool]  # called between prefill chunks; False: the rest in one piece
 DEFAULT_MAX_CONTEXT = 2048
+# Prefill piece while a caller waits on something (the first ranking): on a CPU ~45 ms of
+# one core, the predictor's round trip; one more pass over the weights costs ~2% of a prefill
+PREFILL_CHUNK = 32
 
 
 class _Proposer:
@@ -109,8 +113,14 @@ class SpecEngine:
 
     def start(self, prompt_ids: list[int], max_new_tokens: int,
               params: SamplingParams | None = None,
-              on_tokens: TokenCallback | None = None) -> Session:
-        return Session(self, prompt_ids, max_new_tokens, params or SamplingParams(), on_tokens)
+              on_tokens: TokenCallback | None = None, between: Between | None = None
+              ) -> Session:
+        """Open a request (prefill). ``between`` lets the caller act during a long prefill
+        (the decoder issues the initial loads once the first ranking lands); it is called
+        only where chunks give bit-identical caches (``exact_chunks`` runners), so output
+        never depends on when a ranking arrived."""
+        return Session(self, prompt_ids, max_new_tokens, params or SamplingParams(), on_tokens,
+                       between)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  params: SamplingParams | None = None,
@@ -143,7 +153,8 @@ class Session:
     """One request in flight; :meth:`step` is the body of the hot loop."""
 
     def __init__(self, engine: SpecEngine, prompt_ids: list[int], max_new_tokens: int,
-                 params: SamplingParams, on_tokens: TokenCallback | None) -> None:
+                 params: SamplingParams, on_tokens: TokenCallback | None,
+                 between: Between | None = None) -> None:
         if not prompt_ids:
             raise RequestError("empty prompt", "send at least one token")
         if max_new_tokens < 1:
@@ -178,12 +189,23 @@ class Session:
         self._tok[:self.prompt_len] = torch.tensor(self.tokens, dtype=torch.long)
         t0 = time.perf_counter()
         self._tcache = engine.target.new_cache(engine.max_len)
-        if self.prompt_len > 1:
-            with torch.inference_mode():
-                engine.target.forward(self._tok[:self.prompt_len - 1], 0, self._tcache,
-                                      last_only=True)
+        self._prefill(between if getattr(engine.target, "exact_chunks", False) else None)
         self._sync()
         self.stats.t_prefill = time.perf_counter() - t0
+
+    def _prefill(self, between: Between | None) -> None:
+        """The prompt but its last token into the target cache; in PREFILL_CHUNK pieces
+        while ``between`` asks for more, then the rest at once."""
+        n = self.prompt_len - 1
+        step = PREFILL_CHUNK if between is not None else n
+        a = 0
+        with torch.inference_mode():
+            while a < n:
+                b = n if n - a <= step else a + step
+                self.engine.target.forward(self._tok[a:b], a, self._tcache, last_only=True)
+                a = b
+                if a < n and between is not None and not between():
+                    step = n
 
     @property
     def generated(self) -> list[int]:

@@ -1,12 +1,16 @@
 """The MemSpec scheduling loop (paper Alg. 3), written once for the runtime and the simulator.
 
 A request starts as Alg. 3 does: rank the prompt (policies that use the predictor), issue
-the first decision's loads, and only then prefill the prompt, so the initial draft loads
-while the target prefills. Then every N iterations: drain what the loader and the
-predictor sent, let the policy (and its cache manager, Alg. 2) decide loads and evictions,
-run the best *resident* draft for N iterations, then send a snapshot for the next ranking. Loads complete in the loader; the
-loop learns of them at scheduling points and never waits for one (mab-sync is the one
-policy that chooses to block, which is what it is there to show).
+the first decision's loads and prefill the prompt, so the initial draft loads while the
+target prefills. The prompt's ranking is not waited for before the prefill: the target
+prefills in chunks and the loads go out between two chunks as soon as the ranking lands
+(the predictor encodes on the other core meanwhile); only what is left of the ranking's
+round trip after the prefill is waited for. Then every N iterations: drain what the
+loader and the predictor sent, let the policy (and its cache manager, Alg. 2) decide loads
+and evictions, run the best *resident* draft for N iterations, then send a snapshot for
+the next ranking (unless the policy needs none: memspec's closed speculation gate). Loads
+complete in the loader; the loop learns of them at scheduling points and never waits for
+one (mab-sync is the one policy that chooses to block, which is what it is there to show).
 
 Nothing here touches a socket, a model or the wall clock. Time comes from a `Clock`, the
 loader and the predictor are reached through `Channels`, landed drafts are bound by
@@ -20,7 +24,7 @@ code, message handling included: stale generations, quarantine, re-issued loads.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import msgspec
@@ -37,7 +41,14 @@ from memspec.common.messages import (
     Ranking,
     Snapshot,
 )
-from memspec.common.metrics import IterationRecord, LoadEvent, RunStats, Summary, Trace
+from memspec.common.metrics import (
+    IterationRecord,
+    LoadEvent,
+    RankEvent,
+    RunStats,
+    Summary,
+    Trace,
+)
 from memspec.procs.decoder.policies import Decision, Policy, SchedView
 from memspec.procs.decoder.residency import Slot, SlotState, SlotTable
 
@@ -98,9 +109,10 @@ class Executor(Protocol):
 class Job:
     """One request as the loop runs it.
 
-    `prefill` opens the executor (the target prefills the prompt); the loop calls it once
-    the initial loads are issued (Alg. 3 lines 2-5), so loading overlaps the prefill. A job
-    may instead come with its `executor` already open (prefilled)."""
+    `prefill` opens the executor (the target prefills the prompt) and calls `between`
+    between prefill chunks while it returns True; the loop issues the initial loads (Alg. 3
+    lines 2-5) before it, or from `between` once the first ranking lands, so loading overlaps
+    the prefill. A job may instead come with its `executor` already open (prefilled)."""
 
     req_id: str
     prompt: str
@@ -108,7 +120,7 @@ class Job:
     executor: Executor | None
     t_start: float  # clock time the request arrived
     trace: bool = False  # keep iteration records and residency events for the summary
-    prefill: Callable[[], Executor] | None = None
+    prefill: Callable[[Callable[[], bool] | None], Executor] | None = None
 
 
 @dataclass
@@ -120,7 +132,11 @@ class _Running:
     seq: int = 0  # last snapshot sent
     rank_seq: int = -1  # newest ranking taken
     t_loop: float = 0.0
-    t_initial: float = 0.0
+    t_initial: float = 0.0  # waited for the first ranking (after the prefill)
+    opened: bool = False  # the first decision is applied (initial loads issued)
+    ranking_s: float = 0.0  # the predictor's own time for the first ranking
+    sent: dict[int, float] = field(default_factory=dict)  # snapshot seq -> clock when sent
+    rankings: list[RankEvent] = field(default_factory=list)  # (traced requests)
 
 
 def _quiet(_msg: str) -> None:
@@ -130,7 +146,7 @@ def _quiet(_msg: str) -> None:
 class Controller:
     """The slot table, the newest ranking and at most one running request.
 
-    `start` opens a request (first snapshot, a bounded wait for the first ranking), `step`
+    `start` opens a request (first snapshot, prefill, first decision), `step`
     runs one scheduling interval and returns the summary once the request is done, and
     `handle` takes any reply at any time, also between requests.
     """
@@ -162,8 +178,13 @@ class Controller:
         elif isinstance(msg, Ranking):
             run = self.running
             if run is not None and msg.req_id == run.job.req_id and msg.seq >= run.rank_seq:
+                if run.rank_seq < 0:
+                    run.ranking_s = msg.latency_s
                 run.rank_seq = msg.seq
                 self.scores = dict(zip(msg.drafts, msg.scores))
+            if run is not None and msg.req_id == run.job.req_id and msg.seq in run.sent:
+                run.rankings.append(RankEvent(run.sent.pop(msg.seq) - run.job.t_start, msg.seq,
+                                              msg.latency_s))
         elif isinstance(msg, PeerRestarted) and msg.proc == "loader":
             self._reissue_loads()
         elif isinstance(msg, Error):
@@ -264,9 +285,11 @@ class Controller:
 
     # ---- one request (Alg. 3) ------------------------------------------------------------
     def start(self, job: Job) -> None:
-        """Open a request as Alg. 3 does: rank the prompt (a bounded wait for the first
-        ranking), issue the first decision's loads (the initial draft, and for memspec
-        the rest of the predicted working set), then prefill while they load."""
+        """Open a request as Alg. 3 does: rank the prompt, issue the first decision's loads
+        (the initial draft, and for memspec the rest of the predicted working set) and
+        prefill while they load. A policy that needs the ranking gets it during the prefill
+        (chunks, `_between_chunks`); whatever of its round trip outlasts the prefill is a
+        bounded wait, booked as prediction time."""
         if self.running is not None:
             raise RuntimeError(f"request {self.running.job.req_id} is still running")
         if job.executor is None and job.prefill is None:
@@ -278,14 +301,36 @@ class Controller:
         run = self.running = _Running(job, [] if job.trace else None)
         if job.policy.uses_predictor:
             self._snapshot()
-            run.t_initial = self._wait_initial_ranking()
-        self.drain()
-        self.apply(job.policy.decide(self.view(0, None)))
+        else:
+            self._open()
         if job.executor is None:
             assert job.prefill is not None
-            job.executor = job.prefill()  # a refusal raises; the service's abort clears it
+            # a refusal raises; the service's abort clears it
+            job.executor = job.prefill(None if run.opened else self._between_chunks)
+        if not run.opened:
+            run.t_initial = self._wait_initial_ranking()
+            self._open()
         job.executor.stats.t_prediction += run.t_initial
         run.t_loop = self.clock.now() - job.t_start
+
+    def _open(self) -> None:
+        """The request's first decision: its loads go out now."""
+        run = self.running
+        assert run is not None
+        self.drain()
+        self.apply(run.job.policy.decide(self.view(0, None)))
+        run.opened = True
+
+    def _between_chunks(self) -> bool:
+        """Called by the prefill between chunks: True while the first ranking is awaited."""
+        run = self.running
+        if run is None or run.opened:
+            return False
+        self.drain()
+        if run.rank_seq < 0:
+            return True
+        self._open()
+        return False
 
     def step(self) -> Summary | None:
         """One scheduling interval; the request's summary once it is done, else None."""
@@ -323,7 +368,7 @@ class Controller:
         if ex.done:
             return self._finish()
         self.channels.heartbeat("busy")
-        if job.policy.uses_predictor:
+        if job.policy.uses_predictor and job.policy.wants_ranking():
             run.seq += 1
             t0 = self.clock.now()
             self._snapshot()
@@ -342,6 +387,8 @@ class Controller:
         assert run is not None
         ex = run.job.executor
         recent = ex.recent(self.T) if self.T and run.seq and ex is not None else []
+        if run.events is not None:
+            run.sent[run.seq] = self.clock.now()
         self.channels.send(Snapshot(req_id=run.job.req_id, seq=run.seq, prompt=run.job.prompt,
                                     recent_ids=recent))
 
@@ -386,6 +433,8 @@ class Controller:
             summary.trace = Trace(
                 iterations=[msgspec.structs.replace(r, t_start=r.t_start - job.t_start)
                             for r in stats.records],
-                loads=run.events, loop_start=run.t_loop, initial_prediction=run.t_initial)
+                loads=run.events, loop_start=run.t_loop, initial_prediction=run.t_initial,
+                uses_predictor=job.policy.uses_predictor, ranking_s=run.ranking_s,
+                rankings=run.rankings)
         self.running = None
         return summary

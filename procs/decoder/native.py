@@ -124,6 +124,9 @@ class NativeLM:
 
     cache_dtype = torch.float32  # the C++ attention reads fp32 keys and values
     k_blocked = True
+    # rows are computed independently (no batched reductions across positions), so a prompt
+    # prefilled in chunks leaves a bit-identical cache (tests/test_engine.py checks)
+    exact_chunks = True
 
     def new_cache(self, capacity: int) -> KVCache:
         if self._cache is None or self._cache.capacity < capacity:

@@ -75,6 +75,9 @@ class Policy(Protocol):
     def decide(self, view: SchedView) -> Decision:
         """Choose the next interval's draft and the cache actions to issue now."""
 
+    def wants_ranking(self) -> bool:
+        """(Policies that use the predictor) send a snapshot after this interval?"""
+
 
 # An oracle plan sees the view and names the draft to run (oracle-static) or decides the
 # interval outright, loads included (oracle-dynamic; None: nothing left to plan).
@@ -132,6 +135,9 @@ class TargetOnly:
 
     def decide(self, view: SchedView) -> Decision:
         return Decision(None, None, NO_ACTIONS)
+
+    def wants_ranking(self) -> bool:
+        return self.uses_predictor
 
 
 class _StaticDraft(TargetOnly):
@@ -206,11 +212,13 @@ class SpecGate:
 
     ALPHA = 0.2  # weight of one iteration: an interval (4) carries ~59% of the estimate
     FIRST_GAP = 4
+    RANK_AHEAD = 2  # intervals before a probe when a closed gate asks for a ranking again
 
     def __init__(self, costs: PlanCosts | None) -> None:
         self.costs = costs
         self.tau: dict[str, float] = {}
         self.gap, self.skipped = self.FIRST_GAP, 0
+        self.closed = False  # the last interval ran the target alone by the gate's choice
 
     def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
         if draft is None:
@@ -228,6 +236,7 @@ class SpecGate:
         """May `draft` run the next interval? (False: the target alone, by choice.)"""
         if draft is None:
             return False
+        self.closed = False
         if self.pays(draft):
             self.gap, self.skipped = self.FIRST_GAP, 0
             return True
@@ -235,7 +244,14 @@ class SpecGate:
         if self.skipped > self.gap:  # probe: refresh the estimate
             self.skipped, self.gap = 0, self.gap * 2
             return True
+        self.closed = True
         return False
+
+    def wants_ranking(self) -> bool:
+        """A closed gate runs the target alone until its next probe whatever the ranking
+        says, so the predictor (sharing the decoder's cores and memory bandwidth: ~8% slower
+        iterations on 2 CPU cores) rests until RANK_AHEAD intervals before that probe."""
+        return not self.closed or self.skipped + self.RANK_AHEAD > self.gap
 
 
 class MemSpec(TargetOnly):
@@ -252,8 +268,13 @@ class MemSpec(TargetOnly):
         if self.gate is not None:
             self.gate.observe(draft, proposed, accepted)
 
+    def wants_ranking(self) -> bool:
+        return self.gate is None or self.gate.wants_ranking()
+
     def _gated(self, run: str | None, preferred: str | None, actions: CacheActions
                ) -> Decision:
+        if self.gate is not None and run is None:
+            self.gate.closed = False  # nothing runnable: the ranking drives the loads
         if self.gate is None or run is None or self.gate.allow(run):
             return Decision(run, preferred, actions)
         return Decision(None, None, actions)  # chosen, not a fallback
@@ -315,6 +336,9 @@ class _Ucb:
     def reset(self) -> None:
         self.pulls: dict[str, int] = {}
         self.rewards: dict[str, float] = {}
+
+    def wants_ranking(self) -> bool:
+        return False
 
     def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
         if draft is None:

@@ -281,10 +281,10 @@ class DecoderService:
             if ids or text:
                 emit(Tokens(req_id=req.req_id, ids=ids, text=text))
 
-        def prefill() -> SessionExecutor:
+        def prefill(between: Callable[[], bool] | None) -> SessionExecutor:
             """The target prefills while the initial loads run (the loop calls this); a
             request the engine refuses (too long, bad ids) raises its RequestError here."""
-            session = self.engine.start(ids, max_new, params, stream)
+            session = self.engine.start(ids, max_new, params, stream, between)
             out.executor = SessionExecutor(session)
             self.current = _Current(req, emit, session, out)
             return out.executor

@@ -6,7 +6,8 @@ Binds a ROUTER at E (the decoder connects a DEALER) before loading, so early sna
 queue instead of failing; connects PUSH to the supervisor's control endpoint C and sends
 Ready once the head, tokenizer and encoder are loaded, then a Heartbeat every 0.5 s. When
 several snapshots of one request are queued only the newest is answered: a stale ranking
-is worthless to the decoder and answering it would only add latency to the fresh one.
+is worthless to the decoder and answering it would only add latency to the fresh one; the
+same holds for a finished request's snapshot once the next request's is queued.
 Only Snapshot is accepted on the ROUTER; SIGTERM stops the process.
 """
 
@@ -49,13 +50,14 @@ def log(msg: str) -> None:
     print(f"[{PROC}] {msg}", file=sys.stderr, flush=True)
 
 
-def newest_per_request(items: list[tuple[bytes, Snapshot]]) -> list[tuple[bytes, Snapshot]]:
-    """Keep the last-arrived snapshot per (peer, req_id), in first-seen order."""
-    latest: dict[tuple[bytes, str], tuple[bytes, Snapshot]] = {}
+def newest_per_peer(items: list[tuple[bytes, Snapshot]]) -> list[tuple[bytes, Snapshot]]:
+    """Keep each peer's last-arrived snapshot, in first-seen order of the peers. A decoder
+    runs one request at a time and ignores rankings of any other, so once a new request's
+    first snapshot is queued the previous request's last one is worthless; answering it
+    would delay the ranking that the new request's initial loads wait for."""
+    latest: dict[bytes, tuple[bytes, Snapshot]] = {}
     for ident, snap in items:
-        key = (ident, snap.req_id)
-        latest.pop(key, None)
-        latest[key] = (ident, snap)
+        latest[ident] = (ident, snap)
     return list(latest.values())
 
 
@@ -92,7 +94,7 @@ class Server:
         return snaps
 
     def answer(self, snaps: list[tuple[bytes, Snapshot]]) -> None:
-        fresh = newest_per_request(snaps)
+        fresh = newest_per_peer(snaps)
         self.dropped_stale += len(snaps) - len(fresh)
         good = []
         for ident, snap in fresh:
@@ -153,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                          "own P.head.safetensors, else predictor/; none that fits the pool's "
                          "drafts: a similarity ranking)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto",
+                    help="encoder precision: auto (bfloat16 where the CPU has native bf16, "
+                         "else float32) | float32 | bfloat16")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: leave the cores to the decoder)")
     args = ap.parse_args(argv)
@@ -186,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                                "pick a free endpoint") from None
         import torch  # only now: a missing head or a busy endpoint fails in a blink
 
+        from memspec.procs.predictor.encoder import encoder_dtype
         from memspec.procs.predictor.ranker import Ranker, head_path_for
 
         if args.threads > 0:
             torch.set_num_threads(args.threads)
-        ranker = Ranker.load(pool, args.head, device=args.device)
+        dtype = encoder_dtype(args.dtype, args.device)
+        ranker = Ranker.load(pool, args.head, device=args.device, dtype=dtype)
         if ranker.encoder is not None:
             ranker.encoder.warm()
         if ranker.notice:
@@ -202,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         send(control, Ready(proc=PROC, pid=os.getpid(), info=PredictorInfo(
             drafts=ranker.names, load_s=round(load_s, 3), head=head, device=args.device,
             threads=torch.get_num_threads(), T=ranker.T)))
-        log(f"ready in {load_s:.1f}s: ranking {', '.join(ranker.names)}")
+        log(f"ready in {load_s:.1f}s: ranking {', '.join(ranker.names)} "
+            f"(encoder {str(dtype).removeprefix('torch.')})")
         server.serve()
         return 0
     except MemspecError as exc:

@@ -63,7 +63,8 @@ class Ranker:
     notice: str = ""  # how this ranker ranks, when it is not a trained head
 
     @classmethod
-    def load(cls, pool: PoolConfig, head: Path | None = None, device: str = "cpu") -> Ranker:
+    def load(cls, pool: PoolConfig, head: Path | None = None, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> Ranker:
         """Head first (cheap, most likely to be wrong), then tokenizer, then encoder. A head
         named explicitly must fit the pool; one found by default may not (fallback)."""
         names = [d.name for d in pool.drafts]
@@ -77,7 +78,7 @@ class Ranker:
                 raise
             return cls.fallback(pool, exc.problem, device)
         tokenizer = load_tokenizer(pool.target)
-        return cls(Encoder(device=device), rank_head, tokenizer, names, pool.T)
+        return cls(Encoder(device=device, dtype=dtype), rank_head, tokenizer, names, pool.T)
 
     @classmethod
     def fallback(cls, pool: PoolConfig, why: str, device: str = "cpu") -> Ranker:
