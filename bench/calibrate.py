@@ -76,9 +76,9 @@ def calibrate(pool: PoolConfig, pool_path: str | None, prompts: Sequence[dict],
             for pol in policies for p in prompts]
     runs = run_real(reqs, out, pool_path)
     stats = [r.stats for r in runs.values()]
-    # the predictor's own time per ranking (the first one, taken while the decoder prefills
-    # on the other core); how long the decoder then waited follows from it in the simulator
-    ranked = [s.trace.ranking_s for s in stats if s.trace is not None and s.trace.ranking_s > 0]
+    # the predictor's own time per ranking, over every answered snapshot (prompt-only and
+    # prompt+recent alike); how long the decoder then waited follows from it in the simulator
+    ranked = [ev.seconds for s in stats if s.trace is not None for ev in s.trace.rankings]
     predict_s = statistics.median(ranked) if ranked else 0.0
     cost = fit(stats, pool.N, catchup_timings(pool), predict_s, [d.name for d in pool.drafts],
                draft_architectures(pool))

@@ -70,6 +70,7 @@ class Trace(msgspec.Struct, forbid_unknown_fields=True):
     uses_predictor: bool = False
     ranking_s: float = 0.0  # the predictor's own time for the first ranking (0: none came)
     rankings: list[RankEvent] = []
+    snapshots: int = 0  # sent (the first included); 0 in traces from before they were counted
 
 
 class TimeBreakdown(msgspec.Struct, forbid_unknown_fields=True):

@@ -27,7 +27,8 @@ class CostModel:
     catchup_base_s: float  # (re)activating a draft: fixed part of its KV prefill
     catchup_per_token_s: float  # ... and per missing token
     load_s: dict[str, float]  # one draft load under the storage profile (loader-timed)
-    predict_s: float  # snapshot sent -> ranking back (predictor compute + messaging)
+    predict_s: float  # the predictor's time per ranking (it answers `predict_s` after it
+    # starts on a snapshot; messaging is well under a millisecond)
     snapshot_s: float  # building and sending one snapshot (on the critical path)
     sched_s: float  # decoder work between intervals (drain, bind, decide, heartbeat)
     inner_s: float = 0.0  # between two iterations of one interval (observe, loop)
@@ -184,9 +185,10 @@ def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
         uses_predictor = tr.uses_predictor or tr.initial_prediction > 0
         busy = load_windows(tr.loads)
         # iterations that began while the predictor encoded pay its slowdown; traces from
-        # before rankings were recorded count every iteration of a predictor run
+        # before rankings were recorded (no `uses_predictor`) count every iteration of a
+        # predictor run
         encoding = predictor_windows(tr.rankings)
-        timed_rankings = bool(tr.rankings)
+        timed_rankings = tr.uses_predictor
         ctx = float(st.prompt_tokens)
         for it in its:
             d, dur, catch = it.draft, it.duration, it.t_catchup
@@ -218,7 +220,7 @@ def fit(runs: Iterable[Summary], N: int, catchup: Sequence[tuple[int, float]],
         post.append(t.e2e - prev_end)
         prefill_x.append(float(st.prompt_tokens))
         prefill_y.append(t.prefill)
-        n_snap = (len(its) - 1) // N
+        n_snap = tr.snapshots - 1 if tr.snapshots else (len(its) - 1) // N  # after the first
         if uses_predictor and n_snap:
             snaps.append(max(0.0, t.prediction - tr.initial_prediction) / n_snap)
     # one line over context for every draft's iterations (same verify, same streaming), then

@@ -56,7 +56,8 @@ class SimConfig:
     max_new_tokens: int | None = None  # cut trajectories (output-length sweeps)
     plan: PlanCosts | None = None  # what oracle-dynamic believes loads cost (the runtime's)
     gate: bool = True  # memspec's speculation gate (reads `plan`'s timed costs)
-    prefill_chunk: int = PREFILL_CHUNK  # the engine's, where its target chunks (CPU); 0: never
+    prefill_chunk: int = PREFILL_CHUNK  # the engine's where its target chunks (the native CPU
+    # forward: what `memspec bench` measures); 0: a runner that prefills in one piece
 
 
 class SimClock:
@@ -291,7 +292,8 @@ def _run(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig, ucb
         executor.predictor_busy = channels.predictor_busy
         return executor
 
-    ctl.start(Job(req.prompt_id, "", policy, None, t_start=0.0, trace=trace, prefill=prefill))
+    ctl.start(Job(req.prompt_id, "", policy, None, t_start=0.0, trace=trace, prefill=prefill,
+                  chunks=cfg.prefill_chunk > 0))
     while (summary := ctl.step()) is None:
         pass
     assert executor is not None

@@ -229,14 +229,14 @@ def test_no_first_ranking_costs_at_most_the_timeout():
 
 
 def _chunked_prefill(ex: FakeExecutor, ch: FakeChannels, seen: list, ranked_after: int | None,
-                     chunks: int = 4):
-    """A prefill of `chunks` chunks of 0.5 s; the predictor's ranking of the prompt lands
+                     chunks: int = 4, chunk_s: float = 0.1):
+    """A prefill of `chunks` chunks of `chunk_s`; the predictor's ranking of the prompt lands
     after chunk `ranked_after` (None: never). `seen` gets what went out by each call."""
 
     def prefill(between):
         seen.append(("between", between is not None))
         for i in range(chunks):
-            ex.clock.t += 0.5
+            ex.clock.t += chunk_s
             if i == ranked_after:
                 ch.replies.append(Ranking("r", 0, list(DRAFTS), [0.1, 0.6, 0.1, 0.1, 0.1],
                                           0.8))
@@ -245,7 +245,7 @@ def _chunked_prefill(ex: FakeExecutor, ch: FakeChannels, seen: list, ranked_afte
                 seen.append((i, len(ch.of(Load)), more))
                 if not more:
                     break
-        ex.clock.t += 0.5 * (chunks - 1 - i)  # the rest in one piece
+        ex.clock.t += chunk_s * (chunks - 1 - i)  # the rest in one piece
         return ex
 
     return prefill
@@ -261,7 +261,7 @@ def test_the_prompt_is_ranked_while_it_prefills():
                   prefill=_chunked_prefill(ex, ch, seen, ranked_after=1)))
     assert seen == [("between", True), (0, 0, True), (1, 2, False)]  # K = 2 slots filled
     assert ch.of(Load)[0].draft == "code"  # the predicted top-1 first
-    assert ex.stats.t_prediction == 0.0 and ex.clock.t == pytest.approx(2.0)
+    assert ex.stats.t_prediction == 0.0 and ex.clock.t == pytest.approx(0.4)
     out = finish(ctl)
     assert out.trace.initial_prediction == 0.0 and out.trace.ranking_s == 0.8
     assert out.trace.uses_predictor
@@ -275,6 +275,26 @@ def test_a_ranking_later_than_the_prefill_is_waited_for_and_booked():
     assert seen[-1] == (2, 0, True)  # asked for every chunk; nothing loaded yet
     assert ex.stats.t_prediction == pytest.approx(2.0)  # then the bounded wait
     assert ctl.scores is None and len(ch.of(Load)) == 1  # the first decision still went out
+
+
+def test_a_silent_predictor_stops_the_chunking_after_half_a_second():
+    ctl, ch, _slots, ex = setup(scores=None, auto=False)
+    seen: list = []
+    ctl.start(Job("r", "a prompt", make_policy("memspec"), None, 0.0,
+                  prefill=_chunked_prefill(ex, ch, seen, None, chunks=6, chunk_s=0.2)))
+    assert [x[2] for x in seen[1:]] == [True, True, False]  # asks at 0.2 and 0.4 s, not 0.6
+    assert ex.stats.t_prediction == pytest.approx(2.0)  # then the bounded wait
+
+
+def test_a_runner_that_cannot_chunk_gets_the_loads_before_its_prefill():
+    """CUDA / PyTorch runners prefill in one piece (`Job.chunks` False): the loop waits for
+    the ranking first, as Alg. 3 is written, so the loads still overlap the prefill."""
+    ctl, ch, _slots, ex = setup(scores=None, auto=False)
+    ch.replies.append(Ranking("r", 0, list(DRAFTS), [0.1, 0.6, 0.1, 0.1, 0.1], 0.8))
+    seen: list = []
+    ctl.start(Job("r", "a prompt", make_policy("memspec"), None, 0.0,
+                  prefill=_chunked_prefill(ex, ch, seen, None), chunks=False))
+    assert seen == [("between", False)] and ch.of(Load)[0].draft == "code"
 
 
 def test_a_policy_without_the_predictor_loads_before_the_prefill():

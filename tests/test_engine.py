@@ -100,17 +100,33 @@ def test_a_head_that_lands_after_a_request_started_still_runs(tiny_dir, tiny_hea
     assert s.generated == ref
 
 
+def _prompt_rows(cache, n: int) -> list[torch.Tensor]:
+    """K, V (and head features) of positions [0, n), whatever the K layout."""
+    k = cache.k
+    if cache.k_blocked:  # [layers, kv_heads, cap/16, head_dim, 16] -> [.., cap, head_dim]
+        L, H, B, D, W = k.shape
+        k = k.permute(0, 1, 2, 4, 3).reshape(L, H, B * W, D)
+    rows = [k[:, :, :n], cache.v[:, :, :n]]
+    return rows + ([cache.feat[:n]] if cache.feat is not None else [])
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "int4-torch"])
 def test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype):
     """A caller waiting on the first ranking gets `between` calls during the prefill; the
-    native forward chunks (every PREFILL_CHUNK tokens while asked) and its cache and the
-    output stay bit-identical, so when a ranking lands never changes a token. A runner
-    that cannot promise that prefills in one piece and never calls back."""
+    native forward chunks (every PREFILL_CHUNK tokens while asked) and its cache rows
+    (head features included) and output stay bit-identical, so when a ranking lands never
+    changes a token. A runner that cannot promise that prefills in one piece."""
     eng = engine_with(tiny_dir, ["small"], dtype=dtype)
+    eng.use_features([0, 1])  # what a head draft reads
+    native = type(eng.target).__name__ == "NativeLM"
+    assert getattr(eng.target, "exact_chunks", False) == native
     prompt = [1 + (i * 7) % 90 for i in range(3 * PREFILL_CHUNK + 5)]
+    n = len(prompt) - 1
     ref = eng.generate(prompt, 24, select=lambda s: "small")[0]
-    plain = eng.start(prompt, 24)  # the engine reuses one target cache: compare in turn
-    k0, v0 = plain._tcache.k.clone(), plain._tcache.v.clone()
+    plain = eng.start(prompt, 24)  # the engine reuses one target cache: copy, then poison
+    want = [t.clone() for t in _prompt_rows(plain._tcache, n)]
+    for t in (plain._tcache.k, plain._tcache.v, plain._tcache.feat):
+        t.fill_(float("nan"))  # a row the chunked prefill misses stays NaN and fails
     calls: list[int] = []
 
     def between() -> bool:
@@ -118,9 +134,11 @@ def test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype):
         return len(calls) < 2  # the ranking "lands" at the second call: the rest at once
 
     chunked = eng.start(prompt, 24, between=between)
-    native = type(eng.target).__name__ == "NativeLM"
-    assert len(calls) == (2 if native else 0)
-    assert torch.equal(chunked._tcache.k, k0) and torch.equal(chunked._tcache.v, v0)
+    if not native:
+        assert calls == []
+        return
+    assert len(calls) == 2
+    assert all(torch.equal(a, b) for a, b in zip(_prompt_rows(chunked._tcache, n), want))
     while not chunked.done:
         chunked.step("small")
     assert chunked.generated == ref

@@ -41,9 +41,9 @@ def test_gate_passes_a_paying_draft_and_probes_a_losing_one_with_growing_gaps():
     assert not slow.allow(None)
 
 
-def test_a_closed_gate_rests_the_predictor_until_just_before_its_probe():
-    """While closed, the ranking cannot change what runs, so memspec asks for none until
-    RANK_AHEAD (2) intervals before the probe; a paying draft asks every interval."""
+def test_a_closed_gate_asks_for_fewer_rankings():
+    """While closed, memspec asks for a ranking every 4th gated interval (a new top-1 may
+    reopen it) and for the 2 intervals before a probe; a paying draft asks every interval."""
     slow = SpecGate(COSTS)
     for _ in range(12):
         slow.observe("law", 4, 0)
@@ -51,7 +51,8 @@ def test_a_closed_gate_rests_the_predictor_until_just_before_its_probe():
     for _ in range(4 + 1 + 8 + 1):
         slow.allow("law")
         asks.append(slow.wants_ranking())
-    assert asks == [False] * 2 + [True] * 2 + [True] + [False] * 6 + [True] * 2 + [True]
+    assert asks == [False] * 2 + [True] * 2 + [True] + [False] * 3 + [True] + [False] * 2 \
+        + [True] * 2 + [True]
     fast = SpecGate(COSTS)
     for _ in range(4):
         fast.observe("code", 4, 3)

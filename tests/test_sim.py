@@ -225,7 +225,10 @@ def test_fit_charges_the_predictor_slowdown_only_while_it_encodes():
     c = fit([plain, run], 4, [(8, 0.001), (64, 0.002)], 0.2, ["general", "code"])
     assert c.predictor_slowdown == pytest.approx(0.3, abs=0.01)
     assert c.spec_s["general"] == pytest.approx(0.10, abs=1e-3)
-    run.trace.rankings = []  # an older trace: every iteration of the run counts
+    # a trace from before rankings were recorded (it waited for the first one): every
+    # iteration of the run counts
+    run.trace.uses_predictor, run.trace.rankings = False, []
+    run.trace.initial_prediction = 0.05
     assert fit([plain, run], 4, [(8, 0.001)], 0.2, ["general", "code"]).predictor_slowdown \
         == pytest.approx(0.15, abs=0.01)
 

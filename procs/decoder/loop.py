@@ -54,6 +54,7 @@ from memspec.procs.decoder.residency import Slot, SlotState, SlotTable
 
 INITIAL_RANKING_TIMEOUT_S = 2.0  # a predictor that does not answer must not stall requests
 RANKING_POLL_S = 0.05
+CHUNKED_WAIT_S = 0.5  # prefill in chunks this long at most while awaiting the first ranking
 RESIDENCY_POLL_S = 0.02
 Overhead = Literal["sched", "inner", "post"]
 
@@ -121,6 +122,8 @@ class Job:
     t_start: float  # clock time the request arrived
     trace: bool = False  # keep iteration records and residency events for the summary
     prefill: Callable[[Callable[[], bool] | None], Executor] | None = None
+    chunks: bool = True  # the prefill calls `between` (exact-chunk runners); else it is
+    # one piece, and a policy that needs the first ranking waits for it before the prefill
 
 
 @dataclass
@@ -136,6 +139,7 @@ class _Running:
     opened: bool = False  # the first decision is applied (initial loads issued)
     ranking_s: float = 0.0  # the predictor's own time for the first ranking
     sent: dict[int, float] = field(default_factory=dict)  # snapshot seq -> clock when sent
+    snapshots: int = 0  # sent
     rankings: list[RankEvent] = field(default_factory=list)  # (traced requests)
 
 
@@ -301,6 +305,9 @@ class Controller:
         run = self.running = _Running(job, [] if job.trace else None)
         if job.policy.uses_predictor:
             self._snapshot()
+            if job.executor is not None or not job.chunks:  # nothing to overlap it with
+                run.t_initial = self._wait_initial_ranking()
+                self._open()
         else:
             self._open()
         if job.executor is None:
@@ -322,13 +329,15 @@ class Controller:
         run.opened = True
 
     def _between_chunks(self) -> bool:
-        """Called by the prefill between chunks: True while the first ranking is awaited."""
+        """Called by the prefill between chunks: True while the first ranking is awaited
+        (at most CHUNKED_WAIT_S: a predictor that is down must not cost a long prompt one
+        extra weight pass per chunk)."""
         run = self.running
         if run is None or run.opened:
             return False
         self.drain()
         if run.rank_seq < 0:
-            return True
+            return self.clock.now() - run.job.t_start < CHUNKED_WAIT_S
         self._open()
         return False
 
@@ -387,6 +396,7 @@ class Controller:
         assert run is not None
         ex = run.job.executor
         recent = ex.recent(self.T) if self.T and run.seq and ex is not None else []
+        run.snapshots += 1
         if run.events is not None:
             run.sent[run.seq] = self.clock.now()
         self.channels.send(Snapshot(req_id=run.job.req_id, seq=run.seq, prompt=run.job.prompt,
@@ -435,6 +445,6 @@ class Controller:
                             for r in stats.records],
                 loads=run.events, loop_start=run.t_loop, initial_prediction=run.t_initial,
                 uses_predictor=job.policy.uses_predictor, ranking_s=run.ranking_s,
-                rankings=run.rankings)
+                rankings=run.rankings, snapshots=run.snapshots)
         self.running = None
         return summary

@@ -290,7 +290,9 @@ class DecoderService:
             return out.executor
 
         self.controller.start(Job(req.req_id, req.prompt, policy, None, t_start,
-                                  trace=req.trace, prefill=prefill))
+                                  trace=req.trace, prefill=prefill,
+                                  chunks=bool(getattr(self.engine.target, "exact_chunks",
+                                                      False))))
 
     def step(self) -> None:
         """One scheduling interval of the running request; its Done after the last one."""
