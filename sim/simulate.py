@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from memspec.common.messages import Cancel, Load, Loaded, LoadFailed, Message, Ranking, Snapshot
 from memspec.common.metrics import IterationRecord, RunStats, Summary
-from memspec.procs.decoder.engine import PREFILL_CHUNK
+from memspec.procs.decoder.engine import PREFILL_CHUNK, prefill_pieces
 from memspec.procs.decoder.loadplan import PlanCosts
 from memspec.procs.decoder.loop import Controller, Job, Overhead
 from memspec.procs.decoder.oracle import make_plan
@@ -119,17 +119,11 @@ class TableExecutor:
         self.last: str | None = None
 
     def _prefill(self, chunk: int, between: Callable[[], bool] | None) -> None:
-        """The engine's chunked prefill (engine.py `Session._prefill`): the prefill's time in
-        proportion to each chunk's tokens, `between` after each but the last."""
+        """The engine's chunked prefill (`prefill_pieces`): the prefill's time in proportion
+        to each piece's tokens."""
         n = max(self.req.prompt_len - 1, 0)
-        step = chunk if chunk > 0 else n
-        a = 0
-        while a < n:
-            b = n if n - a <= step else a + step
+        for a, b in prefill_pieces(n, chunk, between):
             self.clock.advance(self.stats.t_prefill * (b - a) / n)
-            a = b
-            if a < n and between is not None and not between():
-                step = n
         if n == 0:
             self.clock.advance(self.stats.t_prefill)
 

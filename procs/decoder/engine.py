@@ -17,7 +17,7 @@ costs one host sync per iteration.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,20 @@ DEFAULT_MAX_CONTEXT = 2048
 # Prefill piece while a caller waits on something (the first ranking): on a CPU ~45 ms of
 # one core, the predictor's round trip; one more pass over the weights costs ~2% of a prefill
 PREFILL_CHUNK = 32
+
+
+def prefill_pieces(n: int, chunk: int, between: Between | None) -> Iterator[tuple[int, int]]:
+    """The [a, b) pieces of an `n`-token prefill: `chunk` tokens while `between` (called
+    after each piece but the last) asks for more, then the rest at once. The engine and the
+    simulator cut a prompt with this one rule."""
+    step = chunk if between is not None and chunk > 0 else n
+    a = 0
+    while a < n:
+        b = n if n - a <= step else a + step
+        yield a, b
+        a = b
+        if a < n and between is not None and not between():
+            step = n
 
 
 class _Proposer:
@@ -82,6 +96,11 @@ class SpecEngine:
         self.max_len = min(int(limit), int(max_context))
         self.drafts: dict[str, BoundDraft] = {}
         self._parts: TargetParts | None = None
+
+    @property
+    def exact_chunks(self) -> bool:
+        """Does a prompt prefilled in chunks leave a bit-identical cache (native forward)?"""
+        return bool(getattr(self.target, "exact_chunks", False))
 
     @property
     def target_parts(self) -> TargetParts:
@@ -189,23 +208,16 @@ class Session:
         self._tok[:self.prompt_len] = torch.tensor(self.tokens, dtype=torch.long)
         t0 = time.perf_counter()
         self._tcache = engine.target.new_cache(engine.max_len)
-        self._prefill(between if getattr(engine.target, "exact_chunks", False) else None)
+        self._prefill(between if engine.exact_chunks else None)
         self._sync()
         self.stats.t_prefill = time.perf_counter() - t0
 
     def _prefill(self, between: Between | None) -> None:
         """The prompt but its last token into the target cache; in PREFILL_CHUNK pieces
         while ``between`` asks for more, then the rest at once."""
-        n = self.prompt_len - 1
-        step = PREFILL_CHUNK if between is not None else n
-        a = 0
         with torch.inference_mode():
-            while a < n:
-                b = n if n - a <= step else a + step
+            for a, b in prefill_pieces(self.prompt_len - 1, PREFILL_CHUNK, between):
                 self.engine.target.forward(self._tok[a:b], a, self._tcache, last_only=True)
-                a = b
-                if a < n and between is not None and not between():
-                    step = n
 
     @property
     def generated(self) -> list[int]:

@@ -291,8 +291,7 @@ class DecoderService:
 
         self.controller.start(Job(req.req_id, req.prompt, policy, None, t_start,
                                   trace=req.trace, prefill=prefill,
-                                  chunks=bool(getattr(self.engine.target, "exact_chunks",
-                                                      False))))
+                                  chunks=self.engine.exact_chunks))
 
     def step(self) -> None:
         """One scheduling interval of the running request; its Done after the last one."""
