@@ -8,6 +8,14 @@ The repository root is the package: ``procs/`` (decoder, loader, predictor),
 
 __version__ = "0.1.0"
 
+import os as _os
+
+if _os.environ.get("MEMSPEC_ISA"):  # a forced kernel path holds for PyTorch's kernels too
+    from memspec.common.isa import torch_env as _torch_env
+
+    for _key, _value in _torch_env(_os.environ["MEMSPEC_ISA"].strip().lower()).items():
+        _os.environ.setdefault(_key, _value)
+
 __all__ = ["Result", "Runtime", "Stream", "__version__"]
 
 

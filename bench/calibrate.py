@@ -33,7 +33,7 @@ def catchup_timings(pool: PoolConfig, reps: int = 3) -> list[tuple[int, float]]:
     """(tokens, seconds) of a draft prefilling a fresh KV cache, as a (re)activation does;
     only the fallback when the traced runs switched too rarely. A head catches up on the
     target's features, which only a running engine has: none measured here for heads."""
-    torch.set_num_threads(decoder_threads())  # as the decoder process runs
+    torch.set_num_threads(decoder_threads()[0])  # as the decoder process runs, helpers idle
     spec = pool.general_draft
     cfg = json.loads((Path(spec.path) / "config.json").read_text())
     if cfg.get("memspec_kind", "model") != "model":

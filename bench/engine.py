@@ -15,6 +15,7 @@ other one tried (fp32 is the eager HF path the engine had before static caches):
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,8 @@ from memspec.procs.decoder.linear import make_linear
 from memspec.procs.decoder.models import encode_prompt
 from memspec.procs.decoder.native import extension, linear_spec
 from memspec.procs.decoder.precision import resolve_dtype
-from memspec.procs.decoder.runners import load_state_dict, read_config
+from memspec.procs.decoder.runners import default_act_dtype, load_state_dict, read_config
+from memspec.procs.decoder.tablefiles import numerics_key
 from memspec.zoo.prompts import load_prompts
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -55,11 +57,12 @@ def _median_ms(fn, reps: int = 15, warm: int = 3) -> float:
 
 
 def floor_fns(pool: PoolConfig, dtype: str, rows: int):
-    """A bare matmul pass over the target's weights in ``dtype``: PyTorch's kernels for
-    fp32 / bf16, this build's block kernels for int4 / int8 (PyTorch's without them)."""
+    """A bare matmul pass over the target's weights in ``dtype``: this build's kernels (the
+    chosen kernel path's block kernels for int4 / int8, its 16-bit kernel for bf16) where
+    the native forward is built, PyTorch's own otherwise; fp32 is PyTorch's BLAS."""
     cfg = read_config(pool.target)
     weights = load_state_dict(pool.target)
-    act = torch.float32 if dtype == "float32" else torch.bfloat16
+    act = torch.float32 if dtype == "float32" else default_act_dtype(torch.device("cpu"))
     ext = extension()
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     mats = [weights[f"model.layers.{i}.{name}.weight"]
@@ -69,8 +72,7 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
         lin = make_linear(w, fmt, act)
         x_dtype = act
         if ext is not None and fmt in ("int4", "int8", "bfloat16"):
-            spec = linear_spec(lin, bool(ext.qgemm_available()), bool(ext.bf16_available()))
-            lin, x_dtype = ext.Linear(spec), torch.float32
+            lin, x_dtype = ext.Linear(linear_spec(lin)), torch.float32
         plan.append((lin, torch.randn(rows, w.shape[1]).to(x_dtype)))
     del weights, mats
 
@@ -125,38 +127,63 @@ def _first_divergence(ids: list[int], ref: list[int]) -> int | None:
 
 def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_new: int,
                   threads: int) -> dict[str, Any] | None:
-    """llama.cpp's greedy target-only decode speed on the GGUF our target came from."""
+    """llama.cpp's greedy target-only decode on the GGUF our target came from, timed per
+    token through its C API: ``llama_decode`` of one token, then the argmax of its logits
+    (what our target-only step does too), the same threads; the prompt is one
+    ``llama_decode`` call before the clock starts, as our steady tokens/s leaves prefill
+    out. ``LLAMA_CPP_LIB_PATH`` picks another build of libllama (e.g. an AVX2-only one to
+    compare with ``MEMSPEC_ISA=avx2``); its own feature line is recorded."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp as lc
     except ImportError:
         _log("llama-cpp-python is not installed (pip install 'memspec[bench]'): no peer anchor")
         return None
+    import ctypes
+
+    import numpy as np
+
     from memspec.zoo.target import find_gguf
 
     gguf = find_gguf()
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
-                n_batch=512, verbose=False, seed=0)
-    rates, outputs = [], []
+    llm = lc.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
+                   n_ctx=2048, n_batch=512, verbose=False, seed=0)
+    ctx = llm._ctx.ctx
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm._model.model))
+    eos = set(rt.engine.eos_ids)
+
+    def decode(tokens: list[int]) -> None:
+        arr = (ctypes.c_int32 * len(tokens))(*tokens)
+        if lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(tokens))) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax() -> int:
+        ptr = lc.llama_get_logits_ith(ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
+
+    rates, step_ms, outputs = [], [], []
     for prompt in prompts:
         ids = encode_prompt(rt.tokenizer, prompt)
-        llm.reset()
-        out: list[int] = []
-        t_first = 0.0
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        decode(ids)
+        out = [argmax()]
+        decode_s = 0.0
         t0 = time.perf_counter()
-        for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
-                                reset=True):
-            if not out:
-                t_first = time.perf_counter()
-            out.append(int(tok))
-            if tok in rt.engine.eos_ids or len(out) >= max_new:
-                break
-        t_end = time.perf_counter()
+        while out[-1] not in eos and len(out) < max_new:
+            t = time.perf_counter()
+            decode([out[-1]])
+            decode_s += time.perf_counter() - t
+            out.append(argmax())
+        spent = time.perf_counter() - t0
         if len(out) > 1:
-            rates.append((len(out) - 1) / (t_end - t_first))
+            rates.append((len(out) - 1) / spent)
+            step_ms.append(1e3 * decode_s / (len(out) - 1))
         outputs.append(out)
-        del t0
+    info = lc.llama_print_system_info()
     return {"tok_s": statistics.median(rates), "per_prompt_tok_s": rates,
-            "gguf": gguf.name, "threads": threads, "outputs": outputs}
+            "decode_step_ms": statistics.median(step_ms), "gguf": gguf.name,
+            "threads": threads, "outputs": outputs, "version": lc.__version__,
+            "system_info": info.decode() if isinstance(info, bytes) else str(info),
+            "lib": os.environ.get("LLAMA_CPP_LIB_PATH", "bundled")}
 
 
 def run(pool_path: str | None, n_prompts: int, max_new: int,
@@ -215,6 +242,7 @@ def run(pool_path: str | None, n_prompts: int, max_new: int,
     top = per_dtype[chosen]
     out: dict[str, Any] = {
         "machine": machine_line(), "machine_info": machine_info(), "threads": threads,
+        "isa": machine_info()["isa"], "numerics": numerics_key(chosen),
         "native_forward": ext is not None, "native_load_s": native_s,
         "gamma": pool.gamma, "max_new_tokens": max_new, "prompts": len(prompts),
         "context_tokens": int(ctx),
@@ -251,8 +279,10 @@ def _print(res: dict[str, Any]) -> None:
               f"{e['target_only_tok_s']:>13.1f}{e['general_static_tok_s']:>11.1f}"
               f"{e['general_static_over_target_only']:>9.2f}")
     if res.get("llama_cpp_tok_s"):
-        print(f"llama.cpp ({res['llama_cpp']['gguf']}, {res['threads']} threads): "
-              f"{res['llama_cpp_tok_s']:.1f} tok/s; ours/llama.cpp "
+        lc = res["llama_cpp"]
+        print(f"llama.cpp {lc['version']} ({lc['gguf']}, {res['threads']} threads, per token "
+              f"through llama_decode): {res['llama_cpp_tok_s']:.1f} tok/s, decode step "
+              f"{lc['decode_step_ms']:.2f} ms; ours/llama.cpp "
               f"{res['target_only_over_llama_cpp']:.2f}")
     for d, e in res["per_dtype"].items():
         if "first_divergence_from_fp32" in e and d != "float32":
@@ -261,10 +291,9 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def _plot(res: dict[str, Any], folder: Path) -> Path:
-    import matplotlib
+    from memspec.bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     folder.mkdir(parents=True, exist_ok=True)
     per = res["per_dtype"]

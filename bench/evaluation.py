@@ -53,6 +53,7 @@ from memspec.zoo.tablestore import (
     load_pool_tables,
     pool_fingerprint,
     runtime_dtype,
+    runtime_key,
     trajectories_path,
     trajectory_rows,
 )
@@ -550,7 +551,8 @@ def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate
         _log(f"cost model from {cost_model} (no calibration)")
     elif cost_path.is_file():
         cached = json.loads(cost_path.read_text())
-        if cached.get("fingerprint") == fp and cached.get("storage") == pool.storage:
+        if cached.get("fingerprint") == fp and cached.get("storage") == pool.storage \
+                and cached.get("numerics") == runtime_key(pool):
             cost = CostModel.from_json(cached["cost"])
     if cost is None:
         train = prompt_set(pool, "train", 0)
@@ -558,6 +560,7 @@ def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate
         cost = calibrate(pool, real_pool, calib, max_new, home / "calibration.jsonl")
         home.mkdir(parents=True, exist_ok=True)
         cost_path.write_text(json.dumps({"fingerprint": fp, "storage": pool.storage,
+                                         "numerics": runtime_key(pool),
                                          "cost": cost.to_json()}, indent=2))
     bw = float(cost.source.get("bandwidth_bytes_s") or 0.0)
     if not pinned.is_file() and pool.storage == "edge-emulated" and bw > 0:
@@ -596,6 +599,7 @@ def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = F
     wall["simulator"] = time.perf_counter() - t
     result: dict[str, Any] = {
         "machine": machine_info(), "storage": pool.storage, "dtype": runtime_dtype(pool),
+        "numerics": runtime_key(pool),
         "load_over_iteration": load_ratio, "K": pool.K, "N": pool.N, "gamma": pool.gamma,
         "max_new_tokens": max_new, "drafts": [d.name for d in pool.drafts],
         "draft_kinds": sorted({_draft_kind(d.path) for d in pool.drafts}),
@@ -649,7 +653,7 @@ def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[S
     for which, sub in subsets.items():
         ids = {r.prompt_id for r in sub}
         keys = [(q.key, q.policy, q.prompt_id) for q in reqs if q.prompt_id in ids]
-        trajs = trajectory_rows(trajectories_path(pool, which, runtime_dtype(pool)), ids)
+        trajs = trajectory_rows(trajectories_path(pool, which, runtime_key(pool)), ids)
         out["real"][which], out["sim_vs_real"][which] = real_section(
             sub, rows, keys, cost, cfg, ucb, trajs)
     out["sim_vs_real"]["max_rel_error"] = max_rel_error(out["sim_vs_real"])

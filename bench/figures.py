@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memspec.bench.plotting import pyplot
+
 POLICY_ORDER = ("target-only", "general-static", "oracle-static", "mab-sync", "mab-async",
                 "prediction-only", "memspec", "oracle-dynamic")
 RATIO_LABELS = {
@@ -23,12 +25,7 @@ RATIO_LABELS = {
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def _save(fig, path: Path) -> Path:

@@ -126,7 +126,7 @@ def _running(port: int) -> float:
         body = conn.getresponse().read().decode()
     finally:
         conn.close()
-    return float(re.search(r"^memspec_requests_running (\S+)$", body, re.M).group(1))
+    return float(re.search(r"^memspec_num_requests_running (\S+)$", body, re.M).group(1))
 
 
 def _disconnect(port: int, model: str, prompt: str) -> dict[str, float]:

@@ -223,7 +223,7 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
     try:
         _log("starting the pipeline and an in-process engine")
         sup.start()
-        torch.set_num_threads(decoder_threads())  # the decoder process's count: IPC alone differs
+        torch.set_num_threads(decoder_threads()[0])  # the decoder's count, helpers idle
         rt = build_local(pool)
         _request(sup, prompts[0], "general-static", 8)  # warm: the general draft resident
         run_request(rt, prompts[0], "general-static", 8)

@@ -104,10 +104,9 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from memspec.bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = range(1, len(res["series"]) + 1)

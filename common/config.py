@@ -9,21 +9,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (JetPack 6, Ubuntu 22.04): the same parser, as a package
+    import tomli as tomllib
 
 from memspec.common.errors import ConfigError, RequestError
 from memspec.common.paths import DEFAULT_POOL, TARGET_DIRNAME, default_target_dir, expand_path
-from memspec.procs.decoder.stops import check_stops
-
-if TYPE_CHECKING:
-    from memspec.common.messages import Submit
 
 POLICIES = (
     "target-only",
+    "lookup-only",
     "general-static",
     "oracle-static",
     "mab-sync",
@@ -290,9 +291,10 @@ def _finite(name: str, value: object) -> float:
     return float(value)
 
 
-def check_sampling(temperature: object, top_p: object, seed: object) -> None:
+def check_sampling(temperature: object, top_p: object, seed: object, top_k: object = 0,
+                   min_p: object = 0.0) -> None:
     """Every sampling parameter, finite and in range: the one check the CLI, the decoder
-    (through SamplingParams) and `check_submit` share."""
+    (through SamplingParams) and `limits.check_request` share."""
     if _finite("temperature", temperature) < 0:
         raise RequestError(f"temperature {temperature} is negative", "use 0 (greedy) or more")
     if not 0 < _finite("top_p", top_p) <= 1:
@@ -301,19 +303,8 @@ def check_sampling(temperature: object, top_p: object, seed: object) -> None:
                              or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise RequestError(f"seed {seed!r} is not an integer in [0, 2^64)",
                            "use a non-negative integer seed")
-
-
-def check_submit(req: Submit) -> None:
-    """A request's own fields, before it is queued: policy, length, sampling, stop strings,
-    ucb_c."""
-    if req.policy and req.policy not in POLICIES:
-        raise RequestError(f"unknown policy '{req.policy}'", f"use one of: {', '.join(POLICIES)}")
-    if req.max_new_tokens < 0:
-        raise RequestError(f"max_new_tokens {req.max_new_tokens} is negative",
-                           "ask for at least 1 token (0: the pool's default)")
-    if not req.prompt:
-        raise RequestError("empty prompt", "send some text")
-    check_sampling(req.temperature, req.top_p, req.seed)
-    check_stops(req.stop)
-    if req.ucb_c is not None and _finite("ucb_c", req.ucb_c) < 0:
-        raise RequestError(f"ucb_c {req.ucb_c} is negative", "use 0 or more (default 2.0)")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise RequestError(f"top_k {top_k!r} is not an integer >= 0",
+                           "use 0 (off), 1 (greedy) or more")
+    if not 0 <= _finite("min_p", min_p) <= 1:
+        raise RequestError(f"min_p {min_p} is outside [0, 1]", "use 0 (off) or e.g. 0.05")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,15 @@ def sha256_file(path: Path, offset: int = 0, size: int | None = None) -> str:
             if left is not None:
                 left -= len(chunk)
     return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a private temporary file and a rename: a reader never sees half a file,
+    and two writers of the same content cannot tear it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: Path, key: str = "id", ids: Iterable[str] | None = None

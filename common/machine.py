@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from memspec.common import isa
+
 
 def cpu_model() -> str:
     try:
@@ -23,6 +25,7 @@ def cpu_model() -> str:
 def machine_info() -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "isa": isa.chosen_isa(), "isa_native": isa.native_isa(), "arch": platform.machine(),
             "device": "cuda" if gpu else "cpu", "gpu": gpu, "torch": torch.__version__,
             "python": platform.python_version(),
             "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
@@ -32,4 +35,5 @@ def machine_line() -> str:
     info = machine_info()
     if info["gpu"]:
         return f"GPU {info['gpu']}"
-    return f"CPU {info['cpu']}, {info['torch_threads']} threads"
+    forced = "" if info["isa"] == info["isa_native"] else f", forced from {info['isa_native']}"
+    return f"CPU {info['cpu']} ({info['isa']} kernels{forced}), {info['torch_threads']} threads"

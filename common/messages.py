@@ -19,6 +19,7 @@ from memspec.common.metrics import Summary, Totals
 PROTOCOL_VERSION = 2  # 1: msgpack maps with a "v" key (before typed unions)
 MAX_FRAME_BYTES = 8 << 20  # a frame larger than this is rejected before msgpack sees it
 MAX_FRAMES = 1
+MAX_REASON_CHARS = 300  # a ProtocolError's reason (echoed in an Error reply and logged)
 
 
 class ProtocolError(ValueError):
@@ -39,6 +40,7 @@ class DecoderInfo(msgspec.Struct, tag="decoder", forbid_unknown_fields=True):
     bandwidth_bytes_s: float  # edge-emulated pacing of every load (0: unpaced)
     handles: list[str]
     dtype: str = ""  # the target's precision (pool dtype, "auto" resolved)
+    isa: str = ""  # the CPU kernel path its forward runs (memspec.common.isa; "" on GPUs)
 
 
 class LoaderInfo(msgspec.Struct, tag="loader", forbid_unknown_fields=True):
@@ -65,6 +67,8 @@ class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
     restarts: int = 0
     rss_mb: float = 0.0
     shared_mb: float = 0.0
+    isa: str = ""  # the decoder's CPU kernel path, once it is ready
+    dtype: str = ""  # the decoder's target precision, once it is ready
 
 
 class TensorRange(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -178,8 +182,9 @@ def chat_text(turns: list[ChatTurn]) -> str:
 class Submit(Message):
     """A request. `prompt` is a user turn rendered by the target's chat template (what
     `memspec generate` does), unless `messages` is given: then the whole chat is rendered
-    and `prompt` is only the text the predictor ranks the drafts from. Generation ends at
-    the first of `stop` (the text is cut before it)."""
+    and `prompt` is only the text the predictor ranks the drafts from ("": the decoder takes
+    `chat_text(messages)`). Generation ends at the first of `stop` (the text is cut before
+    it). Every field's limits: common/limits.py."""
 
     req_id: str
     prompt: str
@@ -192,6 +197,8 @@ class Submit(Message):
     ucb_c: float | None = None  # mab-* exploration constant (None: the pool's)
     messages: list[ChatTurn] = []
     stop: list[str] = []
+    top_k: int = 0  # 0: off; 1: greedy (procs/decoder/acceptance.py)
+    min_p: float = 0.0  # 0: off
 
 
 class Queued(Message):
@@ -286,7 +293,7 @@ class Codec(Generic[M]):
         try:
             return self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(self._reason(body, exc)) from None
+            raise ProtocolError(_clip(self._reason(body, exc))) from None
 
     def _reason(self, body: memoryview, exc: Exception) -> str:
         """Name a known message sent to the wrong socket; else msgspec's own words."""
@@ -295,10 +302,20 @@ class Codec(Generic[M]):
         except msgspec.DecodeError:
             return f"not msgpack ({exc})"
         name = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
+        if name is not None and len(name) > 40:
+            name = name[:37] + "..."
         if name in _ALL and name not in {t.__name__ for t in self.types}:
             allowed = ", ".join(t.__name__ for t in self.types)
             return f"{name} is not accepted on the {self.socket} socket (only {allowed})"
         return f"invalid {name or 'message'}: {exc}"
+
+
+def _clip(reason: str) -> str:
+    """msgspec quotes the offending value (a megabyte type name, say): an error reply and a
+    log line stay small."""
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    return reason[:MAX_REASON_CHARS - 30] + f"... ({len(reason)} characters)"
 
 
 def _union(types: tuple[type[Message], ...]) -> Any:

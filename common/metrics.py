@@ -30,6 +30,7 @@ class IterationRecord(msgspec.Struct, forbid_unknown_fields=True):
     t_catchup: float = 0.0
     desired: bool = True  # False: fallback execution (preferred draft not resident)
     catchup_tokens: int = 0  # tokens the draft's KV cache had to prefill on (re)activation
+    context: int = 0  # tokens before the iteration (prompt + generated): what it attends to
 
     @property
     def duration(self) -> float:
@@ -85,6 +86,13 @@ class TimeBreakdown(msgspec.Struct, forbid_unknown_fields=True):
     prediction: float
     decode: float
     e2e: float
+    # the rest of the wall clock, so that pre + prefill + decode + sched + bind + other = e2e
+    target_alone: float = 0.0  # target steps by choice (target-only, a closed gate)
+    pre: float = 0.0  # request arrival to prefill: checks, tokenising, the first decision
+    sched: float = 0.0  # scheduling points: draining replies, deciding, issuing loads,
+    # snapshots' bookkeeping, the loop between iterations, the reply
+    bind: float = 0.0  # binding landed drafts into the engine
+    other: float = 0.0  # what none of the parts measured (should stay ~0)
 
 
 class Summary(msgspec.Struct, forbid_unknown_fields=True):
@@ -110,9 +118,78 @@ class Summary(msgspec.Struct, forbid_unknown_fields=True):
     quarantined: dict[str, str] = {}  # draft -> why its load or bind failed
     resident_at_end: list[str] = []
     trace: Trace | None = None
+    accepted_counts: list[int] = []  # [k]: draft-and-verify iterations that accepted k tokens
+    snapshots: int = 0  # sent to the predictor (the prompt's included)
+    predictor_s: float = 0.0  # the predictor's own encoding seconds for this request's
+    # rankings after the prompt's (which overlaps the prefill): its share of decode time
 
 
 OUTCOMES = ("done", "failed", "cancelled", "busy", "invalid")
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for it read ours alike
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ACCEPTED_BUCKETS = tuple(float(k) for k in range(9))  # draft tokens a verify accepted
+
+
+class Histogram(msgspec.Struct, forbid_unknown_fields=True):
+    """Observations counted per bucket, as Prometheus keeps them: `counts[i]` holds the
+    values in (buckets[i-1], buckets[i]], the last entry those above the largest bound."""
+
+    buckets: list[float]
+    counts: list[int] = []
+    sum: float = 0.0
+    count: int = 0
+
+    @classmethod
+    def of(cls, buckets: Sequence[float]) -> Histogram:
+        return cls(buckets=list(buckets), counts=[0] * (len(buckets) + 1))
+
+    def observe(self, value: float, n: int = 1) -> None:
+        i = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[i] += n
+        self.sum += value * n
+        self.count += n
+
+    def cumulative(self) -> list[int]:
+        """Prometheus's `_bucket` values: observations <= each bound, then +Inf."""
+        out, total = [], 0
+        for c in self.counts:
+            total += c
+            out.append(total)
+        return out
+
+    def copy(self) -> Histogram:
+        return Histogram(list(self.buckets), list(self.counts), self.sum, self.count)
+
+
+def _hist(buckets: Sequence[float]) -> Any:
+    return msgspec.field(default_factory=lambda: Histogram.of(buckets))
+
+
+class Latencies(msgspec.Struct, forbid_unknown_fields=True):
+    """Per-request latency histograms of finished requests, under vLLM's metric names
+    (launch/prometheus.py); every one is observed when a request is done, so each `count`
+    is the number of requests served (inter-token latency: of their token messages)."""
+
+    time_to_first_token: Histogram = _hist(TTFT_BUCKETS)  # submit -> first tokens
+    inter_token_latency: Histogram = _hist(TOKEN_LATENCY_BUCKETS)  # between token messages
+    time_per_output_token: Histogram = _hist(TOKEN_LATENCY_BUCKETS)  # per request, after TTFT
+    e2e_request_latency: Histogram = _hist(REQUEST_LATENCY_BUCKETS)  # submit -> done
+    request_queue_time: Histogram = _hist(REQUEST_LATENCY_BUCKETS)  # submit -> decoder
+    request_prefill_time: Histogram = _hist(REQUEST_LATENCY_BUCKETS)  # the decoder's prefill
+    # policy -> draft tokens accepted per draft-and-verify iteration
+    accepted_per_iteration: dict[str, Histogram] = {}
+
+    def copy(self) -> Latencies:
+        return Latencies(**{f: getattr(self, f).copy() for f in self.__struct_fields__
+                            if f != "accepted_per_iteration"},
+                         accepted_per_iteration={k: h.copy() for k, h
+                                                 in self.accepted_per_iteration.items()})
 
 
 class Totals(msgspec.Struct, forbid_unknown_fields=True):
@@ -141,6 +218,7 @@ class Totals(msgspec.Struct, forbid_unknown_fields=True):
     draft_iterations: dict[str, int] = {}  # draft -> iterations it ran
     queued: int = 0
     running: int = 0
+    latencies: Latencies = msgspec.field(default_factory=Latencies)
 
     def count(self, outcome: str) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
@@ -169,15 +247,57 @@ class Totals(msgspec.Struct, forbid_unknown_fields=True):
         for draft, n in s.drafts_used.items():
             self.draft_iterations[draft] = self.draft_iterations.get(draft, 0) + n
 
+    def served(self, s: Summary, times: RequestTimes, done_at: float) -> None:
+        """A finished request: its summary's counters and its latencies (`done_at` on the
+        clock of `times`)."""
+        self.add(s)
+        lat = self.latencies
+        first = times.first_tokens if times.first_tokens is not None else done_at
+        lat.time_to_first_token.observe(first - times.submitted)
+        for gap in times.gaps:
+            lat.inter_token_latency.observe(gap)
+        if s.generated_tokens > 1:
+            lat.time_per_output_token.observe((done_at - first) / (s.generated_tokens - 1))
+        lat.e2e_request_latency.observe(done_at - times.submitted)
+        dispatched = times.dispatched if times.dispatched is not None else done_at
+        lat.request_queue_time.observe(dispatched - times.submitted)
+        lat.request_prefill_time.observe(s.time.prefill)
+        if s.accepted_counts:
+            hist = lat.accepted_per_iteration.setdefault(s.policy or "",
+                                                         Histogram.of(ACCEPTED_BUCKETS))
+            for k, n in enumerate(s.accepted_counts):
+                if n:
+                    hist.observe(float(k), n)
+
     def snapshot(self, queued: int, running: int) -> Totals:
         """A copy that shares no container with this one (it may go to another thread)."""
         return msgspec.structs.replace(self, requests=dict(self.requests),
                                        draft_iterations=dict(self.draft_iterations),
-                                       queued=queued, running=running)
+                                       queued=queued, running=running,
+                                       latencies=self.latencies.copy())
 
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class RequestTimes:
+    """When a request was submitted, sent to the decoder and streamed (monotonic seconds,
+    kept by the supervisor for the latency histograms)."""
+
+    submitted: float
+    dispatched: float | None = None
+    first_tokens: float | None = None
+    last_tokens: float | None = None
+    gaps: list[float] = field(default_factory=list)  # between token messages
+
+    def tokens(self, now: float) -> None:
+        if self.first_tokens is None:
+            self.first_tokens = now
+        else:
+            self.gaps.append(now - (self.last_tokens or now))
+        self.last_tokens = now
 
 
 @dataclass
@@ -189,6 +309,9 @@ class RunStats:
     t_load_wait: float = 0.0
     t_prediction: float = 0.0
     t_e2e: float = 0.0
+    t_pre: float = 0.0
+    t_sched: float = 0.0
+    t_bind: float = 0.0
     loads: int = 0
     evictions: int = 0
     switches: int = 0
@@ -198,7 +321,8 @@ class RunStats:
     def report(self) -> Summary:
         """The metrics, typed."""
         recs = self.records
-        drafted = [r for r in recs if r.draft is not None]
+        # (a context-lookup iteration that found nothing to propose is a plain target step)
+        drafted = [r for r in recs if r.draft is not None and r.proposed > 0]
         num_drafts = len(drafted)
         num_draft_tokens = sum(r.proposed for r in drafted)
         num_accepted = sum(r.accepted for r in drafted)
@@ -232,17 +356,34 @@ class RunStats:
                 prediction=self.t_prediction,
                 decode=t_decode,
                 e2e=self.t_e2e,
+                target_alone=sum(r.duration for r in recs if r.desired and r.draft is None),
+                pre=self.t_pre,
+                sched=self.t_sched,
+                bind=self.t_bind,
+                other=self.t_e2e - (self.t_pre + self.t_prefill + t_decode + self.t_sched
+                                    + self.t_bind) if self.t_e2e > 0 else 0.0,
             ),
             loads=self.loads,
             evictions=self.evictions,
             switches=self.switches,
             bytes_loaded=self.bytes_loaded,
             drafts_used=dict(Counter(r.draft for r in drafted if r.draft is not None)),
+            accepted_counts=_counts(r.accepted for r in drafted),
         )
 
     def summary(self) -> dict[str, Any]:
         """The metrics as plain JSON-ready data (`memspec generate --json`)."""
         return as_json(self.report())
+
+
+def _counts(values: Any) -> list[int]:
+    """[k]: how many of `values` equal k (non-negative integers)."""
+    out: list[int] = []
+    for v in values:
+        if v >= len(out):
+            out.extend([0] * (v + 1 - len(out)))
+        out[v] += 1
+    return out
 
 
 def as_json(obj: Any) -> Any:

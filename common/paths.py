@@ -1,4 +1,11 @@
-"""Where built artefacts live: ``$MEMSPEC_HOME`` (default ``<repo>/models``, git-ignored)."""
+"""Where built artefacts live (the converted target, the native build, traces, caches).
+
+``$MEMSPEC_HOME`` when set; else, in a checkout (the repository itself, editable installs
+included), its git-ignored ``./models``; else, for an installed package, the user's cache
+(``$XDG_CACHE_HOME/memspec``, default ``~/.cache/memspec``): site-packages may be read-only
+or shared, and two environments then share one conversion. Nothing is written under the
+installed package.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,29 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_POOL = PACKAGE_ROOT / "pool.toml"
 TARGET_DIRNAME = "smollm2-135m-instruct"
+HOME_ENV = "MEMSPEC_HOME"
+
+
+def is_checkout(root: Path = PACKAGE_ROOT) -> bool:
+    """The package runs from its repository (pyproject.toml beside it), not from an
+    installed copy (a wheel carries no pyproject.toml inside the package)."""
+    return (root / "pyproject.toml").is_file()
+
+
+def user_cache_dir() -> Path:
+    """The XDG cache directory for memspec (an unset or relative XDG_CACHE_HOME is ignored,
+    as the spec says)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "memspec"
 
 
 def memspec_home() -> Path:
     """Artefact root; an env var so CI, Jetsons and tests can point it elsewhere."""
-    env = os.environ.get("MEMSPEC_HOME")
-    return Path(env).expanduser().resolve() if env else PACKAGE_ROOT / "models"
+    env = os.environ.get(HOME_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    return PACKAGE_ROOT / "models" if is_checkout() else user_cache_dir()
 
 
 def default_target_dir() -> Path:
@@ -23,9 +47,9 @@ def default_target_dir() -> Path:
 def expand_path(raw: str, base: Path) -> Path:
     """Expand ``$MEMSPEC_HOME``/``~`` and resolve relative paths against the pool file's folder."""
     env = dict(os.environ)
-    env.setdefault("MEMSPEC_HOME", str(memspec_home()))
+    env.setdefault(HOME_ENV, str(memspec_home()))
     text = raw
-    for key in ("MEMSPEC_HOME",):
+    for key in (HOME_ENV,):
         text = text.replace("${" + key + "}", env[key]).replace("$" + key, env[key])
     p = Path(os.path.expanduser(os.path.expandvars(text)))
     return p if p.is_absolute() else (base / p).resolve()

@@ -25,12 +25,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import mmap
 import os
 import re
 import secrets
 import stat
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -230,8 +230,8 @@ def _host_register(tensor: torch.Tensor) -> bool:
     try:
         err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
     except Exception as exc:  # no CUDA runtime: the slot still works as plain host memory
-        print(f"[slotmem] cudaHostRegister unavailable ({exc}); using pageable memory",
-              file=sys.stderr, flush=True)
+        logging.getLogger(__name__).warning(f"cudaHostRegister unavailable ({exc}); "
+                                            "using pageable memory")
         return False
     return int(err) == 0
 

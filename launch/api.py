@@ -11,8 +11,8 @@ that ticks it is the only one that touches it; calls from any thread go through
 `Runtime("tcp://127.0.0.1:5555")` connects to a running `memspec up` instead, over its
 ZeroMQ endpoint. Either way a prompt is a string (one user turn, as `memspec generate`) or
 a chat (a list of {"role", "content"} dicts rendered by the target's template), options
-are `max_new_tokens`, `policy`, `temperature`, `top_p`, `seed` and `stop`, and an error is
-a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
+are `max_new_tokens`, `policy`, `temperature`, `top_p`, `top_k`, `min_p`, `seed` and `stop`,
+and an error is a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memspec.common.errors import MemspecError, RequestError
+from memspec.common.limits import check_request, rank_text
 from memspec.common.messages import (
     ChatTurn,
     Done,
@@ -42,7 +43,6 @@ from memspec.launch.client import Connection, Timeouts
 from memspec.launch.supervisor import MAX_QUEUE, START_TIMEOUT_S, ServerBusy, Supervisor
 
 Prompt = str | list[dict[str, str]]
-ROLES = ("system", "user", "assistant")
 POLL_S = 0.25  # how often a waiting caller checks that the runtime is still running
 
 
@@ -60,27 +60,39 @@ class Result:
 
 def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-            stop: str | list[str] | None = None) -> Submit:
+            stop: str | list[str] | None = None, top_k: int = 0, min_p: float = 0.0
+            ) -> Submit:
+    """The request, checked here against the limits every front door shares
+    (common/limits.py): a bad one raises before anything is sent, local or remote."""
     if isinstance(prompt, str):
         text, turns = prompt, []
-    else:
+    elif isinstance(prompt, list):
         turns = []
         for i, m in enumerate(prompt):
-            if not isinstance(m, dict) or m.get("role") not in ROLES \
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                     or not isinstance(m.get("content"), str):
-                raise RequestError(f"chat message {i} is not a {{'role', 'content'}} dict "
-                                   f"with a role in {ROLES}", "pass a string or such dicts")
+                raise RequestError(f"chat message {i} is not a {{'role': str, 'content': str}} "
+                                   "dict", "pass a string or such dicts")
             turns.append(ChatTurn(role=m["role"], content=m["content"]))
         if not turns:
             raise RequestError("empty chat", "pass at least one message")
-        text = chat_text(turns)
-    if max_new_tokens < 0:
-        raise RequestError(f"max_new_tokens {max_new_tokens} is below 0",
-                           "ask for at least 1 token (0: the pool's default)")
+        text = rank_text(chat_text(turns))  # what the predictor reads of the chat
+    else:
+        raise RequestError(f"a prompt of type {type(prompt).__name__}",
+                           "pass a string or a list of {'role', 'content'} dicts")
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        raise RequestError("stop holds a value that is not a string", "pass strings")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise RequestError(f"max_new_tokens {max_new_tokens!r} is not an integer",
+                           "pass a number of tokens (0: the pool's default)")
+    if not isinstance(policy, str):
+        raise RequestError(f"policy {policy!r} is not a string", "pass a policy's name")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return Submit(req_id=secrets.token_hex(8), prompt=text, max_new_tokens=max_new_tokens,
-                  policy=policy, temperature=temperature, top_p=top_p, seed=seed,
-                  messages=turns, stop=stops)
+    req = Submit(req_id=secrets.token_hex(8), prompt=text, max_new_tokens=max_new_tokens,
+                 policy=policy, temperature=temperature, top_p=top_p, seed=seed,
+                 messages=turns, stop=stops, top_k=top_k, min_p=min_p)
+    check_request(req)
+    return req
 
 
 def _raise(err: Error) -> None:
@@ -274,7 +286,7 @@ class Runtime:
 
     def generate(self, prompt: Prompt, **opts: Any) -> Result:
         """Decode `prompt` to the end; options: max_new_tokens, policy, temperature, top_p,
-        seed, stop (a string or a list)."""
+        top_k, min_p, seed, stop (a string or a list)."""
         _, replies = self._replies(prompt, opts)
         for msg in replies:
             if isinstance(msg, Done):

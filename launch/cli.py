@@ -25,6 +25,8 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from memspec.common.config import POLICIES, load_pool
     from memspec.common.errors import ConfigError
+    from memspec.common.limits import check_request
+    from memspec.common.messages import Submit
     from memspec.procs.decoder.acceptance import SamplingParams
 
     check_utf8(args.prompt, "the prompt")
@@ -32,17 +34,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = args.policy or pool.policy
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy '{policy}'", f"use one of: {', '.join(POLICIES)}")
-    SamplingParams(args.temperature, args.top_p, args.seed)  # validate before starting
+    SamplingParams(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)  # checked
     _check_max_new(args.max_new_tokens)
     max_new = args.max_new_tokens or pool.max_new_tokens
+    check_request(Submit(req_id="generate", prompt=args.prompt, max_new_tokens=max_new,
+                         policy=policy))  # every front door's limits, --in-process too
     if args.in_process:
         out = _generate_in_process(pool, args, policy, max_new)
     else:
+        from memspec.common import logs
         from memspec.launch.up import generate
 
+        logs.setup("supervisor")  # its notes on stderr, beside the streamed text
         out = generate(args.pool, args.prompt, stream=not args.json, policy=policy,
                        max_new_tokens=max_new, temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed)
+                       top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p)
     if args.json:
         print(json.dumps(out))
     else:
@@ -66,7 +72,7 @@ def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: i
     if not args.json:
         def stream(ids: list[int]) -> None:
             CONSOLE.text(detok.push(ids))
-    params = SamplingParams(args.temperature, args.top_p, args.seed)
+    params = SamplingParams(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)
     out = run_request(rt, args.prompt, policy, max_new, params, stream)
     if not args.json:
         CONSOLE.text(detok.flush())
@@ -86,9 +92,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.api_key and not args.http:
         raise MemspecError("--api-key needs --http", "add e.g. --http 127.0.0.1:8000")
     api_key = args.api_key or os.environ.get("MEMSPEC_API_KEY") or None
+    from memspec.common import logs
+
+    logs.setup("supervisor", args.log_level)  # an unknown level: one line, nothing started
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
                  cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue,
-                 http=args.http, api_key=api_key)
+                 http=args.http, api_key=api_key, log_level=args.log_level)
 
 
 def _timeouts(args: argparse.Namespace):  # noqa: ANN202
@@ -106,10 +115,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from memspec.launch.client import submit
 
     check_utf8(args.prompt, "the prompt")
-    check_sampling(args.temperature, args.top_p, args.seed)  # before anything is sent
+    check_sampling(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)  # first
     _check_max_new(args.max_new_tokens)
     kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
-          "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+          "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+          "top_k": args.top_k, "min_p": args.min_p}
     done = submit(args.endpoint, args.prompt,
                   None if args.json else lambda tok: CONSOLE.text(tok.text),
                   _timeouts(args), **kw)
@@ -130,8 +140,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                           "quarantined": st.quarantined, "totals": as_json(st.totals)}))
     else:
         for name, p in st.procs.items():
+            kernels = f"  {p.dtype} on {p.isa or 'torch'} kernels" if p.dtype else ""
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
-                  f"rss {p.rss_mb:.0f} MB")
+                  f"rss {p.rss_mb:.0f} MB{kernels}")
         for slot in st.slots:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
@@ -159,6 +170,17 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkout_only(command: str, what: str) -> None:
+    """Commands that rewrite the repository's committed files run from a checkout only: an
+    installed package's files may be read-only or shared."""
+    from memspec.common.paths import is_checkout
+
+    if not is_checkout():
+        raise MemspecError(f"`memspec {command}` rewrites {what}, and this memspec is an "
+                           "installed package", "run it from a clone of the repository "
+                           "(pip install -e .)")
+
+
 def _check_max_new(value: int | None) -> None:
     from memspec.common.errors import RequestError
 
@@ -173,6 +195,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off, 1 = greedy")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -196,6 +220,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         convert_target(force=args.force)
         return 0
     if args.what == "corpora":
+        if args.prompts:
+            _checkout_only("zoo corpora --prompts", "the committed prompt sets")
         import subprocess
 
         from memspec.common.paths import PACKAGE_ROOT, memspec_home
@@ -210,6 +236,7 @@ def cmd_zoo(args: argparse.Namespace) -> int:
             build_prompt_sets(corpus, PACKAGE_ROOT / "prompts")
         return 0
     if args.what == "drafts":
+        _checkout_only("zoo drafts", "the committed drafts")
         from memspec.zoo.drafts import main_drafts
 
         return main_drafts(args)
@@ -221,6 +248,10 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.plots:  # before any measuring: plots need the optional extra
+        from memspec.bench.plotting import pyplot
+
+        pyplot()
     if args.what == "eval":
         from memspec.bench.evaluation import main_bench
 
@@ -251,8 +282,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.soak import main_bench_soak
 
         return main_bench_soak(args)
+    if args.what == "floor":
+        from memspec.bench.floor import main_bench_floor
+
+        if args.max_new_tokens == 64:  # the default of the others; floor's is 128
+            args.max_new_tokens = 128
+        return main_bench_floor(args)
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use eval, engine, pipeline, messages, gpu, soak or http")
+                       "use eval, engine, pipeline, messages, gpu, soak, http or floor")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -262,6 +299,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_predictor(args: argparse.Namespace) -> int:
+    if not any(a in ("--pool", "--out") or a.startswith(("--pool=", "--out=")) for a in args.rest):
+        _checkout_only("predictor train", "the committed ranking head (predictor/)")
     from memspec.zoo.train_predictor import main as train_main
 
     return train_main(args.rest)
@@ -297,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--api-key", default=None,
                    help="HTTP clients must send `Authorization: Bearer KEY` on /v1 "
                         "(default: $MEMSPEC_API_KEY, else no key)")
+    u.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help="of the supervisor's and the three processes' logs (default: "
+                        "$MEMSPEC_LOG_LEVEL, else info); streamed text and errors are "
+                        "printed whatever the level")
     u.set_defaults(func=cmd_up)
 
     sm = sub.add_parser("submit", help="send a prompt to a running `memspec up`")
@@ -352,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
-                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http"],
+                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http",
+                            "floor"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
@@ -384,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--readme", default=None, help="eval: rewrite the figures block of this README")
     b.add_argument("--from-json", default=None,
                    help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
+    b.add_argument("--per-domain", type=int, default=4,
+                   help="floor: dev prompts per domain (beside the README's prompt)")
+    b.add_argument("--no-warm", action="store_true", help="floor: fresh processes only")
     b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
     b.add_argument("--target", default=None,
                    help="gpu: target model folder (default: the pool's)")

@@ -18,6 +18,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from memspec.common.errors import MemspecError
+from memspec.common.limits import check_request
 from memspec.common.messages import (
     CLIENT_REPLIES,
     Done,
@@ -149,6 +150,7 @@ def submit(endpoint: str | None, prompt: str, on_tokens: Callable[[Tokens], None
            timeouts: Timeouts = Timeouts(), **kw) -> Done:
     endpoint = endpoint or default_endpoint(create=False)
     req = Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw)
+    check_request(req)  # the server's own limits, before anything is sent
     result: list[Done | Error] = []
 
     def on_msg(m: Message) -> bool:

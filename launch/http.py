@@ -22,6 +22,7 @@ import asyncio
 import errno
 import hmac
 import ipaddress
+import logging
 import os
 import socket
 import threading
@@ -61,6 +62,7 @@ DRAIN_BYTES = 16 << 20  # a too-large body is read (and dropped) up to here, so 
 #                         gets its 413 instead of a reset; beyond it the connection closes
 GONE = object()  # queued by the disconnect watcher
 API_KEY_ENV = "MEMSPEC_API_KEY"
+LOG = logging.getLogger(__name__)
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -229,6 +231,7 @@ class App:
         self.api_key = api_key.encode() if api_key else None
         self.info = info or {}
         self.created = int(time.time())
+        self._ignored: set[str] = set()  # OpenAI fields already logged as ignored
 
     def starlette(self) -> Starlette:
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -290,6 +293,11 @@ class App:
         self._auth(request)
         call = parse(await self._body(request))
         self._model(call.model)
+        for name in call.ignored:
+            if name not in self._ignored:  # one line per field, not per request
+                self._ignored.add(name)
+                LOG.warning(f"ignoring the OpenAI field `{name}` (it changes nothing memspec "
+                            "does); said once")
         health = self.bridge.health
         if not health.ready:
             raise ApiError(503, f"the server is {health.status} ({_states(health.states)}); "

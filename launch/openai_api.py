@@ -3,9 +3,12 @@
 Requests decode into typed msgspec structs, so a wrong type, a value out of range or an
 unknown field is an `ApiError` (400) naming the field, never a half-read request. The
 fields are the OpenAI API's that memspec honours (`max_tokens`, `temperature`, `top_p`,
-`seed`, `stop`, `stream`, `stream_options.include_usage`), those it accepts at their
-neutral value only (`n` = 1, no penalties, no logprobs, no tools: anything else is a 400
-that says so), and one extension, `policy`. Differences from OpenAI, on purpose:
+`seed`, `stop`, `stream`, `stream_options.include_usage`), the sampling extensions other
+OpenAI-compatible servers (vLLM) take (`top_k`, `min_p`), those it accepts at their neutral
+value only (`n` = 1, no penalties, no logprobs, no tools: anything else is a 400 that says
+so), fields that change nothing memspec does and are ignored (IGNORED: `metadata`, `store`,
+`parallel_tool_calls`, ...; the server logs each once), and one extension, `policy`.
+Differences from OpenAI, on purpose:
 
 - `temperature` defaults to 0 (greedy, as `memspec generate`), not 1;
 - `max_tokens` defaults to the pool's `max_new_tokens`;
@@ -25,22 +28,29 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from memspec.common.config import POLICIES
+from memspec.common.errors import RequestError
+from memspec.common.limits import MAX_NEW_TOKENS, LimitError, check_request, rank_text
 from memspec.common.messages import ChatTurn, Done, Submit, chat_text
 from memspec.common.metrics import as_json
-from memspec.procs.decoder.stops import MAX_STOP_CHARS, MAX_STOPS
 
 MAX_BODY_BYTES = 1 << 20  # a request body over 1 MiB is refused (413)
-MAX_MESSAGES = 1024
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name; other roles: common/limits.py
+# a Submit field a LimitError names -> the request body's field
+PARAMS = {"max_new_tokens": "max_tokens"}
+
+# OpenAI fields clients and agent frameworks send that change nothing memspec computes (no
+# storage, no tools to call in parallel, routing and caching hints): accepted, ignored
+IGNORED = ("metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
+           "safety_identifier", "prediction", "reasoning_effort", "verbosity")
 
 NonNeg = Annotated[float, Meta(ge=0.0)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-MaxTokens = Annotated[int, Meta(ge=1, le=1 << 20)]
+MaxTokens = Annotated[int, Meta(ge=1, le=MAX_NEW_TOKENS)]
 Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
-Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOPS)]
+TopK = Annotated[int, Meta(ge=-1)]  # -1 or 0: off (vLLM's convention), 1: greedy
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Stop = str | list[str]  # count and lengths: common/limits.py, as for every front door
 
 
 class ApiError(Exception):
@@ -67,6 +77,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # of a `tool` turn (served where the template renders one)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -86,12 +97,24 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
     policy: str | None = None  # memspec: which policy schedules the drafts
+    metadata: Any = None  # IGNORED, each logged once by the server
+    store: Any = None
+    parallel_tool_calls: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
 
 class ChatRequest(_Common, kw_only=True):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -120,14 +143,15 @@ def _check_common(r: _Common) -> None:
         if getattr(r, name) not in (None, 0, 0.0):
             raise _unsupported(name, "is not supported (speculative decoding here is "
                                      "lossless sampling from the target); send 0 or omit it")
+    if r.repetition_penalty not in (None, 1, 1.0):
+        raise _unsupported("repetition_penalty", "is not supported (speculative decoding "
+                                                 "here is lossless sampling from the "
+                                                 "target); send 1 or omit it")
     if r.logit_bias:
         raise _unsupported("logit_bias", "is not supported; omit it")
     if r.stream_options is not None and not r.stream:
         raise ApiError(400, "`stream_options` is only allowed with `stream` true",
                        param="stream_options")
-    if r.policy is not None and r.policy not in POLICIES:
-        raise ApiError(400, f"unknown policy `{r.policy}`; use one of: {', '.join(POLICIES)}",
-                       param="policy")
 
 
 def _text(m: ChatMessage, i: int) -> str:
@@ -150,10 +174,12 @@ def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 
 class Call:
-    """One validated request: what to submit and how to answer it."""
+    """One validated request: what to submit and how to answer it (`ignored`: the IGNORED
+    fields it carried)."""
 
     def __init__(self, chat: bool, req: ChatRequest | CompletionRequest, submit: Submit) -> None:
         self.chat, self.req, self.submit = chat, req, submit
+        self.ignored = [f for f in IGNORED if getattr(req, f) is not None]
         self.model = req.model
         self.stream = bool(req.stream)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -169,11 +195,22 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 def _submit(prefix: str, r: _Common, prompt: str, max_tokens: int | None,
             messages: list[ChatTurn]) -> Submit:
-    return Submit(req_id=f"{prefix}-{secrets.token_hex(12)}", prompt=prompt,
-                  max_new_tokens=max_tokens or 0, policy=r.policy or "",
-                  temperature=0.0 if r.temperature is None else r.temperature,
-                  top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
-                  messages=messages, stop=_stops(r.stop))
+    """The Submit, checked against the request limits every front door shares (a 400 naming
+    the body's field), so a refused body is never queued."""
+    sub = Submit(req_id=f"{prefix}-{secrets.token_hex(12)}", prompt=prompt,
+                 max_new_tokens=max_tokens or 0, policy=r.policy or "",
+                 temperature=0.0 if r.temperature is None else r.temperature,
+                 top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
+                 messages=messages, stop=_stops(r.stop),
+                 top_k=max(r.top_k or 0, 0), min_p=r.min_p or 0.0)
+    try:
+        check_request(sub)
+    except LimitError as exc:
+        field = exc.field.split("[")[0] if exc.field.startswith("stop") else exc.field
+        raise ApiError(400, str(exc), param=PARAMS.get(field, field)) from None
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from None
+    return sub
 
 
 def parse_chat(body: bytes) -> Call:
@@ -185,14 +222,9 @@ def parse_chat(body: bytes) -> Call:
         raise _unsupported("tools", "are not supported: the target has no tool calling")
     if r.response_format not in (None, {"type": "text"}):
         raise _unsupported("response_format", "other than text is not supported")
-    turns = []
-    for i, m in enumerate(r.messages):
-        role = ROLES.get(m.role)
-        if role is None:
-            raise ApiError(400, f"message {i} has role `{m.role}`; use system, user or "
-                                "assistant", param=f"messages[{i}].role")
-        turns.append(ChatTurn(role=role, content=_text(m, i)))
-    prompt = chat_text(turns)
+    turns = [ChatTurn(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m, i))
+             for i, m in enumerate(r.messages)]
+    prompt = rank_text(chat_text(turns))  # what the predictor reads of the chat
     if r.max_tokens and r.max_completion_tokens and r.max_tokens != r.max_completion_tokens:
         raise ApiError(400, "`max_tokens` and `max_completion_tokens` differ; send one",
                        param="max_completion_tokens")

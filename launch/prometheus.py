@@ -1,9 +1,12 @@
 """The supervisor's Status as Prometheus text (exposition format 0.0.4), for GET /metrics.
 
 Everything comes from one `Status` (the same struct `memspec status` prints), so the two
-never disagree. The speculative-decoding counters carry vLLM's names
-(`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`) under the `memspec_spec_decode_`
-prefix, as vLLM puts them under `vllm:spec_decode_`.
+never disagree. Where vLLM has a metric, memspec's carries its name (and, for histograms,
+its buckets) under the `memspec_` prefix where vLLM has `vllm:`: the speculative-decoding
+counters (`spec_decode_num_drafts`, ...), the request latency histograms
+(`time_to_first_token_seconds`, `inter_token_latency_seconds`,
+`e2e_request_latency_seconds`, ...) and the `num_requests_running` / `num_requests_waiting`
+gauges, so a vLLM dashboard reads memspec with only the prefix changed.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from memspec.common.messages import Status
-from memspec.common.metrics import OUTCOMES, Totals
+from memspec.common.metrics import OUTCOMES, Histogram, Totals
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Sample = tuple[dict[str, str], float]
@@ -29,6 +32,42 @@ def _family(name: str, kind: str, help_: str, samples: Iterable[Sample]) -> list
         lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
         lines.append(f"{name}{{{lab}}} {float(value)!r}" if lab else f"{name} {float(value)!r}")
     return lines
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def _histogram(name: str, help_: str, series: Iterable[tuple[dict[str, str], Histogram]]
+               ) -> list[str]:
+    lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+    for labels, h in series:
+        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        pre = lab + "," if lab else ""
+        for bound, n in zip([*map(_le, h.buckets), "+Inf"], h.cumulative()):
+            lines.append(f'{name}_bucket{{{pre}le="{bound}"}} {float(n)!r}')
+        suffix = f"{{{lab}}}" if lab else ""
+        lines.append(f"{name}_count{suffix} {float(h.count)!r}")
+        lines.append(f"{name}_sum{suffix} {float(h.sum)!r}")
+    return lines
+
+
+# (vLLM's name after the prefix, Latencies field, help)
+LATENCY_FAMILIES = (
+    ("time_to_first_token_seconds", "time_to_first_token",
+     "Time from a request's arrival to its first tokens (queue and prefill included)."),
+    ("inter_token_latency_seconds", "inter_token_latency",
+     "Time between two token messages of a request (one per decode iteration, which may "
+     "carry several tokens)."),
+    ("request_time_per_output_token_seconds", "time_per_output_token",
+     "A request's time after its first token per further output token."),
+    ("e2e_request_latency_seconds", "e2e_request_latency",
+     "Time from a request's arrival to its last token."),
+    ("request_queue_time_seconds", "request_queue_time",
+     "Time a request waited before the decoder took it."),
+    ("request_prefill_time_seconds", "request_prefill_time",
+     "The decoder's prefill time of a request."),
+)
 
 
 def render(st: Status, drafts: Iterable[str]) -> str:
@@ -91,8 +130,23 @@ def render(st: Status, drafts: Iterable[str]) -> str:
     gauge("slots", "Draft slots by state.",
           [({"state": s}, sum(x.state == s for x in st.slots))
            for s in ("free", "loading", "resident")])
-    gauge("requests_running", "Requests the decoder is running (0 or 1).", [({}, t.running)])
-    gauge("requests_queued", "Requests waiting behind the running one.", [({}, t.queued)])
+    gauge("num_requests_running", "Requests the decoder is running (0 or 1).",
+          [({}, t.running)])
+    gauge("num_requests_waiting", "Requests waiting behind the running one.",
+          [({}, t.queued)])
+    gauge("requests_running", "Deprecated alias of memspec_num_requests_running (removed in "
+          "the next release).", [({}, t.running)])
+    gauge("requests_queued", "Deprecated alias of memspec_num_requests_waiting (removed in "
+          "the next release).", [({}, t.queued)])
+    lat = t.latencies
+    for name, field, help_ in LATENCY_FAMILIES:
+        out.extend(_histogram(f"memspec_{name}", help_ + " Requests served.",
+                              [({}, getattr(lat, field))]))
+    out.extend(_histogram("memspec_spec_decode_accepted_tokens_per_iteration",
+                          "Draft tokens the target accepted per draft-and-verify iteration, "
+                          "by policy (served requests).",
+                          [({"policy": p}, h)
+                           for p, h in sorted(lat.accepted_per_iteration.items())]))
     procs = sorted(st.procs.items())
     out.extend(_family("memspec_process_restarts", "counter",
                        "Restarts of each process by the supervisor.",

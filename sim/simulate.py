@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from memspec.common.errors import ConfigError
 from memspec.common.messages import Cancel, Load, Loaded, LoadFailed, Message, Ranking, Snapshot
 from memspec.common.metrics import IterationRecord, RunStats, Summary
 from memspec.procs.decoder.engine import PREFILL_CHUNK, prefill_pieces
+from memspec.procs.decoder.gate import GateCosts
 from memspec.procs.decoder.loadplan import PlanCosts
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.loop import Controller, Job, Overhead
 from memspec.procs.decoder.oracle import make_plan
 from memspec.procs.decoder.policies import Policy, make_policy
@@ -55,7 +58,9 @@ class SimConfig:
     gamma: int
     max_new_tokens: int | None = None  # cut trajectories (output-length sweeps)
     plan: PlanCosts | None = None  # what oracle-dynamic believes loads cost (the runtime's)
-    gate: bool = True  # memspec's speculation gate (reads `plan`'s timed costs)
+    gate: bool = True  # the speculation gate of memspec and prediction-only
+    gate_costs: GateCosts | None = None  # what it believes an iteration costs (default:
+    # the cost model's own lines, as the decoder's start-up calibration measures them)
     prefill_chunk: int = PREFILL_CHUNK  # the engine's where its target chunks (the native CPU
     # forward: what `memspec bench` measures); 0: a runner that prefills in one piece
 
@@ -155,7 +160,7 @@ class TableExecutor:
         context = self.req.prompt_len + pos
         if run is None:
             return IterationRecord(None, 0, 0, 1, t, t_verify=cost.target_cost(context) * speed,
-                                   desired=desired)
+                                   desired=desired, context=context)
         a = step_accepted(self.req.tables[run], pos, gamma)
         emitted = min(a + 1, self.length - pos)
         missing = context - self.kv.get(run, 0)
@@ -168,7 +173,7 @@ class TableExecutor:
         self.kv[run] = min(context + min(a, gamma - 1), context + emitted - 1)
         return IterationRecord(run, gamma, a, emitted, t,
                                t_draft=cost.spec_cost(run, context) * speed + draft_extra,
-                               t_catchup=catch, desired=desired)
+                               t_catchup=catch, desired=desired, context=context)
 
 
 class SimChannels:
@@ -270,6 +275,11 @@ def _run(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig, ucb
     def position() -> int:
         return executor.pos if executor is not None else 0
 
+    if policy_name == "lookup-only" and LOOKUP not in req.tables:
+        raise ConfigError("the simulator has no acceptance table of the context lookup alone",
+                          "run lookup-only for real (memspec generate --policy lookup-only)")
+    if cfg.gate_costs is None:
+        cfg = replace(cfg, gate_costs=cost.gate_costs())
     policy = build_policy(policy_name, req, cfg, position, ucb_c)
     sim_slots = SimSlots(cost, clock)
     channels = SimChannels(clock, cost, req.prompt_id, req.scores, position)
@@ -299,4 +309,5 @@ def build_policy(name: str, req: SimRequest, cfg: SimConfig, position: Callable[
     """The runtime's policy object, with an oracle plan over this request's tables."""
     plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position, cfg.K, cfg.plan,
                      req.prompt_len)
-    return make_policy(name, ucb_c=ucb_c, oracle_plan=plan, costs=cfg.plan, gate=cfg.gate)
+    return make_policy(name, ucb_c=ucb_c, oracle_plan=plan, costs=cfg.plan, gate=cfg.gate,
+                       gate_costs=cfg.gate_costs)

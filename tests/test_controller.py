@@ -29,7 +29,7 @@ from memspec.common.metrics import IterationRecord, RunStats, Summary
 from memspec.procs.decoder.cache_manager import NO_ACTIONS
 from memspec.procs.decoder.loop import Controller, Job
 from memspec.procs.decoder.oracle import make_plan
-from memspec.procs.decoder.policies import Decision, SchedView, make_policy
+from memspec.procs.decoder.policies import Decision, SchedView, TargetOnly, make_policy
 from memspec.procs.decoder.replay import step_accepted
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimConfig, SimRequest, simulate_traced
@@ -401,19 +401,13 @@ def test_a_blocking_wait_survives_a_loader_restart():
 
 
 def test_giving_up_a_wait_when_nothing_can_be_loaded_or_the_load_fails():
-    class WaitFor:
+    class WaitFor(TargetOnly):
         """Always wants `want`, waits for it, never frees a slot."""
 
         name, uses_predictor = "wait-for", False
 
         def __init__(self, want: str) -> None:
             self.want = want
-
-        def reset(self) -> None:
-            pass
-
-        def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
-            pass
 
         def decide(self, view: SchedView) -> Decision:
             return Decision(self.want, self.want, NO_ACTIONS, wait_for=self.want)
@@ -472,8 +466,8 @@ def test_the_simulator_makes_the_runtime_loops_decisions(policy):
     tabs = tables(3)
     ctl, ch, slots, ex = setup(seed=3)
     plan = make_plan(policy, tabs, GAMMA, N, lambda: ex.pos)
-    real = finish_started(ctl, Job("r", "p", make_policy(policy, oracle_plan=plan), ex, 0.0,
-                                   trace=True))
+    pol = make_policy(policy, oracle_plan=plan, gate_costs=UNIT.gate_costs())
+    real = finish_started(ctl, Job("r", "p", pol, ex, 0.0, trace=True))
     req = SimRequest("r", "x", 10, tabs, scores=favourite)
     sim = simulate_traced(policy, req, UNIT, SimConfig(DRAFTS, "general", 2, N, GAMMA))
 
@@ -489,3 +483,44 @@ def test_the_simulator_makes_the_runtime_loops_decisions(policy):
     assert real.time.decode == pytest.approx(sim.time.decode)
     if policy not in ("general-static",):
         assert len({d for d, *_ in decisions(real)["intervals"]}) > 2, "a scenario that switches"
+
+
+def test_threads_follow_the_helpers():
+    """The decoder is told before every interval whether the predictor is encoding (a
+    snapshot not answered yet, for at most SNAPSHOT_STALE_S) or the loader works (a load in
+    flight); target-only with nothing loading keeps every core throughout."""
+    from memspec.procs.decoder.loop import SNAPSHOT_STALE_S
+
+    told: list[bool] = []
+    ctl, ch, slots, ex = setup(auto=False)
+    ctl.on_helpers = told.append
+    ctl.start(job(ex, "target-only"))
+    finish(ctl)
+    assert told and not any(told)
+
+    def land_all() -> None:
+        for slot in ctl.table.slots:
+            if slot.state.name == "LOADING":
+                ctl.table.release(slot)
+
+    ctl, ch, slots, ex = setup(auto=False)
+    ctl.on_helpers = told.append
+    ctl.start(job(ex, "memspec", trace=True))  # the prompt's ranking never came: loads out
+    assert ctl.table.loading and ctl.helpers_busy()
+    land_all()
+    assert not ctl.helpers_busy()
+    run = ctl.running
+    run.seq += 1
+    run.t_sent = ctl.clock.now()  # a snapshot out, not answered: the predictor encodes
+    assert ctl.helpers_busy()
+    ch.replies.append(Ranking("r", run.seq, list(DRAFTS), [0.2] * 5, 0.01))
+    ctl.drain()
+    assert not ctl.helpers_busy()
+    run.seq += 1
+    run.t_sent = ctl.clock.now()
+    ctl.clock.t += SNAPSHOT_STALE_S  # a predictor that does not answer is not waited on
+    assert not ctl.helpers_busy()
+    told.clear()
+    ctl.prefetch("law")
+    ctl.step()
+    assert told == [True]  # told before the interval: a load is in flight

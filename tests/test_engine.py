@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tinymodels import TINY_VOCAB, make_tiny, make_tiny_head, save_model
+from tinymodels import TINY_VOCAB, make_tiny, save_model
 
 from memspec.common.errors import RequestError
 from memspec.procs.decoder.engine import PREFILL_CHUNK, SpecEngine
@@ -216,12 +216,6 @@ def test_draft_kv_catches_up_only_the_missing_suffix(tiny_dir):
     assert s._drafts["self"].length <= len(s.tokens) - 1
 
 
-@pytest.fixture(scope="module")
-def tiny_heads(tiny_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("heads")
-    return [make_tiny_head(root / f"head{i}", seed=10 + i) for i in range(2)]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_drafts_are_lossless_and_switch_with_model_drafts(tiny_dir, tiny_heads, dtype):
     """Heads read the target's features per position (kept across verify rollbacks and
@@ -272,3 +266,24 @@ def test_a_head_needs_the_target(tiny_heads):
 
     with pytest.raises(ModelError, match="needs the target"):
         load_into_slot("h", tiny_heads[0], SlotBuffer(1 << 20), TINY_VOCAB)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4", "int8-torch"])
+def test_lookup_only_is_lossless_and_speculates_on_repeats(tiny_dir, dtype):
+    """The context lookup alone as the draft: output is the target's greedy output, it
+    proposes where the context repeats, and an iteration with nothing to propose is a
+    plain target step (no verify, not counted as a draft)."""
+    from memspec.procs.decoder.lookup import LOOKUP
+
+    eng = engine_with(tiny_dir, [], dtype=dtype, lookup=1)
+    proposed = 0
+    for prompt in PROMPTS:
+        ref, _ = eng.generate(prompt, 60)
+        out, stats = eng.generate(prompt, 60, select=lambda s: LOOKUP)
+        assert out == ref
+        proposed += sum(r.proposed for r in stats.records)
+        assert all(r.draft == LOOKUP for r in stats.records)
+        empty = [r for r in stats.records if r.proposed == 0]
+        assert all(r.emitted == 1 and r.t_draft == 0.0 for r in empty)
+        assert stats.summary()["num_drafts"] == len(stats.records) - len(empty)
+    assert proposed > 0

@@ -10,6 +10,7 @@ import http.client
 import json
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,12 +21,16 @@ from typing import Any
 
 import openai
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from test_faults import MEMSPEC, Proc
 from test_pipeline import _ready_pool
 
 from memspec import Runtime
+from memspec.common import limits as L
 from memspec.common.config import load_pool
+from memspec.common.errors import RequestError
+from memspec.common.messages import CLIENT_REPLIES, ChatTurn, Done, Error, Submit, encode
 from memspec.launch.client import status
 from memspec.launch.openai_api import MAX_BODY_BYTES
 
@@ -206,6 +211,33 @@ def test_stop_string_cuts_the_reply(server):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_openai_clients_extra_fields_are_served_and_top_k_1_is_greedy(server):
+    """What client libraries and agent frameworks send beside the core fields: vLLM's
+    sampling extensions honoured (top_k = 1 at any temperature: greedy's tokens), fields
+    that change nothing ignored with one server log line each, `n` > 1 still a 400."""
+    client = server.client()
+    for _ in range(2):
+        r = client.chat.completions.create(
+            model=server.model, max_tokens=MAX_NEW, temperature=0.8,
+            messages=[{"role": "user", "content": PROMPT}], parallel_tool_calls=False,
+            metadata={"app": "test"}, store=False, extra_body={"top_k": 1, "min_p": 0.05})
+        assert r.model_extra["memspec"]["token_ids"] == server.reference["token_ids"]
+    said = [f"ignoring the OpenAI field `{f}`".encode() for f in
+            ("metadata", "store", "parallel_tool_calls")]
+    server.up.wait_for(lambda: all(x in server.up.err for x in said), 10, "no log lines")
+    assert all(server.up.err.count(x) == 1 for x in said)  # once each, not per request
+    assert re.search(rb"WARNING supervisor\[\d+\]: ignoring the OpenAI field `store`",
+                     server.up.err)
+    r = client.chat.completions.create(
+        model=server.model, max_tokens=4, temperature=1.0, seed=3,
+        messages=[{"role": "user", "content": PROMPT}], extra_body={"top_k": 3, "min_p": 0.1})
+    assert len(r.model_extra["memspec"]["token_ids"]) == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model, n=2, max_tokens=2,
+                                       messages=[{"role": "user", "content": PROMPT}])
+    assert e.value.body["param"] == "n" and "`n`" in e.value.body["message"]
+
+
 def test_short_max_tokens_ends_with_length(server):
     r = server.client().chat.completions.create(
         model=server.model, max_tokens=3, messages=[{"role": "user", "content": PROMPT}])
@@ -360,7 +392,7 @@ def test_200_malformed_requests_each_get_a_4xx_json_error_and_the_server_keeps_s
 
 # ---- disconnects, a full queue ---------------------------------------------------------------
 def _running(server: Server) -> float:
-    return _metrics(server)["memspec_requests_running"]
+    return _metrics(server)["memspec_num_requests_running"]
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -393,7 +425,7 @@ def test_a_full_queue_is_429_with_retry_after(server):
     _read_events(running, 2)
     waiting = _raw_stream(server, LONG)  # --max-queue 1: this one waits, the next is refused
     try:
-        _wait_until(lambda: _metrics(server)["memspec_requests_queued"] == 1, 10,
+        _wait_until(lambda: _metrics(server)["memspec_num_requests_waiting"] == 1, 10,
                     "the second request was not queued")
         with pytest.raises(openai.RateLimitError) as e:
             server.client().chat.completions.create(
@@ -403,7 +435,7 @@ def test_a_full_queue_is_429_with_retry_after(server):
     finally:
         waiting.close()
         running.close()
-    _wait_until(lambda: _running(server) == 0 and _metrics(server)["memspec_requests_queued"]
+    _wait_until(lambda: _running(server) == 0 and _metrics(server)["memspec_num_requests_waiting"]
                 == 0, 5, "the abandoned requests kept the server")
 
 
@@ -440,6 +472,22 @@ def test_metrics_parse_and_move_as_requests_complete(server):
         assert delta(f"memspec_draft_iterations_total{{draft={draft}}}") == n
     assert sum(v for k, v in after.items() if k.startswith("memspec_draft_resident")) >= 1
     assert after["memspec_process_resident_memory_bytes{proc=decoder}"] > 50 << 20
+    # the latency histograms, by vLLM's names: one observation per served request
+    served = after["memspec_requests_total{outcome=done}"]
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert after[f"memspec_{name}_count"] == served > 0, name
+        assert delta(f"memspec_{name}_count") == 1, name
+        assert after[f"memspec_{name}_bucket{{le=+Inf}}"] == served, name
+    assert delta("memspec_inter_token_latency_seconds_count") >= 1
+    assert 0 < delta("memspec_time_to_first_token_seconds_sum") <= delta(
+        "memspec_e2e_request_latency_seconds_sum")
+    key = ("memspec_spec_decode_accepted_tokens_per_iteration_count"
+           f"{{policy={r.model_extra['memspec']['policy']}}}")
+    assert after.get(key, 0) - before.get(key, 0) == st["num_drafts"]
+    assert after["memspec_num_requests_running"] == after["memspec_requests_running"] == 0
+    assert after["memspec_num_requests_waiting"] == 0
 
 
 # ---- the Python API on the same server -------------------------------------------------------
@@ -460,6 +508,111 @@ def test_runtime_on_a_running_server(server):
         _wait_until(lambda: _running(server) == 0, 2, "a closed stream kept running")
         assert _metrics(server)["memspec_requests_total{outcome=cancelled}"] == cancelled + 1
         assert rt.status().totals.requests["done"] >= 1
+
+
+# ---- request limits through every front door (common/limits.py) -----------------------------
+CONTEXT = "exceeds the target's context"  # what a prompt inside the size limits still meets
+SMALL = 4096  # bytes: no error reply is larger
+
+
+def _zmq_request(endpoint: str, req: Submit) -> tuple[Done | Error, int]:
+    """A Submit on a bare DEALER: its Done or Error and the size of that frame."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        sock.send_multipart(encode(req))
+        while sock.poll(60_000):
+            raw = sock.recv_multipart()
+            msg = CLIENT_REPLIES.decode(raw)
+            if isinstance(msg, (Done, Error)):
+                return msg, len(raw[0])
+        raise AssertionError("no Done or Error in 60 s")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _http_request(server: Server, body: dict) -> tuple[int, dict]:
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    code, _, raw = _send(server, path, json.dumps({"model": server.model, "max_tokens": 1,
+                                                   **body}).encode(), {})
+    assert code == 200 or len(raw) < SMALL, (code, len(raw))
+    return code, json.loads(raw)
+
+
+def _chat(n: int, content: str = "t") -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}] * n
+
+
+# (limit, request just inside, just outside, what the inside one meets: "" served, else the
+# error it gets past the limit, and the words of the outside one's error)
+FRONT_DOOR_CASES = [
+    ("roles", {"messages": [{"role": "system", "content": "Be brief."},
+                            {"role": "assistant", "content": "OK."},
+                            {"role": "user", "content": PROMPT}]},
+     {"messages": [{"role": "user", "content": PROMPT}, {"role": "robot", "content": "x"}]},
+     "", "messages[1].role"),
+    ("stop strings", {"messages": _chat(1, PROMPT), "stop": ["\u2603" * L.MAX_STOP_CHARS] * 4},
+     {"messages": _chat(1, PROMPT), "stop": ["a"] * 5}, "", "5 stop strings"),
+    ("prompt size", {"prompt": "p " * (L.MAX_PROMPT_CHARS // 2)},
+     {"prompt": "p " * (L.MAX_PROMPT_CHARS // 2) + "p"}, CONTEXT, "over the limit of 262144"),
+    ("chat turns", {"messages": _chat(L.MAX_MESSAGES)},
+     {"messages": _chat(L.MAX_MESSAGES + 1)}, CONTEXT, "over the limit of 1024"),
+]
+
+
+def _door_submit(body: dict, **extra) -> Submit:
+    """A FRONT_DOOR_CASES body as the Submit a ZeroMQ client sends."""
+    turns = [ChatTurn(role=m["role"], content=m["content"]) for m in body.get("messages", [])]
+    return Submit(req_id=extra.pop("req_id", secrets.token_hex(4)),
+                  prompt=body.get("prompt", ""), messages=turns, stop=body.get("stop", []),
+                  max_new_tokens=1, **extra)
+
+
+@pytest.mark.parametrize("name, inside, outside, meets, refusal", FRONT_DOOR_CASES,
+                         ids=[c[0] for c in FRONT_DOOR_CASES])
+def test_each_limit_inside_is_served_and_outside_refused_small_through_every_front_door(
+        server, name, inside, outside, meets, refusal):
+    # HTTP
+    code, body = _http_request(server, inside)
+    assert (code == 200) if not meets else (code == 400 and meets in body["error"]["message"])
+    code, body = _http_request(server, outside)
+    assert code == 400 and refusal in body["error"]["message"], body
+    # ZeroMQ client socket
+    msg, size = _zmq_request(server.endpoint, _door_submit(inside))
+    assert isinstance(msg, Done) if not meets else meets in msg.message, msg
+    msg, size = _zmq_request(server.endpoint, _door_submit(outside))
+    assert isinstance(msg, Error) and msg.kind == "request" and refusal in msg.message
+    assert size < SMALL
+    # the Python API over the same server
+    prompt = inside.get("prompt") or inside["messages"]
+    with Runtime(server.endpoint) as rt:
+        if meets:
+            with pytest.raises(RequestError, match=re.escape(meets)):
+                rt.generate(prompt, max_new_tokens=1, stop=inside.get("stop"))
+        else:
+            assert rt.generate(prompt, max_new_tokens=1, stop=inside.get("stop")).token_ids
+        with pytest.raises(RequestError, match=re.escape(refusal)):
+            rt.generate(outside.get("prompt") or outside["messages"], max_new_tokens=1,
+                        stop=outside.get("stop"))
+
+
+def test_zeromq_only_limits_req_id_and_the_predictor_text_beside_a_chat(server):
+    """The two fields only a ZeroMQ client sets (HTTP and the API make them)."""
+    chat = {"messages": _chat(1, PROMPT)}
+    done, _ = _zmq_request(server.endpoint, _door_submit(chat, req_id="i" * L.MAX_REQ_ID_CHARS))
+    assert isinstance(done, Done) and done.req_id == "i" * L.MAX_REQ_ID_CHARS
+    for req_id in ("i" * (L.MAX_REQ_ID_CHARS + 1), "i" * (1 << 20), "a b"):
+        err, size = _zmq_request(server.endpoint, _door_submit(chat, req_id=req_id))
+        assert isinstance(err, Error) and err.req_id == "" and "req_id" in err.message
+        assert size < SMALL
+    done, _ = _zmq_request(server.endpoint, _door_submit(
+        {**chat, "prompt": "r" * L.MAX_RANK_CHARS}))
+    assert isinstance(done, Done)
+    err, size = _zmq_request(server.endpoint, _door_submit(
+        {**chat, "prompt": "r" * (1 << 20)}))
+    assert isinstance(err, Error) and "beside messages" in err.message and size < SMALL
+    assert all(p.restarts == 0 for p in status(server.endpoint).procs.values())
 
 
 # ---- last: a process restart -----------------------------------------------------------------

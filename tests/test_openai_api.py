@@ -10,7 +10,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memspec.common.errors import MemspecError, RequestError
 from memspec.common.messages import ProcStatus, SlotStatus, Status, encode
-from memspec.common.metrics import Totals
+from memspec.common.metrics import (
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    RequestTimes,
+    Summary,
+    TimeBreakdown,
+    Totals,
+)
 from memspec.launch import prometheus
 from memspec.launch.http import parse_address
 from memspec.launch.openai_api import ApiError, parse_chat, parse_completion
@@ -48,7 +56,7 @@ def test_chat_parts_roles_and_max_completion_tokens():
 
 @pytest.mark.parametrize("body, param", [
     (_body(messages=[{"role": "user", "content": "x"}], n=3), "n"),
-    (_body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    (_body(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
     (_body(messages=[{"role": "user", "content": None}]), "messages[0].content"),
     (_body(messages=[{"role": "user", "content": "x"}], max_tokens=2,
            max_completion_tokens=3), "max_completion_tokens"),
@@ -107,3 +115,87 @@ def test_metrics_text_parses_and_keeps_every_draft_and_process():
     assert samples[("memspec_process_resident_memory_bytes", (("proc", "decoder"),))] == 10 << 20
     # a Status without totals (an old decoder's) still renders
     assert "memspec_requests_total" in prometheus.render(Status(procs={}, slots=[]), [])
+
+
+def _summary(tokens: int, prefill: float, accepted: list[int], policy: str) -> Summary:
+    return Summary(generated_tokens=tokens, prompt_tokens=7, iterations=len(accepted),
+                   tokens_per_s_steady=1.0, tokens_per_s_e2e=1.0, num_drafts=sum(accepted),
+                   num_draft_tokens=4 * sum(accepted), num_accepted_tokens=0,
+                   mean_acceptance_length=1.0, acceptance_rate=0.0,
+                   time=TimeBreakdown(prefill=prefill, **dict.fromkeys(
+                       ("draft", "verify", "catchup", "desired", "fallback", "target_fallback",
+                        "load_wait", "prediction", "decode", "e2e"), 0.0)), loads=0, evictions=0,
+                   switches=0, bytes_loaded=0, drafts_used={}, policy=policy,
+                   accepted_counts=accepted)
+
+
+def test_latency_histograms_have_vllms_names_buckets_and_one_count_per_served_request():
+    totals = Totals()
+    # three served requests: arrival 0, decoder at `sent`, token messages at `toks`, done at end
+    for sent, toks, end, policy in ((0.01, [0.2, 0.25, 0.3], 0.4, "memspec"),
+                                    (1.5, [3.0], 3.1, "memspec"),
+                                    (0.0, [0.05, 0.5], 0.6, "target-only")):
+        times = RequestTimes(0.0, dispatched=sent)
+        for t in toks:
+            times.tokens(t)
+        totals.served(_summary(len(toks) * 2, 0.02, [1, 2, 0, 1], policy), times, end)
+    st = Status(procs={}, slots=[], totals=totals.snapshot(queued=2, running=1))
+    fams = {f.name: f for f in text_string_to_metric_families(prometheus.render(st, []))}
+    vllm_buckets = {
+        "memspec_time_to_first_token_seconds": TTFT_BUCKETS,
+        "memspec_inter_token_latency_seconds": TOKEN_LATENCY_BUCKETS,
+        "memspec_request_time_per_output_token_seconds": TOKEN_LATENCY_BUCKETS,
+        "memspec_e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
+        "memspec_request_queue_time_seconds": REQUEST_LATENCY_BUCKETS,
+        "memspec_request_prefill_time_seconds": REQUEST_LATENCY_BUCKETS,
+    }
+    for name, buckets in vllm_buckets.items():
+        fam = fams[name]
+        assert fam.type == "histogram"
+        bucket = [s for s in fam.samples if s.name == name + "_bucket"]
+        assert [float(s.labels["le"]) for s in bucket] == [*buckets, float("inf")]
+        values = [s.value for s in bucket]
+        assert values == sorted(values)  # cumulative
+        count = next(s.value for s in fam.samples if s.name == name + "_count")
+        assert values[-1] == count
+
+    def count(name: str, **labels: str) -> float:
+        return next(s.value for s in fams[name].samples
+                    if s.name == name + "_count" and s.labels == labels)
+
+    assert count("memspec_time_to_first_token_seconds") == 3  # one per served request
+    assert count("memspec_inter_token_latency_seconds") == 2 + 0 + 1
+    ttft = [s for s in fams["memspec_time_to_first_token_seconds"].samples
+            if s.name.endswith("_bucket")]
+    assert {s.labels["le"]: s.value for s in ttft}["0.25"] == 2  # 0.2 and 0.05; 3.0 above
+    assert count("memspec_spec_decode_accepted_tokens_per_iteration", policy="memspec") == 8
+    assert count("memspec_spec_decode_accepted_tokens_per_iteration", policy="target-only") == 4
+    queue = next(s.value for s in fams["memspec_request_queue_time_seconds"].samples
+                 if s.name.endswith("_sum"))
+    assert queue == pytest.approx(1.51)
+    gauges = {f.name: f.samples[0].value for f in fams.values() if f.type == "gauge" and f.samples
+              and not f.samples[0].labels}
+    assert gauges["memspec_num_requests_running"] == gauges["memspec_requests_running"] == 1
+    assert gauges["memspec_num_requests_waiting"] == gauges["memspec_requests_queued"] == 2
+
+
+def test_sampling_extensions_and_ignored_openai_fields():
+    chat = [{"role": "user", "content": "hi"}]
+    call = parse_chat(_body(messages=chat, temperature=0.7, top_k=1, min_p=0.1,
+                            parallel_tool_calls=True, metadata={"app": "x"}, store=False))
+    assert (call.submit.top_k, call.submit.min_p) == (1, 0.1)
+    assert call.ignored == ["metadata", "store", "parallel_tool_calls"]
+    assert parse_chat(_body(messages=chat, top_k=-1)).submit.top_k == 0  # vLLM's "off"
+    assert parse_completion(_body(prompt="x", top_k=5, service_tier="auto")).ignored == [
+        "service_tier"]
+    for body, param in ((_body(messages=chat, n=2), "n"),
+                        (_body(messages=chat, repetition_penalty=1.2), "repetition_penalty"),
+                        (_body(messages=chat, logprobs=True), "logprobs")):
+        with pytest.raises(ApiError) as e:
+            parse_chat(body)
+        assert e.value.status == 400 and e.value.param == param
+    for body in (_body(messages=chat, min_p=1.5), _body(messages=chat, top_k=-2),
+                 _body(messages=chat, frobnicate=1)):
+        with pytest.raises(ApiError) as e:
+            parse_chat(body)
+        assert e.value.status == 400

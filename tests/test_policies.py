@@ -10,6 +10,7 @@ import pytest
 from memspec.common.config import POLICIES
 from memspec.common.errors import ConfigError
 from memspec.procs.decoder.cache_manager import CacheActions, rank, update_cache
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.policies import (
     POLICY_NAMES,
     Decision,
@@ -104,7 +105,7 @@ def test_names_match_config() -> None:
 
 
 def test_make_policy_errors() -> None:
-    with pytest.raises(ConfigError, match="valid: target-only, general-static"):
+    with pytest.raises(ConfigError, match="valid: target-only, lookup-only, general-static"):
         make_policy("fastest")
     with pytest.raises(ConfigError, match="oracle plan"):
         make_policy("oracle-dynamic")
@@ -310,7 +311,7 @@ def check(name: str, v: SchedView, d: Decision) -> None:
     left = v.resident - set(a.evict)
     assert len(left) + len(v.loading - set(a.cancel)) + len(a.prefetch) <= v.capacity
     if d.wait_for is None:
-        assert d.run is None or d.run in left
+        assert d.run is None or d.run in left or (d.run == LOOKUP and name == "lookup-only")
     else:
         assert d.run == d.wait_for and d.wait_for in (v.loading | set(a.prefetch))
     if v.active in a.evict:  # only a blocking wait may take the idle active draft's slot

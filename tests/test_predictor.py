@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from hostile import hostile_frames
 from msgspec.msgpack import encode as packb
 
 from memspec.common.errors import ModelError
+from memspec.common.limits import rank_text
 from memspec.common.messages import (
     CONTROL,
     PREDICTOR_REPLIES,
@@ -27,6 +29,7 @@ from memspec.common.messages import (
     Ready,
     Shutdown,
     Snapshot,
+    encode,
 )
 from memspec.common.sockets import configure, endpoint, make_run_dir, recv, send
 from memspec.procs.predictor.encoder import MAX_PIECES, encoder_available
@@ -259,6 +262,34 @@ def test_malformed_frames_get_error_replies(proc):
     assert proc["p"].poll() is None
 
 
+def test_an_oversized_snapshot_costs_what_a_normal_one_does(proc):
+    """The predictor cuts what it reads before tokenising (common/limits.py): a megabyte
+    prompt and 200,000 recent ids (out-of-vocabulary ones before the last T) are ranked as
+    their cut would be, as fast; a megabyte req_id gets a small Error."""
+    dealer = proc["dealer"]
+    _replies(dealer, 0.5)  # what earlier snapshots left
+    prompt = "def f(x): return x\n" * 60_000
+    t0 = time.monotonic()
+    send(dealer, Snapshot("small", 1, rank_text(prompt), list(range(1, 33))))
+    small = _recv(dealer, 30)
+    t_small = time.monotonic() - t0
+    t0 = time.monotonic()
+    # copied, not zero-copy: no pyzmq garbage-collector context starts in a test body
+    dealer.send_multipart(encode(Snapshot("huge", 2, prompt,
+                                          [10**9] * 200_000 + list(range(1, 33)))))
+    huge = _recv(dealer, 30)
+    t_huge = time.monotonic() - t0
+    assert isinstance(small, Ranking) and isinstance(huge, Ranking)
+    assert huge.scores == small.scores
+    assert t_huge < max(1.0, 5 * t_small), (t_huge, t_small)
+    dealer.send_multipart(encode(Snapshot("i" * (1 << 20), 3, "x", [])))
+    dealer.poll(30_000)
+    raw = dealer.recv_multipart()
+    err = PREDICTOR_REPLIES.decode(raw)
+    assert isinstance(err, Error) and err.req_id == "" and len(raw[0]) < 1024
+    assert proc["p"].poll() is None
+
+
 def test_shutdown_message_is_rejected_and_sigterm_exits_cleanly(proc):
     send(proc["dealer"], Shutdown(reason="test"))  # not the predictor's to obey
     msg = _recv(proc["dealer"], 30)
@@ -266,7 +297,7 @@ def test_shutdown_message_is_rejected_and_sigterm_exits_cleanly(proc):
     assert proc["p"].poll() is None
     proc["p"].send_signal(signal.SIGTERM)
     assert proc["p"].wait(timeout=10) == 0
-    assert "[predictor]" in proc["p"].stderr.read()
+    assert re.search(r"^\S+ INFO predictor\[\d+\]: ready in ", proc["p"].stderr.read(), re.M)
 
 
 def test_missing_head_is_a_one_line_error(tmp_path, tiny_dir):

@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 from tinymodels import TINY_VOCAB, make_tiny, save_model
 
 from memspec.common import manifest as mf
-from memspec.common.config import check_sampling, check_submit, parse_pool
+from memspec.common.config import check_sampling, parse_pool
 from memspec.common.errors import ConfigError, ModelError, RequestError
+from memspec.common.limits import check_request
 from memspec.common.messages import Submit
 from memspec.common.paths import DEFAULT_POOL
 from memspec.launch.cli import main as cli
@@ -167,11 +168,12 @@ def test_bad_drafts_are_quarantined_at_start_and_the_rest_kept(tmp_path, tiny_di
             folders["good"] / "model.safetensors").ranges]
 
 
-def test_draft_without_manifest_is_measured_at_start(tmp_path, tiny_dir, capsys):
+def test_draft_without_manifest_is_measured_at_start(tmp_path, tiny_dir, caplog):
     files, quarantined = open_drafts(_pool(tmp_path, tiny_dir, {"g": tiny_dir / "self"}),
                                      TINY_VOCAB)
     assert quarantined == {} and files["g"].entry.ranges
-    assert "has no manifest.json" in capsys.readouterr().err
+    said = [r for r in caplog.records if "has no manifest.json" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"  # the decoder's log, once
 
 
 # --- one place that checks a request ------------------------------------------------------
@@ -190,9 +192,9 @@ def test_draft_without_manifest_is_measured_at_start(tmp_path, tiny_dir, capsys)
 def test_every_bad_request_field_is_one_line(kw, needle):
     req = Submit(**{"req_id": "r", "prompt": "hi", **kw})
     with pytest.raises(RequestError, match=needle) as got:
-        check_submit(req)
+        check_request(req)
     assert "\n" not in str(got.value)
-    check_submit(Submit(req_id="r", prompt="hi", temperature=0.7, top_p=0.9, seed=2**64 - 1))
+    check_request(Submit(req_id="r", prompt="hi", temperature=0.7, top_p=0.9, seed=2**64 - 1))
 
 
 def test_sampling_params_use_the_same_check():

@@ -98,3 +98,46 @@ def test_seeded_sampling_repeats_exactly(tiny_dir):
     assert runs[0] == runs[1]
     other = eng.generate([1, 2, 3], 30, SamplingParams(0.9, 0.95, 43), select=lambda s: "random")[0]
     assert other != runs[0]
+
+
+def test_top_k_and_min_p_warp():
+    logits = torch.tensor([4.0, 3.0, 1.0, 0.0, -1.0, -2.0])
+    top2 = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top2[2:] == 0).all() and (top2[:2] > 0).all()
+    assert abs(float(top2.sum()) - 1) < 1e-6
+    full = torch.softmax(logits, -1)
+    assert torch.allclose(top2[:2], full[:2] / full[:2].sum())
+    minp = warp(logits, SamplingParams(temperature=1.0, min_p=0.1))  # keeps p >= 0.1 * max
+    assert ((minp > 0) == (full >= 0.1 * full.max())).all()
+    assert torch.equal(warp(logits, SamplingParams(temperature=1.0, top_k=len(logits))),
+                       warp(logits, SamplingParams(temperature=1.0)))
+    assert SamplingParams(temperature=0.8, top_k=1).greedy
+    assert not SamplingParams(temperature=0.8, top_k=2).greedy
+    for bad in ({"top_k": -1}, {"top_k": 1.5}, {"min_p": 1.5}, {"min_p": float("nan")}):
+        with pytest.raises(RequestError):
+            SamplingParams(temperature=1.0, **bad)
+
+
+def test_rejection_rule_stays_lossless_with_top_k_and_min_p():
+    """Filtered rows have zeros where the other has mass: the draft proposes only what it
+    kept, the residual supplies the rest, and the output is the warped target exactly."""
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=1.0, top_k=4, min_p=0.05)
+    p = warp(torch.randn(2, V, generator=gen) * 2, params)
+    q = warp(torch.randn(1, V, generator=gen) * 2, params)
+    assert (p == 0).any() and (q == 0).any()
+    first = []
+    for _ in range(20000):
+        props = torch.multinomial(q, 1, generator=gen).view(-1)
+        n, nxt = speculative_accept(props, q, p, gen)
+        first.append((props[:n].tolist() + [nxt])[0])
+    emp = empirical(first, len(first))
+    assert tv(emp, p[0]) < 0.015
+    assert (emp[p[0] == 0] == 0).all()  # never a token the target's filters removed
+
+
+def test_top_k_1_decodes_the_greedy_tokens_at_any_temperature(tiny_dir):
+    eng = engine(tiny_dir)
+    greedy = eng.generate([1, 2, 3], 30, SamplingParams(), select=lambda s: "random")[0]
+    for params in (SamplingParams(0.9, 1.0, 7, top_k=1), SamplingParams(1.5, 0.9, None, 1, 0.2)):
+        assert eng.generate([1, 2, 3], 30, params, select=lambda s: "random")[0] == greedy

@@ -44,7 +44,7 @@ from memspec.zoo.tables import (
     runtime_table,
     target_features,
 )
-from memspec.zoo.tablestore import pool_fingerprint, trajectories_path
+from memspec.zoo.tablestore import numerics_key, pool_fingerprint, trajectories_path
 
 EVAL_SPLITS = ("dev", "test", "mixed")  # train prompts are the drafts' own data
 MAX_NEW_TOKENS = 128
@@ -349,11 +349,12 @@ def main_eval(args) -> int:
     split = getattr(args, "split", None) or "dev"
     prompts = split_prompts(split, pool_domains(pool), per_domain)
     engine, tok, dtype = open_engine(pool)
-    out = runtime_traces_path(pool, split, dtype)
+    out = runtime_traces_path(pool, split, numerics_key(dtype))
     _log(f"trajectories ({dtype} target, batch 1): {len(prompts)} prompts -> {out}")
     trajs = engine_trajectories(engine, dtype, tok, prompts, out, MAX_NEW_TOKENS, "zoo eval")
     report = evaluate(pool, engine, trajs)
     report["target_dtype"] = dtype
+    report["numerics"] = numerics_key(dtype)
     report["prompts_per_domain"] = per_domain
     report["split"] = split
     report["wall_s"] = time.perf_counter() - t0

@@ -13,9 +13,11 @@ from memspec.common.errors import ConfigError
 from memspec.procs.decoder.tablefiles import (  # noqa: F401 - the offline tools' names
     FORMAT,
     TraceTables,
+    numerics_key,
     pool_fingerprint,
     read_tables,
     runtime_dtype,
+    runtime_key,
     tables_path,
     traces_dir,
     trajectories_path,
@@ -34,7 +36,7 @@ def load_pool_tables(pool: PoolConfig, which: str,
     if which.split("-L")[0] not in SETS:
         raise ConfigError(f"unknown prompt set '{which}'", f"use one of {', '.join(SETS)}")
     fp = fingerprint if fingerprint is not None else pool_fingerprint(pool)
-    dtype = dtype or runtime_dtype(pool)
+    dtype = dtype or runtime_key(pool)
     got = read_tables(tables_path(pool, which, dtype), pool.gamma, fp, dtype)
     if got is None:
         raise ConfigError(f"no acceptance tables for this pool's drafts ({which} set, "

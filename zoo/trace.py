@@ -30,6 +30,7 @@ from memspec.common.errors import ConfigError
 from memspec.zoo.tablestore import (
     SETS,
     TraceTables,
+    numerics_key,
     pool_fingerprint,
     read_tables,
     tables_path,
@@ -86,7 +87,8 @@ class Tracer:
 
         t0 = time.perf_counter()
         self.pool = pool
-        self.engine, self.tokenizer, self.dtype = open_engine(pool, device)
+        self.engine, self.tokenizer, dtype = open_engine(pool, device)
+        self.dtype = numerics_key(dtype, device)  # the key its traces and tables are kept by
         cap = slot_capacity(pool)
         for d in pool.drafts:
             self.engine.add_draft(load_into_slot(d.name, d.path, SlotBuffer(cap),

@@ -20,25 +20,36 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0: off; 1: greedy whatever the temperature
+    min_p: float = 0.0  # 0: off
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_p, self.seed)  # finite, in range
+        check_sampling(self.temperature, self.top_p, self.seed, self.top_k, self.min_p)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The target's argmax: temperature 0, or only the most likely token kept (top_k 1:
+        the greedy path itself, so the tokens are greedy's, ties included)."""
+        return self.temperature == 0.0 or self.top_k == 1
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature then nucleus filtering; both draft and target go through the same warp."""
+    """Temperature, then top-k, nucleus (top-p) and min-p filtering, renormalised. Draft and
+    target rows go through the same warp, and the rejection rule then samples exactly from
+    the warped target distribution: every filter stays lossless."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if 0 < params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]
+        probs = probs * (probs >= kth)
     if params.top_p < 1.0:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < params.top_p
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    if params.min_p > 0.0:
+        probs = probs * (probs >= params.min_p * probs.amax(dim=-1, keepdim=True))
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:

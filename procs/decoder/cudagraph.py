@@ -8,6 +8,10 @@ K/V are written with ``index_copy_`` and attention masks keys past each row's po
 Fixed shapes also make every token's logits independent of how many tokens were batched
 with it, which keeps speculative decoding token-identical to target-only decoding.
 Prompt prefill and long draft catch-ups (more rows) run eagerly.
+
+A graph writes the cache it was captured on by address, so graphs are keyed by the memory
+they write (`storage_key`) and each keeps its cache alive: a freed cache whose memory a new
+one reuses can never replay a graph into memory it no longer owns.
 """
 
 from __future__ import annotations
@@ -17,11 +21,21 @@ import torch
 from memspec.procs.decoder.lean import KVCache, LeanLM
 
 ROWS = 8
+Key = tuple[int, ...]
+
+
+def storage_key(cache: KVCache) -> Key:
+    """The addresses and shapes a graph captured on `cache` writes: equal keys, same memory."""
+    parts: list[int] = []
+    for t in (cache.k, cache.v, cache.feat):
+        parts += [t.data_ptr(), *t.shape] if t is not None else [0]
+    return tuple(parts)
 
 
 class _Graph:
     def __init__(self, lean: LeanLM, cache: KVCache, rows: int) -> None:
         dev = lean.device
+        self.cache = cache  # kept alive: its memory is what the graph writes
         self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
         self.rows = rows
@@ -66,7 +80,7 @@ class GraphLM:
         self.device, self.act_dtype = lean.device, lean.act_dtype
         self.cache_dtype, self.k_blocked = lean.cache_dtype, lean.k_blocked
         self.rows = rows
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[Key, _Graph] = {}
 
     def new_cache(self, capacity: int) -> KVCache:
         return self.lean.new_cache(capacity + self.rows)
@@ -76,9 +90,10 @@ class GraphLM:
         T = ids.numel()
         if self.rows < T or pos + self.rows > cache.capacity:
             return self.lean.forward(ids, pos, cache, last_only)
-        graph = self._graphs.get(id(cache.k))
+        key = storage_key(cache)
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[id(cache.k)] = _Graph(self.lean, cache, self.rows)
+            graph = self._graphs[key] = _Graph(self.lean, cache, self.rows)
         out = graph(ids, pos)
         return out[-1:] if last_only else out
 

@@ -33,7 +33,7 @@ from memspec.procs.decoder.acceptance import (
     warp,
 )
 from memspec.procs.decoder.head import HEAD_KIND, TargetParts
-from memspec.procs.decoder.lookup import NgramIndex
+from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
 from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
 from memspec.procs.decoder.slots import BoundDraft
 
@@ -257,10 +257,15 @@ class Session:
         """One iteration with the named resident draft, or a target-only step for None."""
         if self.done:
             raise RuntimeError("session is finished")
-        if draft is not None and draft not in self.engine.drafts:
+        if draft is not None and draft != LOOKUP and draft not in self.engine.drafts:
             raise KeyError(f"draft '{draft}' is not resident")
         t0 = time.perf_counter()
-        rec = self._target_step(t0) if draft is None else self._spec_step(draft, t0)
+        if draft is None:
+            rec = self._target_step(t0)
+        elif draft == LOOKUP:
+            rec = self._lookup_step(t0)
+        else:
+            rec = self._spec_step(draft, t0)
         rec.desired = desired
         if draft is not None and self._last_draft is not None and draft != self._last_draft:
             self.stats.switches += 1
@@ -274,9 +279,39 @@ class Session:
         logits = self.engine.target.forward(self._tok[L - 1:L], L - 1, self._tcache)
         tok = self._pick(logits[-1])
         self._sync()
-        t1 = time.perf_counter()
         emitted = self._commit([tok])
-        return IterationRecord(None, 0, 0, emitted, t0, t_verify=t1 - t0)
+        t1 = time.perf_counter()  # after the commit (streaming), as a speculative step's
+        return IterationRecord(None, 0, 0, emitted, t0, t_verify=t1 - t0, context=L)
+
+    def _lookup_step(self, t0: float) -> IterationRecord:
+        """The context lookup as the draft: the proposals are what followed the context's
+        suffix before, one after another up to gamma while it keeps finding one; none (or
+        sampling) is a plain target step. No model runs, nothing is resident."""
+        ng, L = self._ngrams, len(self.tokens)
+        props: list[int] = []
+        if ng is not None:
+            tail = self.tokens[-ng.n_max:]
+            while len(props) < self.engine.gamma:
+                tok = ng.propose(tail)
+                if tok is None:
+                    break
+                props.append(tok)
+                tail.append(tok)
+        if not props:
+            rec = self._target_step(t0)
+            rec.draft = LOOKUP
+            return rec
+        t_draft_end = time.perf_counter()
+        prop = torch.tensor(props, dtype=torch.long, device=self._dev)
+        logits = self.engine.target.forward(torch.cat([self._tok[L - 1:L], prop]), L - 1,
+                                            self._tcache)
+        n_t, nxt_t = greedy_accept(prop, logits)
+        n, nxt = int(n_t), int(nxt_t)
+        emitted = self._commit(props[:n] + [nxt])
+        self._sync()
+        t1 = time.perf_counter()
+        return IterationRecord(LOOKUP, len(props), n, emitted, t0, t_draft=t_draft_end - t0,
+                               t_verify=t1 - t_draft_end, context=L)
 
     def _draft_cache(self, bound: BoundDraft) -> _DraftCache:
         dc = self._drafts.get(bound.name)
@@ -343,7 +378,7 @@ class Session:
         return IterationRecord(name, g, n, emitted, t0,
                                t_draft=(t_draft_end - t0) - catch,
                                t_verify=t1 - t_draft_end, t_catchup=catch,
-                               catchup_tokens=n_missing if switched else 0)
+                               catchup_tokens=n_missing if switched else 0, context=L)
 
     def _model_proposals(self, bound: BoundDraft, dc: _DraftCache, L: int) -> _Proposer:
         """An independent draft model: catch up on committed tokens, then self-feed."""

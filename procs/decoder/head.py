@@ -144,6 +144,15 @@ class TargetParts:
             self._head = DenseLinear(model.get_output_embeddings().weight.detach())
             self._embed = model.get_input_embeddings()
         self._subsets: dict[int, Linear] = {}
+        self._packed: dict[tuple[int, int], Any] = {}  # (id(subset), id(ext)) -> C++ Linear
+
+    def native_lm(self, lin: Linear, ext: Any) -> Any:
+        """The C++ LM-head rows of a draft vocabulary, packed once for every head that
+        shares them (a bind then costs no packing)."""
+        key = (id(lin), id(ext))
+        if key not in self._packed:
+            self._packed[key] = ext.Linear(linear_spec(lin))
+        return self._packed[key]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -262,22 +271,23 @@ class HeadRunner:
 
 
 def _native_head(runner: HeadRunner):
-    """The C++ head when the target runs the C++ forward (same kernels, same build)."""
-    if not isinstance(runner.parts.target, NativeLM) or runner.device.type != "cpu":
+    """The C++ head when the target runs the C++ forward (same build, same kernel path):
+    bf16 weights through the path's 16-bit kernel (native bf16 dot products or widened to
+    fp32, never emulated bf16 arithmetic), the LM rows through the int8 block kernel."""
+    target = runner.parts.target
+    if not isinstance(target, NativeLM) or runner.device.type != "cpu":
         return None
-    ext = extension()
+    ext = extension(isa=target.isa)
     if ext is None:
         return None
     a, w = runner.arch, runner.w
-    vnni, bf16 = bool(ext.qgemm_available()), bool(ext.bf16_available())
 
     def lin(t: torch.Tensor) -> tuple:
-        return linear_spec(DenseLinear(t), vnni, bf16)
+        return linear_spec(DenseLinear(t))
 
-    act = "float32" if runner.act_dtype == torch.float32 or bf16 else "bfloat16"
     return ext.Head((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.eps),
                     lin(w["fc"]), w["norm_e"], w["norm_g"],
                     [lin(w["q_proj"]), lin(w["k_proj"]), lin(w["v_proj"])], lin(w["o_proj"]),
                     w["post_attention_layernorm"], [lin(w["gate_proj"]), lin(w["up_proj"])],
-                    lin(w["down_proj"]), runner.parts.norm, linear_spec(runner.lm, vnni, bf16),
-                    a.rope_theta, act)
+                    lin(w["down_proj"]), runner.parts.norm,
+                    runner.parts.native_lm(runner.lm, ext), a.rope_theta)

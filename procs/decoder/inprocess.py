@@ -19,10 +19,11 @@ from memspec.common.manifest import read_manifest
 from memspec.common.safetensors_layout import read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.engine import SpecEngine, TokenCallback
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
 
-IN_PROCESS_POLICIES = ("target-only", "general-static")
+IN_PROCESS_POLICIES = ("target-only", "lookup-only", "general-static")
 
 
 @dataclass
@@ -104,6 +105,8 @@ def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,
             loads, bytes_loaded = 1, read_layout(path).data_size
         rt.ensure_resident(name)
         select = lambda _session: name  # noqa: E731 - the engine's per-iteration selector
+    elif policy == "lookup-only":
+        select = lambda _session: LOOKUP  # noqa: E731
     ids = encode_prompt(rt.tokenizer, prompt)
     with torch.inference_mode():
         token_ids, stats = rt.engine.generate(ids, max_new_tokens, params, select, on_tokens)

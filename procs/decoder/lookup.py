@@ -11,6 +11,10 @@ chain). Greedy only; verification is unchanged, so output stays the target's own
 Pure (ints and dicts): the engine and the acceptance tables (zoo/tables.py) share it, so a
 table is the engine's behaviour exactly. Only committed tokens are indexed: a suffix is
 looked up among occurrences whose successor is committed.
+
+On its own (``LOOKUP``, the `lookup-only` policy), the lookup is a draft with no model:
+it proposes while the context keeps matching, and an iteration without a match is a plain
+target step, so it costs a verify only when it has something to verify.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 MAX_NGRAM = 8  # longest suffix tried first (a longer match is a more precise one)
+# the lookup on its own as a draft (the engine's zero-memory draft, `lookup-only`): always
+# "resident", nothing to load; a name no pool draft may take
+LOOKUP = "(lookup)"
 
 
 class NgramIndex:

@@ -49,6 +49,7 @@ from memspec.common.metrics import (
     Summary,
     Trace,
 )
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.policies import Decision, Policy, SchedView
 from memspec.procs.decoder.residency import Slot, SlotState, SlotTable
 
@@ -56,6 +57,11 @@ INITIAL_RANKING_TIMEOUT_S = 2.0  # a predictor that does not answer must not sta
 RANKING_POLL_S = 0.05
 CHUNKED_WAIT_S = 0.5  # prefill in chunks this long at most while awaiting the first ranking
 RESIDENCY_POLL_S = 0.02
+# the predictor's encoding time per request, as a share of its decode time: snapshots beyond
+# the prompt's go out only while the rankings so far stay within it (the paper's predictor
+# costs 3.9%; on a CPU it shares the decoder's cores)
+PREDICTOR_SHARE = 0.04
+SNAPSHOT_STALE_S = 0.5  # a snapshot not answered by then: the predictor is not working on it
 Overhead = Literal["sched", "inner", "post"]
 
 
@@ -141,6 +147,9 @@ class _Running:
     sent: dict[int, float] = field(default_factory=dict)  # snapshot seq -> clock when sent
     snapshots: int = 0  # sent
     rankings: list[RankEvent] = field(default_factory=list)  # (traced requests)
+    t_sent: float = -1.0  # clock when the newest snapshot went out
+    encode_s: float = 0.0  # the predictor's own seconds for this request's rankings
+    last_encode_s: float = 0.0  # ... for the newest one
 
 
 def _quiet(_msg: str) -> None:
@@ -167,6 +176,10 @@ class Controller:
         self.running: _Running | None = None
         self.on_slots_changed: Callable[[], None] | None = None
         self.load_seconds: dict[str, float] = {}  # the latest load of each draft, loader-timed
+        # told before every interval (and prefill chunk) whether the predictor or the loader
+        # is working now: the decoder then leaves them a core, else takes every core
+        self.on_helpers: Callable[[bool], None] | None = None
+        self._bind_s = 0.0  # binding done so far (kept apart from scheduling time)
 
     # ---- replies from the loader and the predictor, and supervisor notices --------------
     def handle(self, msg: Message) -> None:
@@ -184,6 +197,9 @@ class Controller:
             if run is not None and msg.req_id == run.job.req_id and msg.seq >= run.rank_seq:
                 if run.rank_seq < 0:
                     run.ranking_s = msg.latency_s
+                else:  # the prompt's ranking overlaps the prefill; later ones the decode
+                    run.encode_s += msg.latency_s
+                run.last_encode_s = msg.latency_s
                 run.rank_seq = msg.seq
                 self.scores = dict(zip(msg.drafts, msg.scores))
             if run is not None and msg.req_id == run.job.req_id and msg.seq in run.sent:
@@ -205,6 +221,7 @@ class Controller:
                      f"({msg.draft})")
             return
         t0 = self.clock.now()
+        ex = self.running.job.executor if self.running is not None else None
         try:
             self.slots.bind(slot.index, slot.generation, msg.draft)
         except MemspecError as exc:
@@ -213,13 +230,15 @@ class Controller:
             self.log(f"draft '{msg.draft}' quarantined: {exc}")
             self._changed()
             return
-        self._event("loaded", msg.draft, slot.index, msg.seconds, self.clock.now() - t0)
+        bind_s = self.clock.now() - t0
+        self._event("loaded", msg.draft, slot.index, msg.seconds, bind_s)
         if msg.seconds > 0:
             self.load_seconds[msg.draft] = msg.seconds
-        ex = self.running.job.executor if self.running is not None else None
         if ex is not None:
             ex.stats.loads += 1
             ex.stats.bytes_loaded += msg.nbytes
+            ex.stats.t_bind += bind_s
+        self._bind_s += bind_s
         self._changed()
 
     def _reissue_loads(self) -> None:
@@ -312,13 +331,16 @@ class Controller:
             self._open()
         if job.executor is None:
             assert job.prefill is not None
+            self._tell_helpers()
             # a refusal raises; the service's abort clears it
             job.executor = job.prefill(None if run.opened else self._between_chunks)
         if not run.opened:
             run.t_initial = self._wait_initial_ranking()
             self._open()
-        job.executor.stats.t_prediction += run.t_initial
+        stats = job.executor.stats
+        stats.t_prediction += run.t_initial
         run.t_loop = self.clock.now() - job.t_start
+        stats.t_pre += run.t_loop - stats.t_prefill - run.t_initial - stats.t_bind
 
     def _open(self) -> None:
         """The request's first decision: its loads go out now."""
@@ -336,10 +358,32 @@ class Controller:
         if run is None or run.opened:
             return False
         self.drain()
+        self._tell_helpers()
         if run.rank_seq < 0:
             return self.clock.now() - run.job.t_start < CHUNKED_WAIT_S
         self._open()
         return False
+
+    def helpers_busy(self) -> bool:
+        """The predictor is encoding this request's newest snapshot, or a load is in flight
+        (the loader reads, checks and copies on the same cores)."""
+        if self.table.loading - self.table.resident:
+            return True
+        run = self.running
+        return run is not None and run.rank_seq < run.seq and run.t_sent >= 0 \
+            and self.clock.now() - run.t_sent < SNAPSHOT_STALE_S
+
+    def _tell_helpers(self) -> None:
+        if self.on_helpers is not None:
+            self.on_helpers(self.helpers_busy())
+
+    def _ranking_in_budget(self, ex: Executor) -> bool:
+        """Another snapshot keeps the predictor's encoding within PREDICTOR_SHARE of the
+        request's decode time (its next ranking priced as its last)."""
+        run = self.running
+        assert run is not None
+        decode = sum(r.duration for r in ex.stats.records)
+        return run.encode_s + run.last_encode_s <= PREDICTOR_SHARE * decode
 
     def step(self) -> Summary | None:
         """One scheduling interval; the request's summary once it is done, else None."""
@@ -348,6 +392,8 @@ class Controller:
             raise RuntimeError("no request is running")
         job, ex = run.job, run.job.executor
         assert ex is not None  # opened by start()
+        t_begin, bind_before, waited = self.clock.now(), self._bind_s, 0.0
+        n_before, pred_before = len(ex.stats.records), ex.stats.t_prediction
         if ex.done:
             return self._finish()
         self.clock.overhead("sched")
@@ -362,27 +408,33 @@ class Controller:
             self._event("wait", decision.wait_for, -1, waited, at=t_wait)
             if decision.wait_for in self.table.resident:
                 draft = decision.wait_for
-        if draft is not None and draft not in self.table.resident:
+        if draft is not None and draft != LOOKUP and draft not in self.table.resident:
             draft = None  # a policy may only run resident drafts; guard, never block
         desired = draft == decision.preferred
-        for i in range(self.N):
+        self._tell_helpers()
+        for i in range(decision.limit or self.N):
             if i:
                 self.clock.overhead("inner")
             rec = ex.step(draft, desired)
-            job.policy.observe(draft, rec.proposed, rec.accepted)
+            job.policy.observe_iteration(rec)
             run.iteration += 1
             if ex.done:
                 break
         run.active = draft
-        if ex.done:
-            return self._finish()
-        self.channels.heartbeat("busy")
-        if job.policy.uses_predictor and job.policy.wants_ranking():
-            run.seq += 1
-            t0 = self.clock.now()
-            self._snapshot()
-            ex.stats.t_prediction += self.clock.now() - t0
-        return None
+        if not ex.done:
+            self.channels.heartbeat("busy")
+            if job.policy.uses_predictor and job.policy.wants_ranking() \
+                    and self._ranking_in_budget(ex):
+                run.seq += 1
+                t0 = self.clock.now()
+                self._snapshot()
+                ex.stats.t_prediction += self.clock.now() - t0
+        # the interval's wall time that is neither an iteration, a wait, a bind nor the
+        # snapshot: the scheduling point and the loop around the iterations
+        iters = sum(r.duration for r in ex.stats.records[n_before:])
+        ex.stats.t_sched += (self.clock.now() - t_begin) - iters - waited \
+            - (self._bind_s - bind_before) - (ex.stats.t_prediction - pred_before)
+        return self._finish() if ex.done else None
 
     def abort(self, req_id: str) -> bool:
         """Drop the running request `req_id` (loads in flight go on: they are slot state)."""
@@ -397,8 +449,9 @@ class Controller:
         ex = run.job.executor
         recent = ex.recent(self.T) if self.T and run.seq and ex is not None else []
         run.snapshots += 1
+        run.t_sent = self.clock.now()
         if run.events is not None:
-            run.sent[run.seq] = self.clock.now()
+            run.sent[run.seq] = run.t_sent
         self.channels.send(Snapshot(req_id=run.job.req_id, seq=run.seq, prompt=run.job.prompt,
                                     recent_ids=recent))
 
@@ -433,10 +486,13 @@ class Controller:
         assert run is not None
         assert run.job.executor is not None
         job, stats = run.job, run.job.executor.stats
+        t0 = self.clock.now()
         self.clock.overhead("post")
+        stats.t_sched += self.clock.now() - t0
         stats.t_e2e = self.clock.now() - job.t_start
         summary = stats.report()
         summary.policy = job.policy.name
+        summary.snapshots, summary.predictor_s = run.snapshots, run.encode_s
         summary.quarantined = dict(self.table.failed)
         summary.resident_at_end = sorted(self.table.resident)
         if run.events is not None:

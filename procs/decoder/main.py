@@ -19,14 +19,13 @@ import os
 import secrets
 import signal
 import statistics
-import sys
 import time
-import traceback
 from collections import deque
 
 import torch
 import zmq
 
+from memspec.common import child
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
 from memspec.common.memory import process_rss_mb, slots_for_budget
@@ -57,6 +56,7 @@ from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.service import (
+    LOG,
     DecoderService,
     EngineSlots,
     log,
@@ -64,7 +64,7 @@ from memspec.procs.decoder.service import (
     verify_target,
 )
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
-from memspec.procs.decoder.threads import decoder_threads
+from memspec.procs.decoder.threads import ThreadPlan, decoder_threads
 
 HEARTBEAT_S = 0.5
 
@@ -93,7 +93,7 @@ class SocketChannels:
         for sock in (self.loader, self.predictor, requests):
             self.poller.register(sock, zmq.POLLIN)
         self._last_beat = 0.0
-        self.rejected = RejectLog(log)
+        self.rejected = RejectLog(LOG.warning)
 
     def send(self, msg: Message) -> None:
         sock = self.predictor if isinstance(msg, Snapshot) else self.loader
@@ -245,8 +245,9 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pool = load_pool(args.pool)
     torch.manual_seed(0)
+    threads = decoder_threads()
     if args.device == "cpu":
-        torch.set_num_threads(decoder_threads())
+        torch.set_num_threads(threads[0])  # the start-up calibration runs with every core
     ctx = zmq.Context.instance()
     requests = configure(ctx.socket(zmq.ROUTER))
     requests.bind(args.endpoint)
@@ -281,14 +282,18 @@ def run(args: argparse.Namespace) -> int:
     slots = EngineSlots(pool, engine, buffers, handles, transport, files, bandwidth)
     service = DecoderService(pool, engine, tokenizer, slots, channels,
                              cold_start=args.cold_start, quarantined=quarantined)
+    if args.device == "cpu":
+        service.controller.on_helpers = ThreadPlan(*threads)
     proc = DecoderProcess(channels, service)
     # the supervisor caches the slots for `memspec status`
     service.controller.on_slots_changed = lambda: channels.push(proc.status())
     send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info=DecoderInfo(
         load_s=time.perf_counter() - t0, K=k, transport=transport, dtype=dtype,
+        isa=getattr(engine.target, "isa", ""),
         slot_bytes=capacity,
         bandwidth_bytes_s=bandwidth, handles=handles)))
-    log(f"ready: target in {dtype} ({torch.get_num_threads()} threads), K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
+    log(f"ready: target in {dtype} on {getattr(engine.target, 'isa', 'torch')} kernels "
+        f"({threads[0]} threads, {threads[1]} while a helper works), K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
         f"{time.perf_counter() - t0:.1f}s")
     if quarantined:  # found at start: the supervisor shows them in status and logs them
         channels.push(proc.status())
@@ -302,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         proc.run()
     except Exception as exc:  # an engine failure: the state may be corrupt, so end here
-        traceback.print_exc(file=sys.stderr)
+        LOG.exception(f"engine failure ({type(exc).__name__}); exiting for a restart")
         cur = service.current
         if cur is not None:  # tell the client why, before the supervisor restarts us
             service.abort(cur.req.req_id, f"decoder failed ({type(exc).__name__}: {exc}); "
@@ -331,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-start", action="store_true",
                     help="empty the slots before every request (the paper's evaluation method)")
     args = ap.parse_args(argv)
+    child.start("decoder")
     try:
         return run(args)
     except MemspecError as exc:
-        print(f"memspec decoder: error: {exc}", file=sys.stderr)
+        LOG.error(f"error: {exc}")
         return 2
 
 

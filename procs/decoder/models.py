@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from memspec.common.errors import ModelError, RequestError
+from memspec.common.limits import CHAT_ROLES, TOOL_ROLE, LimitError
+from memspec.common.messages import ChatTurn
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.lean import LeanLM
 from memspec.procs.decoder.precision import resolve_dtype
@@ -129,6 +132,20 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def check_template_roles(tokenizer, turns: Sequence[ChatTurn]) -> None:
+    """A `tool` turn only where the target's chat template renders one (the other roles are
+    checked at the front doors, common/limits.py): a template that does not know the role
+    would render it as plain text the model was never trained on."""
+    if not any(t.role == TOOL_ROLE for t in turns):
+        return
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str) or TOOL_ROLE not in template:
+        i = next(i for i, t in enumerate(turns) if t.role == TOOL_ROLE)
+        raise LimitError(f"messages[{i}].role", f"messages[{i}].role '{TOOL_ROLE}' is not "
+                                                "rendered by the target's chat template",
+                         f"use {', '.join(CHAT_ROLES)}")
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -1,96 +1,143 @@
 """The lean forward's CPU fast path: one C++ call per forward (csrc/lean_cpu.cpp).
 
-Built once with PyTorch's extension builder (g++ and ninja; `bash launch/setup.sh` does it)
-into ``$MEMSPEC_HOME/build``; later processes load the cached build in well under a second.
-Where it cannot be built (no compiler), the pure-PyTorch lean forward runs instead: same
-results up to rounding, more Python overhead per step.
+Built once per kernel path (``memspec.common.isa``: avx512-bf16, avx512-vnni, avx2-vnni,
+avx2, neon-dotprod, generic) with PyTorch's extension builder (g++ and ninja; `bash launch/setup.sh` builds
+the machine's own path) into ``$MEMSPEC_HOME/build``; later processes load the cached build
+in well under a second. Each path is its own module with explicit ``-m`` flags, keyed by
+path, flags, compiler, torch and source text, and is only loaded on a CPU that has every
+instruction it was compiled for, so a ``$MEMSPEC_HOME`` moved to an older CPU builds its own
+path instead of dying of SIGILL. Where nothing can be built (no compiler), the pure-PyTorch
+lean forward runs instead: same results up to rounding, more Python overhead per step.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from memspec.common import isa as isa_mod
+from memspec.common.errors import ConfigError
 from memspec.common.paths import memspec_home
 from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
-from memspec.procs.decoder.linear import DenseLinear, Int4Linear, Int8Linear, Linear
+from memspec.procs.decoder.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, Linear
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp"]
-_EXT: Any = None
-_TRIED = False
+SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp", CSRC / "qkernels.cpp"]
+HEADERS = [CSRC / "qgemm.h", CSRC / "qkernels.h"]
+_EXT: dict[str, Any] = {}
 DENSE_PAD_ROWS = 8  # decode calls (a step, a verify of up to 8 tokens) as 8 rows: lossless
-_ACT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# kinds whose rows are computed each on its own (qgemm.cpp): a prompt prefilled in chunks
+# leaves the same cache bit for bit; BLAS (0) and PyTorch's int4 kernel (2) do not promise it
+ROW_EXACT_KINDS = frozenset({3, 4, 5})
 
 
-def extension(build: bool = True, verbose: bool = False) -> Any:
-    """The compiled module, or None when disabled (MEMSPEC_NATIVE=0) or not buildable."""
-    global _EXT, _TRIED
-    if _TRIED or os.environ.get("MEMSPEC_NATIVE", "1") == "0":
-        return _EXT
-    _TRIED = True
-    from torch.utils.cpp_extension import load
+@functools.lru_cache(maxsize=1)
+def _compiler_id() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=20)
+        return (out.stdout.splitlines() or [cxx])[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        return cxx
 
-    digest = hashlib.sha256(str(CSRC).encode())  # one build per checkout and source text
-    for src in SOURCES:
+
+def build_dir(isa: str) -> Path:
+    """Where the build for ``isa`` lives: the key names everything that shapes the binary."""
+    digest = hashlib.sha256(str(CSRC).encode())
+    for part in (isa, " ".join(isa_mod.compile_flags(isa)), _compiler_id(), torch.__version__,
+                 sysconfig.get_config_var("EXT_SUFFIX") or sys.version):  # the interpreter's ABI
+        digest.update(part.encode())
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     tag = f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:10]}"
-    out = memspec_home() / "build" / f"lean_cpu-{tag}"
+    return memspec_home() / "build" / f"lean_cpu-{isa}-{tag}"
+
+
+def extension(build: bool = True, verbose: bool = False, isa: str | None = None) -> Any:
+    """The compiled module for ``isa`` (default: the chosen path, ``MEMSPEC_ISA`` or the
+    fastest this CPU runs), or None when disabled (MEMSPEC_NATIVE=0) or not buildable."""
+    if os.environ.get("MEMSPEC_NATIVE", "1") == "0":
+        return None
+    isa = isa or isa_mod.chosen_isa()
+    if isa in _EXT:
+        return _EXT[isa]
+    if isa not in isa_mod.supported():  # never load instructions the CPU does not have
+        raise ConfigError(f"kernel path {isa} is not supported by this CPU",
+                                  f"use one of {', '.join(isa_mod.supported())}")
+    from torch.utils.cpp_extension import load
+
+    out = build_dir(isa)
     if not build and not any(out.glob("*.so")):
         return None
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    ext = None
     try:
-        _EXT = load(name="memspec_lean_cpu", sources=[str(p) for p in SOURCES], build_directory=str(out),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=verbose)
+        ext = load(name=f"memspec_lean_cpu_{isa.replace('-', '_')}",
+                   sources=[str(p) for p in SOURCES], build_directory=str(out),
+                   extra_cflags=["-O3", "-fopenmp", *isa_mod.compile_flags(isa)],
+                   extra_ldflags=["-fopenmp"], verbose=verbose)
     except Exception as exc:  # no compiler, no ninja, headers missing: fall back, say why
-        print(f"[memspec] native CPU forward unavailable ({type(exc).__name__}: "
+        print(f"[memspec] native CPU forward ({isa}) unavailable ({type(exc).__name__}: "
               f"{str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else ''}); "
               "using the PyTorch path", file=sys.stderr, flush=True)
-        _EXT = None
     else:
-        spent = time.perf_counter() - t0
-        if spent > 5:
-            print(f"[memspec] built the native CPU forward in {spent:.0f}s (cached in {out})",
+        if ext.kernel_path() != isa:  # a mis-keyed build must not run as another path
+            print(f"[memspec] the build in {out} is for {ext.kernel_path()}, not {isa}; "
+                  "using the PyTorch path (delete that folder to rebuild)",
                   file=sys.stderr, flush=True)
-    return _EXT
+            ext = None
+        spent = time.perf_counter() - t0
+        if ext is not None and spent > 5:
+            print(f"[memspec] built the native CPU forward for {isa} in {spent:.0f}s "
+                  f"(cached in {out})", file=sys.stderr, flush=True)
+    _EXT[isa] = ext
+    return ext
 
 
-def linear_spec(layer: Linear, vnni: bool, bf16: bool = False,
-                act: torch.dtype | None = None) -> tuple:
-    """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights. ``act`` is
-    the dtype the C++ forward runs its activations in: the dense (BLAS) fallback, taken by
-    shapes the kernels do not tile (e.g. a vocabulary that is no multiple of 16), must hold
-    its weights and bias in it too."""
-    if isinstance(layer, (Int4Linear, Int8Linear)):
-        n, k = layer.q.shape
-        vnni = vnni and n % 16 == 0 and k % 32 == 0  # the kernels' tile and block sizes
+def tiles(layer: Linear) -> bool:
+    """Whether the block kernels cover this layer's shape (16 outputs x 32 inputs)."""
+    n, k = (layer.q if isinstance(layer, (Int4Linear, Int8Linear)) else layer.weight).shape
+    return n % 16 == 0 and k % GROUP == 0
+
+
+def linear_spec(layer: Linear) -> tuple:
+    """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights. Every kind
+    takes and returns fp32 rows; shapes the block kernels do not tile fall back to PyTorch's
+    kernels, which the C++ side calls in their own dtype."""
     if isinstance(layer, Int4Linear):
-        if vnni:
+        if tiles(layer):
             return (3, layer.q, layer.d, layer.m, layer.bias)
         packed, sz = layer._torch_pack()
         return (2, packed, sz, None, layer.bias)
     if isinstance(layer, Int8Linear):
-        if vnni:
+        if tiles(layer):
             return (4, layer.q, layer.d, None, layer.bias)
-        return _dense(layer.dequantize(), layer.bias, act or layer.act_dtype)
+        return _dense(layer.dequantize(), layer.bias)
     assert isinstance(layer, DenseLinear)
     w = layer.weight
-    if bf16 and w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[1] % 32 == 0:
+    if w.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous() \
+            and w.shape[1] % GROUP == 0:
         return (5, w, None, None, layer.bias)
-    return _dense(w, layer.bias, act or w.dtype)
+    return _dense(w, layer.bias)
 
 
-def _dense(w: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype) -> tuple:
-    """Weights already in ``act`` stay what they are (a slot view stays a view)."""
-    return (0, w.to(act), None, None, None if bias is None else bias.to(act))
+def _dense(w: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """BLAS in the weights' own dtype (a slot view stays a view); the bias follows it."""
+    return (0, w, None, None, None if bias is None else bias.to(w.dtype))
+
+
+def rows_exact(specs: list[tuple]) -> bool:
+    return all(spec[0] in ROW_EXACT_KINDS for spec in specs)
 
 
 class NativeLM:
@@ -100,33 +147,34 @@ class NativeLM:
         a = lean.arch
         self.lean, self.arch, self.vocab = lean, a, lean.vocab
         self.device = lean.device
-        vnni, bf16 = bool(ext.qgemm_available()), bool(ext.bf16_available())
+        self.isa = str(ext.kernel_path())
         quantised = isinstance(lean.lm_head, (Int4Linear, Int8Linear))
-        # the VNNI and BF16 kernels take fp32 rows (they round them themselves)
-        act = torch.float32 if (vnni and quantised) or (bf16 and lean.act_dtype ==
-                                                         torch.bfloat16) else lean.act_dtype
+        specs: list[tuple] = []
 
         def lin(p: Linear) -> tuple:
-            return linear_spec(p, vnni, bf16, act)
+            specs.append(linear_spec(p))
+            return specs[-1]
 
         layers = [(L.ln1, L.ln2, [lin(p) for p in L.qkv], lin(L.o),
                    [lin(p) for p in L.gate_up], lin(L.down)) for L in lean.layers]
         self.model = ext.Model((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.eps),
                                lean.embed_w, lean.embed_scale, layers, lean.norm,
-                               lin(lean.lm_head), a.rope_theta, _ACT_NAMES[act])
-        self.act_dtype = act
+                               lin(lean.lm_head), a.rope_theta)
+        self.act_dtype = torch.float32  # the C++ forward's rows between kernels
+        # rows are computed independently when every kernel is one of ours, so a prompt
+        # prefilled in chunks leaves a bit-identical cache (tests/test_engine.py checks)
+        self.exact_chunks = rows_exact(specs)
         self.model.set_pad_rows(DENSE_PAD_ROWS)
         self._weight_bytes = lean.weight_bytes
         if quantised:  # the C++ side holds its own packed copy of every projection (the
             lean.layers = []  # LM head stays: draft heads read its rows)
-        self._views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        # per-layer views of the cache last used, kept with the cache tensor they view (an
+        # id() alone could be reused by a later cache at a freed address)
+        self._views: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._cache: KVCache | None = None
 
     cache_dtype = torch.float32  # the C++ attention reads fp32 keys and values
     k_blocked = True
-    # rows are computed independently (no batched reductions across positions), so a prompt
-    # prefilled in chunks leaves a bit-identical cache (tests/test_engine.py checks)
-    exact_chunks = True
 
     def new_cache(self, capacity: int) -> KVCache:
         if self._cache is None or self._cache.capacity < capacity:
@@ -135,8 +183,8 @@ class NativeLM:
         return self._cache
 
     def _layer_views(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if self._views is None or self._views[0] != id(cache.k):
-            self._views = (id(cache.k), list(cache.k.unbind(0)), list(cache.v.unbind(0)))
+        if self._views is None or self._views[0] is not cache.k:
+            self._views = (cache.k, list(cache.k.unbind(0)), list(cache.v.unbind(0)))
         return self._views[1], self._views[2]
 
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache,
@@ -159,5 +207,31 @@ def accelerate(lean: LeanLM) -> LeanLM | NativeLM:
     return NativeLM(lean, ext) if ext is not None else lean
 
 
-if __name__ == "__main__":  # `python -m memspec.procs.decoder.native`: build it now
-    sys.exit(0 if extension(verbose="-v" in sys.argv) is not None else 1)
+def main(argv: list[str]) -> int:
+    """`python -m memspec.procs.decoder.native [--all | --isa PATH] [-v]`: build the chosen
+    path now (``--all``: every path this CPU runs, two at a time, for the suite's per-path
+    tests; one build's compile leaves a core idle most of its time)."""
+    if "--isa" in argv:
+        paths: tuple[str, ...] = (argv[argv.index("--isa") + 1],)
+    else:
+        paths = isa_mod.supported() if "--all" in argv else (isa_mod.chosen_isa(),)
+    if len(paths) == 1:
+        return 0 if extension(verbose="-v" in argv, isa=paths[0]) is not None else 1
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path: str) -> int:
+        cmd = [sys.executable, "-m", "memspec.procs.decoder.native", "--isa", path]
+        return subprocess.run(cmd + (["-v"] if "-v" in argv else [])).returncode
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        codes = list(pool.map(one, paths))
+    return max(codes)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ConfigError, IndexError) as exc:
+        msg = str(exc) if isinstance(exc, ConfigError) else "--isa needs a path name"
+        print(f"memspec: error: {msg}", file=sys.stderr)
+        sys.exit(2)

@@ -5,9 +5,10 @@ replay simulator run the very same code. At every scheduling point the caller bu
 `SchedView`, asks `decide`, issues `Decision.actions` (evictions, cancels, then loads) and
 runs `Decision.run` for the next interval; after every SD iteration it calls `observe`.
 
-Contract: `run` is always resident (after `actions.evict`) or None (target alone), except
-that a blocking policy may set `wait_for`, in which case `run == wait_for` and the caller
-blocks until that draft is resident (or has failed; then it should decide again).
+Contract: `run` is always resident (after `actions.evict`), the context lookup (`LOOKUP`,
+always runnable) or None (target alone), except that a blocking policy may set `wait_for`,
+in which case `run == wait_for` and the caller blocks until that draft is resident (or has
+failed; then it should decide again).
 Quarantined (`failed`) drafts are never chosen, loaded or run.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol, cast
 
 from memspec.common.errors import ConfigError
+from memspec.common.metrics import IterationRecord
 from memspec.procs.decoder.cache_manager import (
     NO_ACTIONS,
     CacheActions,
@@ -26,7 +28,9 @@ from memspec.procs.decoder.cache_manager import (
     rank,
     update_cache,
 )
+from memspec.procs.decoder.gate import GateCosts, SpecGate, gate_decision
 from memspec.procs.decoder.loadplan import PlanCosts
+from memspec.procs.decoder.lookup import LOOKUP
 
 
 @dataclass
@@ -60,6 +64,8 @@ class Decision:
     preferred: str | None  # what the policy would run if everything were resident
     actions: CacheActions  # loads/evictions to issue now
     wait_for: str | None = None  # blocking policies: wait until resident, then run it
+    limit: int = 0  # iterations before the next scheduling point (0: the pool's N); the
+    # speculation gate probes a draft with one
 
 
 class Policy(Protocol):
@@ -71,6 +77,9 @@ class Policy(Protocol):
 
     def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
         """Feed back one SD iteration's outcome."""
+
+    def observe_iteration(self, rec: IterationRecord) -> None:
+        """The whole record of one iteration (the loop calls this; costs, context)."""
 
     def decide(self, view: SchedView) -> Decision:
         """Choose the next interval's draft and the cache actions to issue now."""
@@ -133,11 +142,24 @@ class TargetOnly:
     def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
         pass
 
+    def observe_iteration(self, rec: IterationRecord) -> None:
+        self.observe(rec.draft, rec.proposed, rec.accepted)
+
     def decide(self, view: SchedView) -> Decision:
         return Decision(None, None, NO_ACTIONS)
 
     def wants_ranking(self) -> bool:
         return self.uses_predictor
+
+
+class LookupOnly(TargetOnly):
+    """The context lookup alone as the draft (procs/decoder/lookup.py): no model, nothing to
+    load; an iteration verifies what the context proposes, or is a plain target step."""
+
+    name = "lookup-only"
+
+    def decide(self, view: SchedView) -> Decision:
+        return Decision(LOOKUP, LOOKUP, NO_ACTIONS)
 
 
 class _StaticDraft(TargetOnly):
@@ -196,94 +218,15 @@ def _plan_scores(result: str | Mapping[str, float] | None, view: SchedView) -> d
     return {d: float(scores[d]) for d in view.usable() if d in scores}
 
 
-class SpecGate:
-    """Speculate only when it pays (beyond the paper, which always runs a draft).
-
-    Lossless speculation is not free: an iteration costs gamma draft steps and a
-    (gamma+1)-row verify, so a draft must average more tokens per iteration than that costs
-    in target steps (on a 2-core CPU, int4: ~2.0) or decoding gets *slower*. The gate keeps
-    this request's tokens per iteration of each draft (an EMA, optimistic before the first
-    one) and lets the chosen draft run only if ``tau * target >= spec`` in the decoder's
-    measured costs (``PlanCosts``, in SD iterations; nothing is gated until the target
-    step has been timed). A gated draft is probed again after 4, 8, 16, ... gated
-    intervals, so a draft that starts paying later (new domain, easier text) gets back in.
-    The cache manager's loads are untouched: the working set stays warm either way (from
-    rankings refreshed less often while the gate is closed, `wants_ranking`).
-    """
-
-    ALPHA = 0.2  # weight of one iteration: an interval (4) carries ~59% of the estimate
-    FIRST_GAP = 4
-    RANK_EVERY = 4  # a closed gate's ranking refresh, in gated intervals
-    RANK_AHEAD = 2  # ... and the intervals before a probe that ask for one
-
-    def __init__(self, costs: PlanCosts | None) -> None:
-        self.costs = costs
-        self.tau: dict[str, float] = {}
-        self.gap, self.skipped = self.FIRST_GAP, 0
-        self.closed = False  # the last interval ran the target alone by the gate's choice
-
-    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
-        if draft is None:
-            return
-        old = self.tau.get(draft, proposed + 1.0)  # optimistic start: one bad iteration
-        self.tau[draft] = (1 - self.ALPHA) * old + self.ALPHA * (accepted + 1.0)  # is noise
-
-    def pays(self, draft: str) -> bool:
-        c, tau = self.costs, self.tau.get(draft)
-        if c is None or not c.timed or tau is None:
-            return True
-        return tau * c.target >= c.spec.get(draft, 1.0)
-
-    def allow(self, draft: str | None) -> bool:
-        """May `draft` run the next interval? (False: the target alone, by choice.)"""
-        if draft is None:
-            return False
-        self.closed = False
-        if self.pays(draft):
-            self.gap, self.skipped = self.FIRST_GAP, 0
-            return True
-        self.skipped += 1
-        if self.skipped > self.gap:  # probe: refresh the estimate
-            self.skipped, self.gap = 0, self.gap * 2
-            return True
-        self.closed = True
-        return False
-
-    def wants_ranking(self) -> bool:
-        """While the gate is closed the ranking matters less: it only reopens the gate when
-        its top-1 moves to a draft without a losing record (another domain), and keeps the
-        working set. So a closed gate asks for one every RANK_EVERY gated intervals and for
-        the RANK_AHEAD before a probe, not every interval: the predictor shares the
-        decoder's cores and memory bandwidth (on 2 CPU cores it slows the iterations it
-        overlaps by ~5%)."""
-        return not self.closed or self.skipped % self.RANK_EVERY == 0 \
-            or self.skipped + self.RANK_AHEAD > self.gap
-
-
 class MemSpec(TargetOnly):
-    """Keep the predicted top-K resident (Alg. 2), run the best resident one (Alg. 3),
-    unless the speculation gate says the target alone is faster."""
+    """Keep the predicted top-K resident (Alg. 2), run the best resident one (Alg. 3); with
+    the pool's speculation gate (``Gated``) only while it pays."""
 
     name = "memspec"
     uses_predictor = True
 
-    def __init__(self, costs: PlanCosts | None = None, gate: bool = True) -> None:
-        self.gate = SpecGate(costs) if gate else None
-
-    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
-        if self.gate is not None:
-            self.gate.observe(draft, proposed, accepted)
-
     def wants_ranking(self) -> bool:
-        return self.gate is None or self.gate.wants_ranking()
-
-    def _gated(self, run: str | None, preferred: str | None, actions: CacheActions
-               ) -> Decision:
-        if self.gate is not None and run is None:
-            self.gate.closed = False  # nothing runnable: the ranking drives the loads
-        if self.gate is None or run is None or self.gate.allow(run):
-            return Decision(run, preferred, actions)
-        return Decision(None, None, actions)  # chosen, not a fallback
+        return True
 
     def scores(self, view: SchedView) -> dict[str, float]:
         """The predictor's scores over usable drafts; before any arrives, the general draft."""
@@ -295,7 +238,38 @@ class MemSpec(TargetOnly):
         scores = self.scores(view)
         keep = _keeper(view, lambda names: _top1(scores, names))
         actions = update_cache(scores, view.runnable(), view.in_flight(), view.capacity, keep)
-        return self._gated(_top1(scores, _after(view, actions)), _top1(scores), actions)
+        return Decision(_top1(scores, _after(view, actions)), _top1(scores), actions)
+
+
+class Gated:
+    """Any drafting policy behind the speculation gate (procs/decoder/gate.py): its choice
+    runs while it pays, is probed one iteration at a time while that is cheap, and the
+    target runs alone otherwise (by choice: not booked as a fallback)."""
+
+    def __init__(self, inner: Policy, gate: SpecGate) -> None:
+        self.inner, self.gate = inner, gate
+        self.name, self.uses_predictor = inner.name, inner.uses_predictor
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.gate.reset()
+
+    def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
+        self.inner.observe(draft, proposed, accepted)
+
+    def observe_iteration(self, rec: IterationRecord) -> None:
+        self.gate.observe(rec)
+        self.inner.observe_iteration(rec)
+
+    def decide(self, view: SchedView) -> Decision:
+        return gate_decision(self.gate, self.inner.decide(view))
+
+    def wants_ranking(self) -> bool:
+        """A closed gate rests the predictor, except right before its next probe (whose
+        draft the ranking picks)."""
+        if not self.inner.wants_ranking():
+            return False
+        return not self.gate.closed or self.gate.probe_due(self.gate.last)
 
 
 class OracleDynamic(TargetOnly):
@@ -327,7 +301,7 @@ class PredictionOnly(MemSpec):
         want = _top1(scores)
         keep = _keeper(view, lambda names: _top1(scores, names))
         actions = _acquire(view, want, lambda names: lowest(scores, names), {keep})
-        return self._gated(_top1(scores, _after(view, actions)), want, actions)
+        return Decision(_top1(scores, _after(view, actions)), want, actions)
 
 
 class _Ucb:
@@ -345,6 +319,9 @@ class _Ucb:
 
     def wants_ranking(self) -> bool:
         return False
+
+    def observe_iteration(self, rec: IterationRecord) -> None:
+        self.observe(rec.draft, rec.proposed, rec.accepted)
 
     def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
         if draft is None:
@@ -424,7 +401,8 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
     return cast(OraclePlan, plan)
 
 
-_KW = ("oracle_plan", "costs", "gate")
+_KW = ("oracle_plan", "costs", "gate", "gate_costs")
+GATED = ("memspec", "prediction-only")  # the policies the pool's spec_gate applies to
 
 
 def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
@@ -432,8 +410,9 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
     here is deterministic.
 
     kw: `oracle_plan` (oracle-static: view -> draft name or scores; oracle-dynamic: view
-    -> Decision); `costs` (PlanCosts, what the decoder has measured) and `gate` (bool,
-    default True) for memspec's and prediction-only's speculation gate. Every policy's
+    -> Decision); `costs` (PlanCosts, oracle-dynamic's beliefs); `gate` (bool, default
+    True) and `gate_costs` (GateCosts, what an iteration costs on this machine) for the
+    speculation gate of memspec and prediction-only (no gate without costs). Every policy's
     first decision is taken before the prompt prefills, so its initial loads overlap the
     prefill (procs/decoder/loop.py, Alg. 3 line 3).
     """
@@ -448,25 +427,29 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
 
 def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
     costs = kw.get("costs")
-    gate = bool(kw.get("gate", True))
     builders = _builders(name, c, kw.get("oracle_plan"),
-                         costs if isinstance(costs, PlanCosts) else None, gate)
+                         costs if isinstance(costs, PlanCosts) else None)
     if name not in builders:
         raise ConfigError(f"unknown policy '{name}'", f"valid: {', '.join(builders)}")
-    return builders[name]()
+    policy = builders[name]()
+    gate_costs = kw.get("gate_costs")
+    if name in GATED and bool(kw.get("gate", True)) and isinstance(gate_costs, GateCosts):
+        return Gated(policy, SpecGate(gate_costs))
+    return policy
 
 
-def _builders(name: str, c: float, plan: object, costs: PlanCosts | None = None,
-              gate: bool = True) -> dict[str, Callable[[], Policy]]:
+def _builders(name: str, c: float, plan: object, costs: PlanCosts | None = None
+              ) -> dict[str, Callable[[], Policy]]:
     """Every policy by config name; oracle plans are checked only when an oracle is built."""
     return {
         "target-only": TargetOnly,
+        "lookup-only": LookupOnly,
         "general-static": GeneralStatic,
         "oracle-static": lambda: OracleStatic(_need_plan(name, plan)),
         "mab-sync": lambda: MabSync(c),
         "mab-async": lambda: MabAsync(c),
-        "prediction-only": lambda: PredictionOnly(costs, gate),
-        "memspec": lambda: MemSpec(costs, gate),
+        "prediction-only": PredictionOnly,
+        "memspec": MemSpec,
         "oracle-dynamic": lambda: OracleDynamic(_need_plan(name, plan)),
     }
 

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from memspec.common.errors import ModelError
+from memspec.common.isa import bf16_native
 from memspec.procs.decoder.cudagraph import GraphLM
 from memspec.procs.decoder.lean import Arch, LeanLM, UnsupportedArch
 from memspec.procs.decoder.native import accelerate as native_accelerate
@@ -151,15 +152,8 @@ def accelerate(lean: LeanLM, enabled: bool = True) -> Runner:
 
 
 def default_act_dtype(device: torch.device) -> torch.dtype:
-    """Activations for low-bit weights: bf16 where the CPU has native bf16, else fp32."""
+    """Activations of the PyTorch forward for low-bit weights: bf16 where the chosen kernel
+    path has native bf16 (``memspec.common.isa``: one probe for every part), else fp32."""
     if device.type != "cpu":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
-
-
-def cpu_has_bf16() -> bool:
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        fn = getattr(torch.cpu, probe, None)
-        if fn is not None and fn():
-            return True
-    return False
+    return torch.bfloat16 if bf16_native() else torch.float32

@@ -11,27 +11,39 @@ may have left the engine's state corrupt.
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memspec.common.config import PoolConfig, check_submit
+from memspec.common.config import PoolConfig
 from memspec.common.errors import MemspecError, ModelError
+from memspec.common.limits import check_request, echo_id, rank_text
 from memspec.common.manifest import NAME as MANIFEST
 from memspec.common.manifest import WeightsEntry, read_manifest, verify, weights_entry
-from memspec.common.messages import Done, Error, ErrorKind, Load, Message, Submit, Tokens
+from memspec.common.messages import (
+    Done,
+    Error,
+    ErrorKind,
+    Load,
+    Message,
+    Submit,
+    Tokens,
+    chat_text,
+)
 from memspec.common.metrics import IterationRecord, RunStats
 from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.procs.decoder.calibration import gate_costs as calibrated_gate_costs
 from memspec.procs.decoder.detok import StreamDecoder
 from memspec.procs.decoder.engine import Session, SpecEngine
+from memspec.procs.decoder.gate import GateCosts
 from memspec.procs.decoder.head import is_head
 from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
-from memspec.procs.decoder.models import encode_chat, encode_prompt
+from memspec.procs.decoder.models import check_template_roles, encode_chat, encode_prompt
 from memspec.procs.decoder.oracle import (
     ORACLE_POLICIES,
     OracleIndex,
@@ -44,13 +56,13 @@ from memspec.procs.decoder.oracle import (
 from memspec.procs.decoder.policies import make_policy
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft, draft_weights_file
 from memspec.procs.decoder.stops import StopMatcher
-from memspec.procs.decoder.tablefiles import runtime_dtype
+from memspec.procs.decoder.tablefiles import runtime_key
 
 Emit = Callable[[Message], None]
 
 
-def log(msg: str) -> None:
-    print(f"[decoder] {msg}", file=sys.stderr, flush=True)
+LOG = logging.getLogger(__name__)
+log = LOG.info  # the loop's own notes (procs/decoder/loop.py) too
 
 
 class MonotonicClock:
@@ -84,7 +96,7 @@ def open_drafts(pool: PoolConfig, target_vocab: int
             layout = read_layout(path)
             man = read_manifest(d.path)
             if man is None:
-                log(f"draft '{d.name}' has no {MANIFEST}: checked against its bytes at start "
+                LOG.warning(f"draft '{d.name}' has no {MANIFEST}: checked against its bytes at start "
                     f"only (write one: memspec manifest {d.path})")
                 entry = weights_entry(path, path.name)
             else:
@@ -94,7 +106,7 @@ def open_drafts(pool: PoolConfig, target_vocab: int
             check_vocab(d.name, d.path, layout, target_vocab)
         except MemspecError as exc:
             quarantined[d.name] = exc.problem
-            log(f"draft '{d.name}' quarantined: {exc.problem}")
+            LOG.warning(f"draft '{d.name}' quarantined: {exc.problem}")
             continue
         files[d.name] = DraftFile(path, layout, entry)
     return files, quarantined
@@ -105,7 +117,7 @@ def verify_target(target: Path) -> None:
     once per change of a file: a corrupt target is an error at start, never decoded with."""
     man = read_manifest(target)
     if man is None:
-        log(f"target {target} has no {MANIFEST}: its bytes are not checked "
+        LOG.warning(f"target {target} has no {MANIFEST}: its bytes are not checked "
             f"(write one: memspec manifest {target})")
         return
     verify(man, stamps=memspec_home() / "verified.json")
@@ -225,7 +237,8 @@ class DecoderService:
 
     def __init__(self, pool: PoolConfig, engine: SpecEngine, tokenizer: Any,
                  slots: EngineSlots, channels: Channels, cold_start: bool = False,
-                 quarantined: dict[str, str] | None = None) -> None:
+                 quarantined: dict[str, str] | None = None,
+                 gate_costs: GateCosts | None = None) -> None:
         self.pool, self.engine, self.tokenizer = pool, engine, tokenizer
         self.clock = MonotonicClock()
         self.controller = Controller(
@@ -235,8 +248,21 @@ class DecoderService:
         self.current: _Current | None = None
         self._oracles: OracleIndex | None = None
         self.K = len(slots.buffers)
-        self.plan_meter = PlanCostMeter(plan_costs(
-            pool, {d: f.layout.data_size for d, f in slots.files.items()}))
+        self._plan_prior = plan_costs(pool, {d: f.layout.data_size for d, f in slots.files.items()})
+        # oracle-dynamic's beliefs, learnt per policy: no policy learns from another's requests
+        self.plan_meters: dict[str, PlanCostMeter] = {}
+        # what the speculation gate believes an iteration costs, from this decoder's first
+        # request on: the target timed at start (cached per machine and build); a draft's
+        # own cost is measured by its first iteration in each request (the gate's first look)
+        self.gate_costs = gate_costs if gate_costs is not None else self._calibrate()
+
+    def _calibrate(self) -> GateCosts | None:
+        try:
+            return calibrated_gate_costs(self.engine, self.pool,
+                                         runtime_key(self.pool, self.engine.device), log)
+        except (RuntimeError, ValueError, OSError) as exc:  # an engine that cannot be timed
+            LOG.warning(f"no start-up calibration ({exc}); the speculation gate is off")
+            return None
 
     @property
     def busy(self) -> bool:
@@ -249,22 +275,26 @@ class DecoderService:
         except MemspecError as exc:
             self.current = None
             self.controller.abort(req.req_id)
-            emit(Error(req_id=req.req_id, message=str(exc), kind="request"))
+            emit(Error(req_id=echo_id(req.req_id), message=str(exc), kind="request"))
 
     def _start(self, req: Submit, emit: Emit) -> None:
         t_start = self.clock.now()
-        check_submit(req)
+        check_request(req)  # the front doors' limits, again: nothing unchecked is tokenised
+        check_template_roles(self.tokenizer, req.messages)
         policy_name = req.policy or self.pool.policy
-        params = SamplingParams(req.temperature, req.top_p, req.seed)
+        params = SamplingParams(req.temperature, req.top_p, req.seed, req.top_k, req.min_p)
         ids = (encode_chat(self.tokenizer, [{"role": m.role, "content": m.content}
                                             for m in req.messages])
                if req.messages else encode_prompt(self.tokenizer, req.prompt))
+        # every snapshot carries the predictor's text: cut once to what it reads
+        ranked = rank_text(req.prompt or chat_text(req.messages))
         plan = None
-        costs = self.plan_meter.costs(self.controller.load_seconds)
+        meter = self.plan_meters.setdefault(policy_name, PlanCostMeter(self._plan_prior))
+        costs = meter.costs(self.controller.load_seconds)
         if policy_name in ORACLE_POLICIES:
             if self._oracles is None:
                 self._oracles = oracle_index(self.pool,
-                                             runtime_dtype(self.pool, self.engine.device))
+                                             runtime_key(self.pool, self.engine.device))
                 log(f"oracle tables for {len(self._oracles)} traced prompts")
             tables = prompt_tables(self._oracles, policy_name, ids, params.greedy)
             plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
@@ -272,7 +302,7 @@ class DecoderService:
                              self.K, costs, len(ids))
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
-                             gate=self.pool.spec_gate)
+                             gate=self.pool.spec_gate, gate_costs=self.gate_costs)
         max_new = req.max_new_tokens or self.pool.max_new_tokens
         out = _Output(self.tokenizer, req.stop)
 
@@ -289,7 +319,7 @@ class DecoderService:
             self.current = _Current(req, emit, session, out)
             return out.executor
 
-        self.controller.start(Job(req.req_id, req.prompt, policy, None, t_start,
+        self.controller.start(Job(req.req_id, ranked, policy, None, t_start,
                                   trace=req.trace, prefill=prefill,
                                   chunks=self.engine.exact_chunks))
 
@@ -302,7 +332,7 @@ class DecoderService:
         if summary is None:
             return
         self.current = None
-        self.plan_meter.observe(cur.session.stats.records)
+        self.plan_meters[summary.policy].observe(cur.session.stats.records)
         out = cur.out
         rest = out.flush()  # text held back for an incomplete character at the end
         if rest:

@@ -8,25 +8,13 @@ is everything the client sees (vLLM and the OpenAI API behave the same way).
 
 from __future__ import annotations
 
-from memspec.common.errors import RequestError
-
-MAX_STOPS = 4  # as the OpenAI API
-MAX_STOP_CHARS = 256
-
-
-def check_stops(stops: list[str]) -> list[str]:
-    if len(stops) > MAX_STOPS:
-        raise RequestError(f"{len(stops)} stop strings", f"send at most {MAX_STOPS}")
-    for s in stops:
-        if not s or len(s) > MAX_STOP_CHARS:
-            raise RequestError(f"stop string of {len(s)} characters",
-                               f"send stop strings of 1 to {MAX_STOP_CHARS} characters")
-    return stops
+from memspec.common.limits import check_stops
 
 
 class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
-        self.stops = check_stops(list(stops))
+        check_stops(stops)  # the request's limits (common/limits.py)
+        self.stops = list(stops)
         self.held = ""
         self.hit = False
 

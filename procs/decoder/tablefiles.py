@@ -3,10 +3,11 @@
 Tables are only valid for the exact draft weights, gamma and target precision they came
 from, so every file records all three; a reader that finds other weights treats the file as
 absent (and `memspec trace` rebuilds it) instead of silently replaying stale acceptance.
-The target's greedy trajectory depends on its precision (int4 and fp32 argmaxes differ on
-near-ties), so traces made by the engine live in one folder per runtime dtype
-(``traces/<dtype>/``); the top folder keeps the fp32 Hugging Face trajectories that draft
-training and `memspec zoo eval` use. Pure I/O, read by the decoder's oracle policies and
+The target's greedy trajectory depends on its numerics (int4 and fp32 argmaxes differ on
+near-ties, and so can two CPU kernel paths whose reductions add in other orders), so traces
+made by the engine live in one folder per numerics key (``traces/<dtype>-<kernel path>/``,
+see :func:`numerics_key`); the top folder keeps the fp32 Hugging Face trajectories that
+draft training and `memspec zoo eval` use. Pure I/O, read by the decoder's oracle policies and
 written and read by the offline tools (zoo/tablestore.py).
 """
 
@@ -40,17 +41,38 @@ def pool_fingerprint(pool: PoolConfig) -> dict[str, str]:
 
 
 def traces_dir(dtype: str | None = None) -> Path:
-    """Where traces live: one folder per target precision for the engine's traces."""
+    """Where traces live: one folder per numerics key for the engine's traces."""
     root = memspec_home() / "traces"
     return root / dtype if dtype else root
 
 
 def runtime_dtype(pool: PoolConfig, device: str | torch.device | None = None) -> str:
     """The precision the decoder runs this pool's target in (`dtype = "auto"` resolved for
-    the device it picks: CUDA when present, else the CPU), i.e. whose traces it reads."""
+    the device it picks: CUDA when present, else the CPU)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return resolve_dtype(pool.dtype, pool.target, device)
+
+
+def numerics_key(dtype: str, device: str | torch.device = "cpu") -> str:
+    """What decides the target's bits: its dtype and, on a CPU, the kernel path
+    (``memspec.common.isa``), which also fixes the activation precision (the C++ forward
+    runs fp32 rows, int8-quantised per 32 inside the block kernels; the PyTorch forward,
+    ``-torch``, bf16 rows where the path has native bf16, else fp32). Traces, tables and
+    cost calibrations are keyed by it."""
+    if torch.device(device).type == "cuda":
+        return f"{dtype}-cuda"
+    from memspec.common.isa import chosen_isa
+
+    native = os.environ.get("MEMSPEC_NATIVE", "1") != "0" or dtype == "float32"
+    return f"{dtype}-{chosen_isa()}" + ("" if native else "-torch")
+
+
+def runtime_key(pool: PoolConfig, device: str | torch.device | None = None) -> str:
+    """The numerics key of the decoder's target for this pool: whose traces it reads."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return numerics_key(runtime_dtype(pool, device), device)
 
 
 def _suffix(pool: PoolConfig) -> str:

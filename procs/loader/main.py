@@ -13,15 +13,15 @@ answered with ``Error``/``LoadFailed`` and never ends the process.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
-import sys
 import time
 from collections import deque
 
 import zmq
 
-from memspec.common import sockets
+from memspec.common import child, sockets
 from memspec.common.messages import (
     LOADER_REQUESTS,
     Cancel,
@@ -46,8 +46,8 @@ HEARTBEAT_S = 0.5
 CHUNK = 1 << 20
 
 
-def log(text: str) -> None:
-    print(f"[{PROC}] {text}", file=sys.stderr, flush=True)
+LOG = logging.getLogger(f"memspec.{PROC}")  # not __name__: run as __main__
+log = LOG.info
 
 
 class LoaderProcess:
@@ -67,8 +67,8 @@ class LoaderProcess:
         self.stopping = False
         self.loads = 0
         self.failures = 0
-        self.rejected = sockets.RejectLog(log)
-        self.failed = sockets.RejectLog(log, what="failed load")  # hostile Loads fail fast
+        self.rejected = sockets.RejectLog(LOG.warning)
+        self.failed = sockets.RejectLog(LOG.warning, what="failed load")  # hostile Loads fail fast
         self._next_beat = 0.0
 
     # --- control plane -------------------------------------------------------------------
@@ -82,7 +82,7 @@ class LoaderProcess:
         try:
             sockets.send(self.router, msg, ident=ident)
         except zmq.ZMQError as exc:
-            log(f"reply {type_name(msg)} dropped: {exc}")
+            LOG.warning(f"reply {type_name(msg)} dropped: {exc}")
 
     def _beat(self) -> None:
         now = time.monotonic()
@@ -101,7 +101,7 @@ class LoaderProcess:
             except zmq.Again:
                 return
             except ValueError:  # a frame list without an identity cannot be answered
-                log("dropped a message without a routing identity")
+                LOG.warning("dropped a message without a routing identity")
                 continue
             self._handle(ident, msg)
 
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--io", choices=IO_MODES, default="auto",
                     help="auto/direct: O_DIRECT when the filesystem allows; buffered: fadvise")
     args = ap.parse_args(argv)
+    child.start(PROC)
     proc = LoaderProcess(args.endpoint, args.control, args.chunk, args.io)
 
     def on_signal(signum: int, _frame: object) -> None:

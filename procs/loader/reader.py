@@ -13,10 +13,10 @@ reads with a log line.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import queue
-import sys
 import threading
 from collections.abc import Iterator
 
@@ -29,7 +29,7 @@ _warned: set[str] = set()
 def log_once(key: str, text: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        print(f"[loader] {text}", file=sys.stderr, flush=True)
+        logging.getLogger(__name__).warning(text)
 
 
 def drop_cache(fd: int) -> None:

@@ -19,6 +19,8 @@ from transformers import AutoModel, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from memspec.common.errors import ModelError
+from memspec.common.isa import bf16_native
+from memspec.common.limits import RANK_TEXT_CHARS, rank_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -65,31 +67,27 @@ def _cut_middle(ids: list[int], budget: int) -> list[int]:
 
 
 def _trim_chars(text: str, keep_end: bool) -> str:
-    """Cheap pre-cut so a megabyte prompt costs no more to tokenise than a page.
-
-    Generous (16 chars per kept piece) so the word-piece cut below decides what survives.
-    """
-    limit = 16 * MAX_PIECES
-    if len(text) <= limit:
-        return text
-    if keep_end:
-        return text[-limit:]
-    head = int(limit * PROMPT_HEAD_FRACTION)
-    return text[:head] + " " + text[len(text) - (limit - head):]
+    """Cheap pre-cut so a megabyte prompt costs no more to tokenise than a page: the request
+    limits' own cut (`memspec.common.limits.rank_text`, generous at 16 characters per kept
+    piece, so the word-piece cut below decides what survives); a recent tail keeps its end."""
+    if not keep_end:
+        return rank_text(text)
+    return text[-RANK_TEXT_CHARS:]
 
 
 ENCODER_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def encoder_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """``auto``: bfloat16 on a CPU with native bf16 matmuls (AVX512-BF16/AMX: ~1.7x faster
-    than fp32 and half the memory traffic next to the decoder; rankings agree with fp32 on
-    600 of 600 test/mixed snapshots' top-1), float32 elsewhere (emulated bf16 is slower)."""
+    """``auto``: bfloat16 where the chosen kernel path has native bf16 (AVX512-BF16, see
+    ``memspec.common.isa``; ~1.7x faster than fp32 and half the memory traffic next to the
+    decoder; rankings agree with fp32 on 600 of 600 test/mixed snapshots' top-1), float32
+    elsewhere (emulated bf16 is slower). ``MEMSPEC_ISA`` lowers it like the decoder's."""
     if name not in ENCODER_DTYPES:
         raise ModelError(f"unknown encoder dtype {name!r}", f"use one of {ENCODER_DTYPES}")
     if name == "auto":
         fast = torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() \
-            and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+            and bf16_native()
         return torch.bfloat16 if fast else torch.float32
     return getattr(torch, name)
 

@@ -14,9 +14,9 @@ Only Snapshot is accepted on the ROUTER; SIGTERM stops the process.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +25,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import zmq  # noqa: E402
 
+from memspec.common import child  # noqa: E402
 from memspec.common.config import load_pool  # noqa: E402
 from memspec.common.errors import MemspecError, ModelError  # noqa: E402
+from memspec.common.limits import rank_text, recent_window, valid_req_id  # noqa: E402
 from memspec.common.messages import (  # noqa: E402
     PREDICTOR_REQUESTS,
     Error,
@@ -46,8 +48,8 @@ HEARTBEAT_S = 0.5
 MAX_DRAIN = 256  # messages read per wake-up before answering; bounds one round's latency
 
 
-def log(msg: str) -> None:
-    print(f"[{PROC}] {msg}", file=sys.stderr, flush=True)
+LOG = logging.getLogger(f"memspec.{PROC}")  # not __name__: run as __main__
+log = LOG.info
 
 
 def newest_per_peer(items: list[tuple[bytes, Snapshot]]) -> list[tuple[bytes, Snapshot]]:
@@ -61,6 +63,14 @@ def newest_per_peer(items: list[tuple[bytes, Snapshot]]) -> list[tuple[bytes, Sn
     return list(latest.values())
 
 
+def bounded(snap: Snapshot, T: int) -> Snapshot:
+    """The part of a snapshot the encoder reads, cut before anything is tokenised or checked
+    (whatever a peer sends, a ranking costs what a well-formed one does): the prompt's head
+    and tail (`rank_text`) and the last `T` recent ids."""
+    return Snapshot(req_id=snap.req_id, seq=snap.seq, prompt=rank_text(snap.prompt),
+                    recent_ids=recent_window(snap.recent_ids, T))
+
+
 class Server:
     """The poll loop; the ranker is injected so the loop logic is testable on its own."""
 
@@ -68,7 +78,7 @@ class Server:
         self.router, self.control, self.ranker = router, control, ranker
         self.pid = os.getpid()
         self.stop = False
-        self.rejected = RejectLog(log)
+        self.rejected = RejectLog(LOG.warning)
         self.dropped_stale = 0
 
     def reject(self, ident: bytes | None, req_id: str, reason: str) -> None:
@@ -98,6 +108,10 @@ class Server:
         self.dropped_stale += len(snaps) - len(fresh)
         good = []
         for ident, snap in fresh:
+            if not valid_req_id(snap.req_id):
+                self.reject(ident, "", "a snapshot's req_id outside the request limits")
+                continue
+            snap = bounded(snap, self.ranker.T)
             if self.ranker.bad_ids(snap.recent_ids):
                 self.reject(ident, snap.req_id, "recent_ids outside the target vocabulary")
             else:
@@ -116,7 +130,10 @@ class Server:
                                       scores=row, latency_s=seconds), ident=ident)
 
     def heartbeat(self, state: str) -> None:
-        send(self.control, Heartbeat(proc=PROC, pid=self.pid, state=state))
+        try:  # a supervisor that stopped reading must never end the predictor
+            send(self.control, Heartbeat(proc=PROC, pid=self.pid, state=state))
+        except zmq.Again:
+            pass
 
     def serve(self) -> None:
         poller = zmq.Poller()
@@ -161,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: leave the cores to the decoder)")
     args = ap.parse_args(argv)
+    child.start(PROC)
 
     ctx = zmq.Context()
     control = configure(ctx.socket(zmq.PUSH))
@@ -201,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if ranker.encoder is not None:
             ranker.encoder.warm()
         if ranker.notice:
-            log(ranker.notice)  # once: the supervisor repeats it on its own stderr
+            LOG.warning(ranker.notice)  # once: the supervisor repeats it in its own log
         load_s = time.perf_counter() - t0
         server = Server(router, control, ranker)
         head = f"{FALLBACK}{ranker.notice}" if ranker.notice else str(head_path_for(pool,
@@ -214,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         server.serve()
         return 0
     except MemspecError as exc:
-        log(f"error: {exc}")
+        LOG.error(f"error: {exc}")
         _control_error(control, str(exc))
         return 2
     except KeyboardInterrupt:

@@ -1,16 +1,18 @@
 // The lean Llama-family forward for CPUs, as one C++ call per forward.
 //
 // Why C++: at batch 1 a decode step on a CPU is a pass over the weights (the matmuls,
-// done by PyTorch's own dense / int8 / int4 kernels) plus ~50 small operators per layer
+// done by the block kernels of qgemm.cpp) plus ~50 small operators per layer
 // (norms, rotary, cache writes, attention, SiLU). From Python each of those costs a few
 // microseconds of dispatch; over 30 layers that is as much time as the weights. Here the
 // small operators are plain loops over fp32, and each query row is computed alone with a
 // fixed order of operations, so a token's logits do not depend on how many tokens were
 // batched with it (a verify of gamma+1 tokens agrees bit for bit with single steps).
 //
-// Layout: residual stream fp32 [T, hidden]; matmul inputs/outputs in the activation dtype
-// (bf16 on CPUs with native bf16, else fp32); KV caches [kv_heads, capacity, head_dim] per
-// layer in the activation dtype; rotary in the half-split layout of HF Llama.
+// Layout: residual stream and every matmul's input and output fp32 [T, hidden] (the
+// kernels round rows themselves where their format needs it); K caches fp32 in blocks of
+// 16 keys, V caches fp32 [kv_heads, capacity, head_dim] per layer; rotary in the
+// half-split layout of HF Llama. Built once per kernel path (native.py); the loops here are
+// plain C++ that the compiler vectorises for that path.
 
 #include <torch/extension.h>
 
@@ -30,7 +32,9 @@ constexpr int64_t QR = 3;   // queries scored together in attention (one KV grou
 
 struct Lin {
   int64_t kind = 0;
-  // 0 dense (BLAS), 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (VNNI), 5 bf16 (AVX-512 BF16)
+  // 0 dense (BLAS), 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (block kernels), 5 bf16 / fp16
+  // weights (qgemm.h). Every kind takes fp32 rows and returns fp32 rows; the kinds that run
+  // someone else's kernel cast to and from the dtype that kernel needs.
   at::Tensor w, aux, bias;
   memspec::PackedQ4 q4;
   memspec::PackedQ8 q8;
@@ -41,26 +45,30 @@ struct Lin {
     at::Tensor y;
     switch (kind) {
       case 0: return dense(x);
-      case 2: y = at::_weight_int4pack_mm_for_cpu(x, w, memspec::QGROUP, aux); break;
+      case 2: y = at::_weight_int4pack_mm_for_cpu(x.to(aux.scalar_type()), w, memspec::QGROUP, aux)
+                      .to(at::kFloat); break;
       case 3: y = memspec::gemm_q4(x, q4); break;
       case 4: y = memspec::gemm_q8(x, q8); break;
-      case 5: y = memspec::gemm_bf16(x, w); break;
+      case 5: y = memspec::gemm_f16w(x, w); break;
       default: TORCH_CHECK(false, "unknown weight format ", kind);
     }
-    if (bias.defined()) y.add_(bias.to(y.scalar_type()));
+    if (bias.defined()) y.add_(bias.to(at::kFloat));
     return y;
   }
 
   // Dense BLAS kernels pick their blocking by the number of rows, so a row's result can
   // differ between a 1-row step and a 5-row verify; padded to a fixed row count, the same
-  // kernel runs for both and every row comes out the same bit for bit.
-  at::Tensor dense(const at::Tensor& x) const {
+  // kernel runs for both and every row comes out the same bit for bit. (Larger calls, e.g.
+  // prefill chunks, are not padded: a runner with dense layers does not chunk.)
+  at::Tensor dense(const at::Tensor& x_in) const {
+    const at::Tensor x = x_in.to(w.scalar_type());
     const int64_t M = x.size(0);
-    if (pad_rows <= M) return bias.defined() ? at::linear(x, w, bias) : at::linear(x, w);
+    if (pad_rows <= M)
+      return (bias.defined() ? at::linear(x, w, bias) : at::linear(x, w)).to(at::kFloat);
     at::Tensor xp = at::zeros({pad_rows, x.size(1)}, x.options());
     xp.slice(0, 0, M).copy_(x);
     at::Tensor y = bias.defined() ? at::linear(xp, w, bias) : at::linear(xp, w);
-    return y.slice(0, 0, M);
+    return y.slice(0, 0, M).to(at::kFloat);
   }
 };
 
@@ -127,15 +135,13 @@ void rmsnorm(const float* x, const float* w, S* out, int64_t rows, int64_t n, fl
 // Dimensions and the per-layer kernels shared by the target model and draft heads.
 class Core {
  public:
-  Core(py::tuple dims, double rope_theta, const std::string& act_dtype) {
+  Core(py::tuple dims, double rope_theta) {
     hidden_ = dims[0].cast<int64_t>();
     heads_ = dims[1].cast<int64_t>();
     kvh_ = dims[2].cast<int64_t>();
     hd_ = dims[3].cast<int64_t>();
     inter_ = dims[4].cast<int64_t>();
     eps_ = dims[5].cast<double>();
-    act_ = act_dtype == "bfloat16" ? at::kBFloat16 : act_dtype == "float16" ? at::kHalf
-                                                                         : at::kFloat;
     const int64_t half = hd_ / 2;
     inv_freq_.resize(half);
     for (int64_t i = 0; i < half; ++i)
@@ -275,114 +281,129 @@ class Core {
     });
   }
 
-  // Scores of U queries against one K block of KB keys, into their rows of sc (row stride
-  // n_pad); a query whose causal limit ends before the block is skipped.
-  template <int64_t U>
-  static void score_block(const float* const* q, const int64_t* lim, const float* blk,
-                          int64_t l0, int64_t hd, float* sc, int64_t n_pad) {
-    bool any = false;
-    for (int64_t u = 0; u < U; ++u) any |= l0 < lim[u];
-    if (!any) return;
-    float s[U][KB] = {};
+  // Scores of U queries against B consecutive K blocks of KB keys each, into their rows of
+  // sc (row stride n_pad): U * B independent FMA chains hide the FMA latency, and every
+  // key's score is its own chain over d in order, whatever U and B are.
+  template <int64_t U, int64_t B>
+  static void score_blocks(const float* const* q, const float* blk, int64_t hd, float* sc,
+                           int64_t n_pad, int64_t l0) {
+    float s[U][B * KB] = {};
     for (int64_t d = 0; d < hd; ++d) {
-      const float* k = blk + d * KB;
       for (int64_t u = 0; u < U; ++u) {
         const float qd = q[u][d];
+        for (int64_t b = 0; b < B; ++b) {
+          const float* k = blk + (b * hd + d) * KB;
 #pragma omp simd
-        for (int64_t i = 0; i < KB; ++i) s[u][i] += qd * k[i];
+          for (int64_t i = 0; i < KB; ++i) s[u][b * KB + i] += qd * k[i];
+        }
       }
     }
-    for (int64_t u = 0; u < U; ++u)
-      if (l0 < lim[u]) std::copy(s[u], s[u] + KB, sc + u * n_pad + l0);
+    for (int64_t u = 0; u < U; ++u) std::copy(s[u], s[u] + B * KB, sc + u * n_pad + l0);
+  }
+
+  // the g queries of one token against keys [0, n_pad): two blocks at a time, QR queries
+  template <int64_t U>
+  static void score_rows(const float* const* q, const float* kb, int64_t hd, float* sc,
+                         int64_t n_pad) {
+    int64_t l0 = 0;
+    for (; l0 + 2 * KB <= n_pad; l0 += 2 * KB)
+      score_blocks<U, 2>(q, kb + l0 * hd, hd, sc, n_pad, l0);
+    for (; l0 < n_pad; l0 += KB) score_blocks<U, 1>(q, kb + l0 * hd, hd, sc, n_pad, l0);
+  }
+
+  // acc[u] = sum over keys l < n of p[u][l] * v[l], in key order per output; HD known at
+  // compile time keeps the U accumulators in registers
+  template <int64_t U, int64_t HD>
+  static void weigh_values(const float* sc, int64_t n_pad, const float* vb, int64_t n,
+                           float* acc, int64_t hd_stride) {
+    float a[U][HD] = {};
+    for (int64_t l = 0; l < n; ++l) {
+      const float* vr = vb + l * HD;
+      for (int64_t u = 0; u < U; ++u) {
+        const float p = sc[u * n_pad + l];
+#pragma omp simd
+        for (int64_t d = 0; d < HD; ++d) a[u][d] += p * vr[d];
+      }
+    }
+    for (int64_t u = 0; u < U; ++u) std::copy(a[u], a[u] + HD, acc + u * hd_stride);
+  }
+
+  static void weigh_values_any(const float* sc, int64_t n_pad, const float* vb, int64_t n,
+                               float* a, int64_t hd) {
+    std::fill(a, a + hd, 0.f);
+    for (int64_t l = 0; l < n; ++l) {
+      const float p = sc[l];
+      const float* vr = vb + l * hd;
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) a[d] += p * vr[d];
+    }
   }
 
   // Causal GQA attention over fp32 caches: K is stored in blocks of KB keys, each block
   // [hd, KB] contiguous, so scores for KB consecutive keys are KB lanes of one FMA chain
   // over 4 KB read in order (a plain [hd, capacity] layout strides by the capacity and
-  // thrashes L1), and V row-major
-  // so the weighted sum is a broadcast FMA; neither needs a horizontal reduction. Every
-  // query of a KV head's group (all T rows) reuses each key block while it is in L1, and
-  // each query's own arithmetic (dot products in d order, its softmax, its sum in key
-  // order) is the same whatever T is.
+  // thrashes L1), and V row-major so the weighted sum is a broadcast FMA; neither needs a
+  // horizontal reduction. Work is split into (KV head, token) pairs, so a verify of 5 tokens
+  // keeps both cores busy (3 KV heads alone split 2:1), and each task scores its token's
+  // queries of the group against the keys that token may see. Each query's own arithmetic
+  // (dot products in d order, its softmax, its sum in key order) is the same whatever T is
+  // and however the tasks fall on threads.
   void attend(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
               int64_t pos, int64_t T) {
     const int64_t g = heads_ / kvh_, cap = vc.size(1), hd = hd_, nq = heads_ * hd_;
-    const int64_t rows = T * g, n_max = pos + T, n_pad = (n_max + KB - 1) / KB * KB;
+    const int64_t n_pad_max = (pos + T + KB - 1) / KB * KB;
     const float* qp = q.data_ptr<float>();
     const float* kp = kc.data_ptr<float>();
     const float* vp = vc.data_ptr<float>();
-    // KV heads in parallel: each writes its own columns of out, with its own buffers
-    at::parallel_for(0, kvh_, 1, [&](int64_t j0, int64_t j1) {
-    std::vector<float> sc(rows * n_pad), acc(rows * hd);
-    std::vector<const float*> qr(rows);
-    std::vector<int64_t> lim(rows);
-    for (int64_t j = j0; j < j1; ++j) {
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t i = 0; i < g; ++i) {
-          qr[t * g + i] = qp + t * nq + (j * g + i) * hd;
-          lim[t * g + i] = pos + t + 1;
-        }
-      const float* kb = kp + j * cap * hd;  // [cap / KB, hd, KB]
-      const float* vb = vp + j * cap * hd;  // [cap, hd]
-      for (int64_t l0 = 0; l0 < n_pad; l0 += KB) {
-        const float* blk = kb + l0 * hd;
-        // QR queries at a time: independent FMA chains hide the FMA latency, while each
-        // query's own chain (d in order) is unchanged, so its bits do not depend on T
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, kvh_ * T, 1, [&](int64_t a0, int64_t a1) {
+      std::vector<float> sc(g * n_pad_max), acc(g * hd);
+      std::vector<const float*> qr(g);
+      for (int64_t task = a0; task < a1; ++task) {
+        const int64_t j = task / T, t = task % T;
+        const int64_t n = pos + t + 1, n_pad = (n + KB - 1) / KB * KB;
+        for (int64_t i = 0; i < g; ++i) qr[i] = qp + t * nq + (j * g + i) * hd;
+        const float* kb = kp + j * cap * hd;  // [cap / KB, hd, KB]
+        const float* vb = vp + j * cap * hd;  // [cap, hd]
         int64_t r = 0;
-        for (; r + QR <= rows; r += QR)
-          score_block<QR>(&qr[r], &lim[r], blk, l0, hd, &sc[r * n_pad], n_pad);
-        for (; r < rows; ++r)
-          score_block<1>(&qr[r], &lim[r], blk, l0, hd, &sc[r * n_pad], n_pad);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = sc.data() + r * n_pad;
-        float mx = -INFINITY;
-        for (int64_t l = 0; l < lim[r]; ++l) mx = sr[l] > mx ? sr[l] : mx;
-        const int64_t n = lim[r];
+        for (; r + QR <= g; r += QR) score_rows<QR>(&qr[r], kb, hd, &sc[r * n_pad], n_pad);
+        for (; r < g; ++r) score_rows<1>(&qr[r], kb, hd, &sc[r * n_pad], n_pad);
+        for (int64_t r = 0; r < g; ++r) {
+          float* sr = sc.data() + r * n_pad;
+          float mx = -INFINITY;
+          for (int64_t l = 0; l < n; ++l) mx = sr[l] > mx ? sr[l] : mx;
 #pragma omp simd
-        for (int64_t l = 0; l < n; ++l) sr[l] = fexp(sr[l] - mx);
-        float sum = 0.f;
+          for (int64_t l = 0; l < n; ++l) sr[l] = fexp(sr[l] - mx);
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < n; ++l) sum += sr[l];
-        const float inv = 1.f / sum;
+          for (int64_t l = 0; l < n; ++l) sum += sr[l];
+          const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t l = 0; l < n; ++l) sr[l] *= inv;
-        std::fill(acc.begin() + r * hd, acc.begin() + (r + 1) * hd, 0.f);
-      }
-      for (int64_t l = 0; l < n_max; ++l) {
-        const float* vr = vb + l * hd;
-        for (int64_t r = 0; r < rows; ++r) {
-          if (l >= lim[r]) continue;
-          const float p = sc[r * n_pad + l];
-          float* a = acc.data() + r * hd;
-#pragma omp simd
-          for (int64_t d = 0; d < hd; ++d) a[d] += p * vr[d];
+          for (int64_t l = 0; l < n; ++l) sr[l] *= inv;
         }
+        r = 0;
+        if (hd == 64)
+          for (; r + QR <= g; r += QR)
+            weigh_values<QR, 64>(&sc[r * n_pad], n_pad, vb, n, &acc[r * hd], hd);
+        for (; r < g; ++r) weigh_values_any(&sc[r * n_pad], n_pad, vb, n, &acc[r * hd], hd);
+        for (int64_t i = 0; i < g; ++i)
+          std::copy(acc.begin() + i * hd, acc.begin() + (i + 1) * hd,
+                    op + t * nq + (j * g + i) * hd);
       }
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "att", [&] {
-        scalar_t* op = out.data_ptr<scalar_t>();
-        for (int64_t t = 0; t < T; ++t)
-          for (int64_t i = 0; i < g; ++i) {
-            const float* a = acc.data() + (t * g + i) * hd;
-            scalar_t* o = op + t * nq + (j * g + i) * hd;
-            for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<scalar_t>(a[d]);
-          }
-      });
-    }
     });
   }
 
   int64_t hidden_ = 0, heads_ = 0, kvh_ = 0, hd_ = 0, inter_ = 0;
   double eps_ = 1e-6;
-  at::ScalarType act_ = at::kFloat;
+  at::ScalarType act_ = at::kFloat;  // every kernel takes and gives fp32 rows
   std::vector<float> inv_freq_;
 };
 
 class Model : public Core {
  public:
   Model(py::tuple dims, at::Tensor embed, py::object embed_scale, py::list layers,
-        at::Tensor norm, py::tuple head, double rope_theta, std::string act_dtype)
-      : Core(dims, rope_theta, act_dtype), embed_(embed),
+        at::Tensor norm, py::tuple head, double rope_theta)
+      : Core(dims, rope_theta), embed_(embed),
         norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
     if (!embed_scale.is_none()) embed_scale_ = embed_scale.cast<at::Tensor>().to(at::kFloat);
     for (auto item : layers) {
@@ -462,13 +483,16 @@ class Model : public Core {
 // final norm and the target's LM-head rows of the draft vocabulary.
 class Head : public Core {
  public:
+  // `lm`: a weight spec tuple, or a `Linear` already built (heads of one target share its
+  // packed LM-head rows: binding a head then packs nothing)
   Head(py::tuple dims, py::tuple fc, at::Tensor norm_e, at::Tensor norm_g, py::list qkv,
        py::tuple o, at::Tensor ln2, py::list gate_up, py::tuple down, at::Tensor final_norm,
-       py::tuple lm, double rope_theta, std::string act_dtype)
-      : Core(dims, rope_theta, act_dtype), fc_(make_lin(fc)),
+       py::object lm, double rope_theta)
+      : Core(dims, rope_theta), fc_(make_lin(fc)),
         norm_e_(norm_e.to(at::kFloat).contiguous()), norm_g_(norm_g.to(at::kFloat).contiguous()),
         o_(make_lin(o)), ln2_(ln2.to(at::kFloat).contiguous()), down_(make_lin(down)),
-        final_norm_(final_norm.to(at::kFloat).contiguous()), lm_(make_lin(lm)) {
+        final_norm_(final_norm.to(at::kFloat).contiguous()),
+        lm_(py::isinstance<py::tuple>(lm) ? make_lin(lm.cast<py::tuple>()) : lm.cast<Lin>()) {
     for (auto q : qkv) qkv_.push_back(make_lin(q.cast<py::tuple>()));
     for (auto q : gate_up) gate_up_.push_back(make_lin(q.cast<py::tuple>()));
   }
@@ -514,18 +538,17 @@ class Head : public Core {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Model>(m, "Model")
-      .def(py::init<py::tuple, at::Tensor, py::object, py::list, at::Tensor, py::tuple, double,
-                    std::string>())
+      .def(py::init<py::tuple, at::Tensor, py::object, py::list, at::Tensor, py::tuple, double>())
       .def("forward", &Model::forward)
       .def("set_pad_rows", &Model::set_pad_rows)
       .def("embed", &Model::embed);
   py::class_<Head>(m, "Head")
       .def(py::init<py::tuple, py::tuple, at::Tensor, at::Tensor, py::list, py::tuple, at::Tensor,
-                    py::list, py::tuple, at::Tensor, py::tuple, double, std::string>())
+                    py::list, py::tuple, at::Tensor, py::object, double>())
       .def("fc", &Head::fc)
       .def("forward", &Head::forward);
-  m.def("qgemm_available", &memspec::qgemm_available);
-  m.def("bf16_available", &memspec::bf16_available);
+  m.def("kernel_path", &memspec::k::kernel_path);
+  m.def("bf16_native", &memspec::k::bf16_native);
   // one linear layer on its own: the bare-matmul floor in `memspec bench engine`
   py::class_<Lin>(m, "Linear")
       .def(py::init([](py::tuple t) { return make_lin(t); }))

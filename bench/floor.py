@@ -1,0 +1,268 @@
+"""`memspec bench floor`: is memspec ever slower than plain decoding, and does the pipeline
+keep the engine's speed? Measured side by side, end to end, on held-out (dev) prompts.
+
+- **cold**: one fresh `memspec generate --json` per prompt and policy (three processes
+  started, a decoder that has never run a request), policies interleaved per prompt:
+  memspec and general-static against target-only, and target-only `--in-process`
+  (the engine alone, every core) against target-only through the three processes;
+- **warm**: one long-lived `memspec up` per policy, each serving only its own policy (no
+  policy's costs or gate can come from another's requests), and an in-process engine in
+  this process; the same prompts, interleaved.
+
+Per prompt: end-to-end tokens/s (request arrival to last token: prefill, loads, binds,
+prediction and scheduling all counted) and the ratios; geometric means, the worst prompt,
+memspec's time split (which must add up to its wall clock), how often the predictor ranked
+and its share of decode time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from memspec.common.errors import MemspecError
+from memspec.common.machine import machine_info, machine_line
+from memspec.zoo.prompts import load_prompts
+
+MEMSPEC = [sys.executable, "-m", "memspec"]
+README_PROMPT = "Write a Python function that returns the factorial of n."
+DOMAINS = ("general", "code", "math", "law", "medical")
+COLD = ("target-only", "memspec", "general-static")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench floor] {msg}", file=sys.stderr, flush=True)
+
+
+def gmean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0]
+    return float(statistics.geometric_mean(xs)) if xs else 0.0
+
+
+def prompts(per_domain: int) -> list[dict]:
+    rows = load_prompts("dev", DOMAINS, per_domain=per_domain)
+    return [{"id": "readme", "domain": "code", "prompt": README_PROMPT}] + \
+        [{"id": r["id"], "domain": r["domain"], "prompt": r["prompt"]} for r in rows]
+
+
+def generate(prompt: str, policy: str, max_new: int, pool: str | None,
+             in_process: bool = False) -> dict[str, Any]:
+    """A fresh `memspec generate --json`: its stats (the decoder's clock) and its tokens."""
+    cmd = [*MEMSPEC, "generate", "--json", "--policy", policy, "--max-new-tokens", str(max_new)]
+    cmd += (["--pool", pool] if pool else []) + (["--in-process"] if in_process else [])
+    t0 = time.perf_counter()
+    out = subprocess.run([*cmd, prompt], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise MemspecError(f"memspec generate failed: {out.stderr.strip()[-300:]}")
+    res = json.loads(out.stdout)
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+class Server:
+    """`memspec up` serving one policy (its own processes), reached with the Python API."""
+
+    def __init__(self, policy: str, pool: str | None, run_dir: str) -> None:
+        from memspec.launch.api import Runtime
+
+        self.policy = policy
+        ep = f"ipc://{run_dir}/{policy}.sock"
+        args = ["up", "--no-stdin", "--endpoint", ep] + (["--pool", pool] if pool else [])
+        self.p = subprocess.Popen([*MEMSPEC, *args], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.err = bytearray()
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + 300
+        while b"ready on" not in self.err:
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise MemspecError(f"memspec up did not start: {self.err.decode()[-300:]}")
+            time.sleep(0.05)
+        self.rt = Runtime(ep).start()
+
+    def _pump(self) -> None:
+        while part := self.p.stderr.read1(4096):
+            self.err.extend(part)
+
+    def generate(self, prompt: str, max_new: int) -> dict[str, Any]:
+        from memspec.common.metrics import as_json
+
+        r = self.rt.generate(prompt, max_new_tokens=max_new, policy=self.policy)
+        return {"token_ids": r.token_ids, "stats": as_json(r.stats)}
+
+    def stop(self) -> None:
+        if getattr(self, "rt", None) is not None:
+            self.rt.close()
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+
+
+def _row(res: dict[str, Any]) -> dict[str, Any]:
+    s = res["stats"]
+    t = s["time"]
+    return {"e2e_tok_s": s["tokens_per_s_e2e"], "steady_tok_s": s["tokens_per_s_steady"],
+            "tokens": s["generated_tokens"], "time": t, "drafted": s["num_draft_tokens"],
+            "mean_acceptance_length": s["mean_acceptance_length"], "loads": s["loads"],
+            "snapshots": s.get("snapshots", 0), "predictor_s": s.get("predictor_s", 0.0),
+            "ids": res["token_ids"]}
+
+
+def run(pool: str | None, per_domain: int, max_new: int, warm: bool = True) -> dict[str, Any]:
+    rows = prompts(per_domain)
+    _log(f"{len(rows)} prompts (the README's + {per_domain} dev per domain), {max_new} new "
+         f"tokens; cold: {', '.join(COLD)} and target-only in process; warm: one server per "
+         "policy")
+    cold: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for i, r in enumerate(rows):
+        order = COLD if i % 2 == 0 else tuple(reversed(COLD))  # interleaved, both orders
+        got = {p: _row(generate(r["prompt"], p, max_new, pool)) for p in order}
+        got["in-process"] = _row(generate(r["prompt"], "target-only", max_new, pool, True))
+        cold.append({"id": r["id"], "domain": r["domain"], **got})
+        done = i + 1
+        left = (time.perf_counter() - t_start) / done * (len(rows) - done)
+        _log(f"cold {done}/{len(rows)}: memspec/target-only "
+             f"{got['memspec']['e2e_tok_s'] / got['target-only']['e2e_tok_s']:.3f}, "
+             f"pipeline/in-process {got['target-only']['e2e_tok_s'] / got['in-process']['e2e_tok_s']:.3f}"
+             f" (~{left / 60:.0f} min left)")
+    out: dict[str, Any] = {"machine": machine_line(), "machine_info": machine_info(),
+                           "max_new_tokens": max_new, "prompts": len(rows),
+                           "cold": cold, "cold_summary": summarise(cold)}
+    if warm:
+        out["warm"] = run_warm(rows, pool, max_new)
+        out["warm_summary"] = summarise(out["warm"])
+    return out
+
+
+def run_warm(rows: list[dict], pool: str | None, max_new: int) -> list[dict[str, Any]]:
+    import torch
+
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.inprocess import build_local, run_request
+    from memspec.procs.decoder.threads import decoder_threads
+
+    out = []
+    with tempfile.TemporaryDirectory(prefix="memspec-floor-") as tmp:
+        servers = {p: Server(p, pool, tmp) for p in COLD}
+        try:
+            torch.set_num_threads(decoder_threads()[0])
+            local = build_local(load_pool(pool))
+            for s in servers.values():  # each server's first request is its own warm-up
+                s.generate(rows[0]["prompt"], 8)
+            run_request(local, rows[0]["prompt"], "target-only", 8, SamplingParams())
+            for i, r in enumerate(rows):
+                order = COLD if i % 2 == 0 else tuple(reversed(COLD))
+                got = {p: _row(servers[p].generate(r["prompt"], max_new)) for p in order}
+                got["in-process"] = _row(run_request(local, r["prompt"], "target-only",
+                                                     max_new, SamplingParams()))
+                out.append({"id": r["id"], "domain": r["domain"], **got})
+                _log(f"warm {i + 1}/{len(rows)}: memspec/target-only "
+                     f"{got['memspec']['e2e_tok_s'] / got['target-only']['e2e_tok_s']:.3f}")
+        finally:
+            for s in servers.values():
+                s.stop()
+    return out
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def ratios(a: str, b: str, key: str = "e2e_tok_s") -> list[float]:
+        return [r[a][key] / r[b][key] for r in runs if r[b][key] > 0]
+
+    mem = ratios("memspec", "target-only")
+    pays = [r for r in runs if r["general-static"]["e2e_tok_s"] > r["target-only"]["e2e_tok_s"]]
+    split = [r["memspec"]["time"] for r in runs]
+    decode = sum(t["decode"] for t in split)
+    return {
+        "memspec_over_target_only_e2e": {"gmean": gmean(mem), "min": min(mem, default=0.0),
+                                         "per_prompt": mem},
+        "memspec_over_target_only_steady": gmean(ratios("memspec", "target-only",
+                                                        "steady_tok_s")),
+        "general_static_over_target_only_e2e": gmean(ratios("general-static", "target-only")),
+        "where_general_static_pays": {
+            "prompts": len(pays),
+            "memspec_over_general_static_e2e": gmean(
+                [r["memspec"]["e2e_tok_s"] / r["general-static"]["e2e_tok_s"] for r in pays])},
+        "pipeline_over_in_process_target_only_e2e": {
+            "gmean": gmean(ratios("target-only", "in-process")),
+            "min": min(ratios("target-only", "in-process"), default=0.0)},
+        "identical_tokens": all(r[p]["ids"] == r["target-only"]["ids"]
+                                for r in runs for p in ("memspec", "general-static")),
+        "time_split_max_other_share": max((abs(t["other"]) / t["e2e"] for r in runs
+                                           for p in COLD for t in [r[p]["time"]] if t["e2e"]),
+                                          default=0.0),
+        "memspec_predictor_share_of_decode": (sum(r["memspec"]["predictor_s"] for r in runs)
+                                              / decode if decode else 0.0),
+        "memspec_snapshots_per_request": statistics.fmean(
+            [r["memspec"]["snapshots"] for r in runs]) if runs else 0.0,
+        "memspec_drafted_share": statistics.fmean(
+            [r["memspec"]["drafted"] / max(1, r["memspec"]["tokens"]) for r in runs])
+        if runs else 0.0,
+    }
+
+
+def _print(res: dict[str, Any]) -> None:
+    print(f"machine: {res['machine']}; {res['prompts']} prompts x {res['max_new_tokens']} tokens")
+    for phase in ("cold", "warm"):
+        s = res.get(f"{phase}_summary")
+        if not s:
+            continue
+        m = s["memspec_over_target_only_e2e"]
+        print(f"{phase}: memspec / target-only e2e gmean {m['gmean']:.3f} (min {m['min']:.3f}), "
+              f"steady {s['memspec_over_target_only_steady']:.3f}; general-static / target-only "
+              f"{s['general_static_over_target_only_e2e']:.3f}; where general-static pays "
+              f"({s['where_general_static_pays']['prompts']} prompts) memspec / it "
+              f"{s['where_general_static_pays']['memspec_over_general_static_e2e']:.3f}")
+        p = s["pipeline_over_in_process_target_only_e2e"]
+        print(f"{phase}: pipeline / in-process target-only e2e gmean {p['gmean']:.3f} "
+              f"(min {p['min']:.3f}); identical tokens {s['identical_tokens']}; time split "
+              f"unaccounted <= {100 * s['time_split_max_other_share']:.2f}%; predictor "
+              f"{100 * s['memspec_predictor_share_of_decode']:.2f}% of memspec's decode time, "
+              f"{s['memspec_snapshots_per_request']:.1f} snapshots a request")
+
+
+def _plot(res: dict[str, Any], folder: Path) -> Path:
+    from memspec.bench.plotting import pyplot
+
+    plt = pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, phase in zip(axes, ("cold", "warm")):
+        runs = res.get(phase) or []
+        ids = [r["id"][-8:] for r in runs]
+        for off, (a, lab) in enumerate((("memspec", "memspec"), ("general-static", "general-static"),
+                                        ("in-process", "target-only in process"))):
+            ys = [r[a]["e2e_tok_s"] / r["target-only"]["e2e_tok_s"] for r in runs]
+            ax.bar([i + 0.27 * (off - 1) for i in range(len(runs))], ys, 0.27, label=lab)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(0.97, color="r", ls="--", lw=0.8, label="0.97")
+        ax.set_xticks(range(len(runs)), ids, rotation=90, fontsize=6)
+        ax.set_title(f"{phase}: end-to-end tokens/s over pipeline target-only")
+        ax.legend(fontsize=7)
+    fig.suptitle(res["machine"], fontsize=9)
+    fig.tight_layout()
+    out = folder / "bench_floor.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main_bench_floor(args) -> int:
+    res = run(args.pool, args.per_domain, args.max_new_tokens, warm=not args.no_warm)
+    _print(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    if args.plots:
+        print(f"plot: {_plot(res, Path(args.plots))}")
+    return 0

@@ -1,0 +1,49 @@
+"""What a process the supervisor started does first: die with the supervisor, take its
+priority and its log format.
+
+The supervisor used to do the first two in `preexec_fn`, between fork and exec, but that
+runs Python in a child forked from a process whose other threads (the HTTP server, the
+Python API's caller) may hold locks: CPython documents that it can deadlock. So the
+supervisor only passes its pid, the niceness and the log level in the environment, and the
+child applies them here, after exec. A supervisor that died before this ran is caught by
+comparing the parent's pid: the child exits at once instead of living on as an orphan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+from memspec.common import logs
+
+PARENT_ENV = "MEMSPEC_PARENT_PID"  # the supervisor's pid
+NICE_ENV = "MEMSPEC_NICE"  # niceness increment (the loader's and predictor's: 10)
+PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send `sig` when the parent exits; False where prctl is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def start(proc: str) -> None:
+    """Set up a supervised process `proc` from its environment; a no-op for what a process
+    run by hand does not ask for."""
+    logs.setup(proc)
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit():
+        parent_death_signal()
+        if os.getppid() != int(parent):  # the supervisor died before prctl took effect
+            sys.exit(0)
+    nice = os.environ.get(NICE_ENV, "")
+    if nice.isdigit() and int(nice) > 0:
+        try:
+            os.nice(int(nice))
+        except OSError:
+            pass

@@ -1,0 +1,170 @@
+"""The limits of a request, stated once.
+
+Every front door checks a request with :func:`check_request` before it is queued: the
+supervisor (so the ZeroMQ client socket, stdin and `memspec generate`), the HTTP server
+(`launch/openai_api.py`, before its body becomes a Submit is queued) and the Python API
+(before anything is sent); the decoder checks again. So they cannot drift apart, and a
+value out of bounds is one `LimitError` naming the field, the limit and the fix, which the
+server answers with a small `Error` (kind "request") without doing any work on it.
+
+Nothing is cut silently except the predictor's text, by design: the predictor reads at
+most the first RANK_HEAD_CHARS and the last RANK_TAIL_CHARS characters of the prompt
+(`rank_text`, the same cut its encoder makes) and the last `T` recent token ids.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from memspec.common.config import POLICIES, check_sampling
+from memspec.common.errors import RequestError
+
+if TYPE_CHECKING:
+    from memspec.common.messages import ChatTurn, Submit
+
+MAX_REQ_ID_CHARS = 128
+REQ_ID_ALPHABET = "A-Z a-z 0-9 . _ : -"
+_REQ_ID = re.compile(r"[A-Za-z0-9._:\-]+")
+CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLE = "tool"  # accepted here; the decoder refuses it unless the target's template renders it
+MAX_MESSAGES = 1024  # chat turns per request
+MAX_PROMPT_CHARS = 1 << 18  # the prompt, or all turns' contents together (262,144)
+MAX_STOPS = 4  # as the OpenAI API
+MAX_STOP_CHARS = 256
+MAX_NEW_TOKENS = 1 << 20  # the target's context bounds it further (checked by the engine)
+# The text the predictor ranks from: it reads the head and the tail of the prompt (what its
+# encoder's 256 word pieces can hold, at 16 characters a piece), joined by one space.
+RANK_TEXT_CHARS = 4096
+RANK_HEAD_CHARS = 3072
+RANK_TAIL_CHARS = RANK_TEXT_CHARS - RANK_HEAD_CHARS
+# Submit.prompt when `messages` is given is only the predictor's text: room for rank_text's
+# output (4097 characters) with margin; "" lets the server take it from the chat.
+MAX_RANK_CHARS = 8192
+SHOWN_CHARS = 40  # of a bad value quoted in an error: no error reply echoes a large field
+
+
+class LimitError(RequestError):
+    """A request field outside its limit; `field` names it as the Submit does
+    (`req_id`, `messages[3].role`, `stop[1]`, ...)."""
+
+    def __init__(self, field: str, problem: str, fix: str) -> None:
+        super().__init__(problem, fix)
+        self.field = field
+
+
+def shown(value: object) -> str:
+    """`value` as an error message quotes it: repr, cut to SHOWN_CHARS."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
+def valid_req_id(req_id: object) -> bool:
+    return (isinstance(req_id, str) and 0 < len(req_id) <= MAX_REQ_ID_CHARS
+            and _REQ_ID.fullmatch(req_id) is not None)
+
+
+def echo_id(req_id: str) -> str:
+    """The id an error reply may carry: the request's own when it is valid, else "" (a
+    client takes an Error with an empty id as its answer), never a large field."""
+    return req_id if valid_req_id(req_id) else ""
+
+
+def check_req_id(req_id: str) -> None:
+    fix = f"send an id of 1 to {MAX_REQ_ID_CHARS} characters from {REQ_ID_ALPHABET}"
+    if not req_id:
+        raise LimitError("req_id", "req_id is empty", fix)
+    if len(req_id) > MAX_REQ_ID_CHARS:
+        raise LimitError("req_id", f"req_id of {len(req_id)} characters is over the limit of "
+                                   f"{MAX_REQ_ID_CHARS}", fix)
+    if _REQ_ID.fullmatch(req_id) is None:
+        bad = next(c for c in req_id if _REQ_ID.fullmatch(c) is None)
+        raise LimitError("req_id", f"req_id {shown(req_id)} holds {shown(bad)}, outside "
+                                   f"{REQ_ID_ALPHABET}", fix)
+
+
+def check_roles(turns: Sequence[ChatTurn]) -> None:
+    for i, t in enumerate(turns):
+        if t.role not in CHAT_ROLES and t.role != TOOL_ROLE:
+            raise LimitError(f"messages[{i}].role", f"messages[{i}].role {shown(t.role)} is "
+                                                    "not a chat role",
+                             f"use {', '.join(CHAT_ROLES)} (or {TOOL_ROLE} where the "
+                             "target's chat template renders it)")
+
+
+def check_sizes(req: Submit) -> None:
+    """Prompt and chat sizes, before any text is tokenised."""
+    if len(req.messages) > MAX_MESSAGES:
+        raise LimitError("messages", f"{len(req.messages)} chat messages are over the limit "
+                                     f"of {MAX_MESSAGES}", "send a shorter chat")
+    if req.messages:
+        total = sum(len(t.content) for t in req.messages)
+        if total > MAX_PROMPT_CHARS:
+            raise LimitError("messages", f"messages hold {total} characters together, over "
+                                         f"the limit of {MAX_PROMPT_CHARS}",
+                             "send a shorter chat")
+        if len(req.prompt) > MAX_RANK_CHARS:
+            raise LimitError("prompt", f"prompt of {len(req.prompt)} characters beside "
+                                       f"messages is over the limit of {MAX_RANK_CHARS} (it is "
+                                       "only the text the predictor ranks from)",
+                             "send rank_text(chat_text(messages)) or \"\" (the server "
+                             "derives it from the chat)")
+    elif not req.prompt:
+        raise LimitError("prompt", "empty prompt", "send some text")
+    elif len(req.prompt) > MAX_PROMPT_CHARS:
+        raise LimitError("prompt", f"prompt of {len(req.prompt)} characters is over the limit "
+                                   f"of {MAX_PROMPT_CHARS}", "send a shorter prompt")
+
+
+def check_stops(stops: Sequence[str]) -> None:
+    if len(stops) > MAX_STOPS:
+        raise LimitError("stop", f"{len(stops)} stop strings are over the limit of "
+                                 f"{MAX_STOPS}", f"send at most {MAX_STOPS}")
+    for i, s in enumerate(stops):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise LimitError(f"stop[{i}]", f"stop[{i}] has {len(s)} characters, outside 1 to "
+                                           f"{MAX_STOP_CHARS}",
+                             f"send stop strings of 1 to {MAX_STOP_CHARS} characters")
+
+
+def check_request(req: Submit) -> None:
+    """Every field of a request, cheapest first, before it is queued or tokenised: id,
+    policy, length, sizes, roles, sampling, stop strings, ucb_c."""
+    check_req_id(req.req_id)
+    if req.policy and req.policy not in POLICIES:
+        raise LimitError("policy", f"unknown policy {shown(req.policy)}",
+                         f"use one of: {', '.join(POLICIES)}")
+    if req.max_new_tokens < 0:
+        raise LimitError("max_new_tokens", f"max_new_tokens {req.max_new_tokens} is negative",
+                         "ask for at least 1 token (0: the pool's default)")
+    if req.max_new_tokens > MAX_NEW_TOKENS:
+        raise LimitError("max_new_tokens", f"max_new_tokens {req.max_new_tokens} is over the "
+                                           f"limit of {MAX_NEW_TOKENS}",
+                         "ask for fewer tokens (the target's context bounds them too)")
+    check_sizes(req)
+    check_roles(req.messages)
+    check_sampling(req.temperature, req.top_p, req.seed, req.top_k, req.min_p)
+    check_stops(req.stop)
+    if req.ucb_c is not None:
+        if not math.isfinite(req.ucb_c):
+            raise LimitError("ucb_c", f"ucb_c = {req.ucb_c!r} is not a finite number",
+                             "give ucb_c a number")
+        if req.ucb_c < 0:
+            raise LimitError("ucb_c", f"ucb_c {req.ucb_c} is negative",
+                             "use 0 or more (default 2.0)")
+
+
+def rank_text(text: str) -> str:
+    """What the predictor reads of `text`: all of it up to RANK_TEXT_CHARS, else its first
+    RANK_HEAD_CHARS and last RANK_TAIL_CHARS joined by a space (the encoder's own cut, so
+    cutting here first changes no ranking; cutting twice changes nothing)."""
+    if len(text) <= RANK_TEXT_CHARS:
+        return text
+    return text[:RANK_HEAD_CHARS] + " " + text[len(text) - RANK_TAIL_CHARS:]
+
+
+def recent_window(ids: Sequence[int], T: int) -> list[int]:
+    """The recent token ids the predictor reads: the last `T` (none for T = 0)."""
+    return list(ids[-T:]) if T > 0 else []

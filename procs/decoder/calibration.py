@@ -1,0 +1,129 @@
+"""What a target step, a verify and a draft step cost on this machine, before any request.
+
+The speculation gate (gate.py) must know from a fresh decoder's first request whether a
+draft's tokens per iteration pay for an iteration, so the decoder times its own target at
+start: one step and one verify of gamma+1 rows at two context lengths (lines in the context:
+attention grows with it), a few tenths of a second in all. The lines are kept under
+``$MEMSPEC_HOME/calib/`` keyed by everything that changes them (numerics key: dtype and CPU
+kernel path; threads; gamma; the target's files; the build and the engine's code), so a
+restarted decoder reads them instead. A draft's step is timed when it is first bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memspec.common.files import atomic_write_text
+from memspec.common.paths import memspec_home
+from memspec.procs.decoder.gate import GateCosts, Line
+
+CONTEXTS = (48, 304)  # two context lengths: the lines' two points
+REPS, WARM = 5, 2
+FORMAT = "memspec-calibration/1"
+_CODE = [Path(__file__).resolve().parent / n for n in ("engine.py", "native.py", "lean.py")]
+
+
+def _median_s(fn, reps: int = REPS, warm: int = WARM) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _line(xs: tuple[int, ...], ys: list[float]) -> Line:
+    (x0, x1), (y0, y1) = xs, ys
+    b = max(0.0, (y1 - y0) / (x1 - x0))
+    return (max(0.0, y0 - b * x0), b)
+
+
+@torch.inference_mode()
+def measure_target(engine: Any, gamma: int) -> dict[str, Line]:
+    """A target step and a verify of gamma+1 rows at CONTEXTS, through the engine's own
+    runner and cache (the rows written are beyond any request's and overwritten later)."""
+    target = engine.target
+    cache = target.new_cache(max(engine.max_len, CONTEXTS[-1] + gamma + 1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(engine.vocab, 1000), (CONTEXTS[-1] + gamma + 1,), generator=gen)
+    ids = ids.to(engine.device)
+    target.forward(ids[:CONTEXTS[-1]], 0, cache, last_only=True)
+    step, verify = [], []
+    for L in CONTEXTS:
+        step.append(_median_s(lambda L=L: target.forward(ids[L:L + 1], L, cache)))
+        verify.append(_median_s(lambda L=L: target.forward(ids[L:L + gamma + 1], L, cache)))
+    return {"step": _line(CONTEXTS, step), "verify": _line(CONTEXTS, verify)}
+
+
+def cache_key(engine: Any, pool: Any, numerics: str) -> str:
+    """Everything that changes the lines: numerics (dtype, kernel path), threads, gamma, the
+    target's files, the native build and the engine's code."""
+    h = hashlib.sha256()
+    for part in (FORMAT, numerics, str(torch.get_num_threads()), str(pool.gamma),
+                 str(Path(pool.target).resolve()), type(engine.target).__name__):
+        h.update(part.encode())
+    for f in sorted(Path(pool.target).glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for f in _CODE:
+        h.update(f.read_bytes())
+    try:
+        from memspec.procs.decoder.native import build_dir
+
+        isa = getattr(engine.target, "isa", "")
+        h.update((build_dir(isa).name if isa else "").encode())
+    except Exception:  # no native build: the Python path's code is hashed above
+        pass
+    return h.hexdigest()[:16]
+
+
+def gate_costs(engine: Any, pool: Any, numerics: str, log=lambda msg: None) -> GateCosts:
+    """The target's lines, cached per key (a cold decoder measures them in ~0.3 s)."""
+    key = cache_key(engine, pool, numerics)
+    path = memspec_home() / "calib" / f"{key}.json"
+    lines = None
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("format") == FORMAT:
+            lines = {"step": tuple(raw["step"]), "verify": tuple(raw["verify"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        lines = None
+    if lines is None:
+        t0 = time.perf_counter()
+        lines = measure_target(engine, pool.gamma)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"format": FORMAT, "numerics": numerics,
+                                            "threads": torch.get_num_threads(),
+                                            "gamma": pool.gamma, **lines}, indent=1))
+        log(f"calibrated the target in {time.perf_counter() - t0:.2f}s: step "
+            f"{1e3 * lines['step'][0]:.2f} ms + {1e6 * lines['step'][1]:.2f} us/token, verify "
+            f"{1e3 * lines['verify'][0]:.2f} ms + {1e6 * lines['verify'][1]:.2f} us/token")
+    step, verify = lines["step"], lines["verify"]
+    # a typical draft's gamma steps before one is timed: a fifth of a target step each
+    return GateCosts(target=step, verify=verify, draft_prior_s=0.2 * pool.gamma * step[0])
+
+
+@torch.inference_mode()
+def draft_gamma_s(engine: Any, bound: Any, gamma: int) -> float:
+    """gamma proposals of a bound draft (a head's steps after a short teacher-forced prefix,
+    a model draft's 1-token forwards), timed once when it is first bound."""
+    runner = bound.runner
+    cache = bound.new_cache(engine.max_len)
+    ctx = 32
+    ids = torch.randint(0, min(engine.vocab, 1000), (ctx + 1,)).to(engine.device)
+    one = ids[-1:]
+    if bound.kind == "head":
+        feats = torch.zeros((ctx, runner.arch.features), device=engine.device)
+        _, hidden = runner.teacher(ids[:ctx], 0, cache, feats)
+        return gamma * _median_s(lambda: runner.step(one, ctx, cache, hidden))
+    runner.forward(ids[:ctx], 0, cache, last_only=True)
+    return gamma * _median_s(lambda: runner.forward(one, ctx, cache))

@@ -1,0 +1,215 @@
+"""The speculation gate: speculate only while it pays, from a decoder's very first request.
+
+Lossless speculation is not free: an iteration costs gamma draft steps and a verify of
+gamma+1 rows, so a draft must average more tokens per iteration than that costs in target
+steps, or decoding gets *slower* than the target alone (on a 2-core CPU, int4: ~2 target
+steps per iteration). The gate wraps any drafting policy (``Gated``) and lets its chosen
+draft run an interval only while this request's tokens per iteration of that draft pay for
+what an iteration costs at the current context length.
+
+Costs (``GateCosts``, seconds as lines in the context length) are known before the first
+request: the decoder measures a target step and a verify at start (calibration.py, cached
+per machine, kernel path, target and code version), the simulator takes its cost model's.
+Every iteration of the request refines them (measured over predicted, per draft and for the
+target); nothing is learnt from other requests or other policies.
+
+What the gate does not know yet it probes with single iterations: the first look at a draft
+is one or two iterations, not an interval, and a closed gate probes again only while the
+probes' worst-case extra cost (a probe that accepts nothing still emits the token a target
+step would) stays under ``PROBE_SHARE`` of the request's decode time so far. A closed gate asks
+for no rankings (the predictor rests) except right before a probe, and its policy's loads
+beyond the draft it would probe are not issued.
+
+Pure logic, shared by the decoder's loop and the replay simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from memspec.common.metrics import IterationRecord
+from memspec.procs.decoder.cache_manager import CacheActions
+
+Line = tuple[float, float]  # seconds = a + b * context tokens
+Verdict = Literal["run", "probe", "skip"]
+
+
+@dataclass(frozen=True)
+class GateCosts:
+    """What an iteration costs before this request has run one: a target step, and per
+    draft a whole speculative iteration (gamma draft steps, the verify, acceptance), each
+    a line in the context length. A draft without its own line costs the verify line plus
+    ``draft_prior_s`` (gamma steps of a typical draft)."""
+
+    target: Line
+    verify: Line | None = None
+    spec: Mapping[str, Line] = field(default_factory=dict)
+    draft_prior_s: float = 0.0
+
+    def target_s(self, context: int) -> float:
+        return self.target[0] + self.target[1] * context
+
+    def spec_line(self, draft: str) -> Line:
+        if draft in self.spec:
+            return self.spec[draft]
+        verify = self.verify or (2.0 * self.target[0], self.target[1])
+        return verify[0] + self.draft_prior_s, verify[1]
+
+    def with_draft(self, draft: str, gamma_steps_s: float) -> GateCosts:
+        """A draft measured at bind: its iteration is the verify plus its gamma steps."""
+        verify = self.verify or (2.0 * self.target[0], self.target[1])
+        return replace(self, spec={**self.spec, draft: (verify[0] + gamma_steps_s, verify[1])})
+
+
+class _Estimate:
+    """A running mean (after a prior counted as one sample, if any) that turns into an EMA
+    after a few samples: the first iterations decide quickly, later ones track a changing
+    text."""
+
+    def __init__(self, alpha: float, prior: float | None = None) -> None:
+        self.alpha, self.n = alpha, 0
+        self.value, self._weight = (0.0, 0) if prior is None else (prior, 1)
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        w = max(self.alpha, 1.0 / (self.n + self._weight))
+        self.value += w * (x - self.value)
+
+
+class SpecGate:
+    ALPHA = 0.2  # tokens per iteration: weight of one iteration once warmed up
+    COST_ALPHA = 0.3  # measured iteration costs: weight of one iteration
+    PROBE_SHARE = 0.02  # the probes' worst-case extra cost, as a share of decode time
+    FIRST_LOOK = 2  # single iterations a draft gets, free, before its record decides...
+    NEAR_MISS = 0.75  # ... the second only when the first came this close to break-even
+
+    def __init__(self, costs: GateCosts | None) -> None:
+        self.costs = costs
+        self.reset()
+
+    def reset(self) -> None:
+        """A new request: nothing of the last one carries over (costs are re-refined)."""
+        self.tau: dict[str, _Estimate] = {}
+        self.spec_a: dict[str, _Estimate] = {}  # intercepts refined from this request
+        self.target_a: _Estimate | None = None
+        self.context = 0
+        self.elapsed = 0.0  # decode seconds of this request's iterations
+        self.probe_cost = 0.0  # worst-case extra seconds of the probes so far
+        self.probes = 0
+        self.closed = False  # the last verdict ran the target alone by choice
+        self.probing = False  # the last verdict was a probe (booked when it runs)...
+        self.budgeted = False  # ... paid from the share (not a draft's free first look)
+        self.last: str | None = None  # the draft the policy chose last
+
+    # ---- what this request has measured -------------------------------------------------
+    def observe(self, rec: IterationRecord) -> None:
+        self.elapsed += rec.duration
+        self.context = rec.context + rec.emitted
+        if self.costs is None:
+            return
+        if rec.draft is None:
+            a, b = self.costs.target
+            if self.target_a is None:
+                self.target_a = _Estimate(self.COST_ALPHA, a)
+            self.target_a.add(rec.duration - b * rec.context)
+            return
+        tau = self.tau.get(rec.draft)
+        if self.probing:  # a probe is booked when it runs (a verdict may go unused)
+            if self.budgeted:
+                self.probe_cost += self._probe_extra(rec.draft)
+            self.probes += 1
+            self.probing = False
+        a, b = self.costs.spec_line(rec.draft)
+        est = self.spec_a.setdefault(rec.draft, _Estimate(self.COST_ALPHA, a))
+        est.add(rec.duration - rec.t_catchup - b * rec.context)
+        if tau is None:  # no prior: the draft's own iterations decide, from the first
+            tau = self.tau[rec.draft] = _Estimate(self.ALPHA)
+        tau.add(rec.accepted + 1.0)
+
+    def target_s(self, context: int) -> float:
+        assert self.costs is not None
+        a, b = self.costs.target
+        return (self.target_a.value if self.target_a else a) + b * context
+
+    def spec_s(self, draft: str, context: int) -> float:
+        assert self.costs is not None
+        a, b = self.costs.spec_line(draft)
+        est = self.spec_a.get(draft)
+        return (est.value if est else a) + b * context
+
+    def break_even(self, draft: str) -> float:
+        """Tokens per iteration at which `draft` and the target alone decode equally fast."""
+        t = self.target_s(self.context)
+        return self.spec_s(draft, self.context) / t if t > 0 else 1.0
+
+    def any_paid(self) -> bool:
+        """Some draft's record in this request pays (its working set is worth loading)."""
+        return any(self.pays(d) for d in self.tau)
+
+    def pays(self, draft: str) -> bool:
+        tau = self.tau.get(draft)
+        return tau is not None and tau.value >= self.break_even(draft)
+
+    # ---- the choice ---------------------------------------------------------------------
+    def verdict(self, draft: str) -> Verdict:
+        """Run `draft` for an interval, probe it for one iteration, or skip (target alone)."""
+        if self.costs is None:
+            return "run"
+        if self.pays(draft):
+            self.closed = self.probing = False
+            return "run"
+        self.probing = self._may_probe(draft)
+        self.budgeted = self.probing and not self._free_look(draft)
+        self.closed = not self.probing
+        return "probe" if self.probing else "skip"
+
+    def _probe_extra(self, draft: str) -> float:
+        return max(0.0, self.spec_s(draft, self.context) - self.target_s(self.context))
+
+    def _may_probe(self, draft: str) -> bool:
+        """The first look at a draft is free: one iteration, and a second one after a near
+        miss (nothing is known yet, and it is what lets a draft in at all). Later probes
+        stay within PROBE_SHARE of the decode time so far."""
+        if self._free_look(draft):
+            return True
+        extra = self._probe_extra(draft)
+        return self.probe_cost + extra <= self.PROBE_SHARE * self.elapsed
+
+    def _free_look(self, draft: str) -> bool:
+        tau = self.tau.get(draft)
+        return tau is None or (tau.n < self.FIRST_LOOK
+                               and tau.value >= self.NEAR_MISS * self.break_even(draft))
+
+    def probe_due(self, draft: str | None) -> bool:
+        """A probe of `draft` would be allowed at the next scheduling point (a closed gate
+        asks for a fresh ranking only then)."""
+        return draft is not None and (draft not in self.tau or self._may_probe(draft))
+
+
+def gate_decision(gate: SpecGate, decision):  # noqa: ANN001 - a policies.Decision
+    """`decision` (a policies.Decision) as the gate lets it run: unchanged while its draft
+    pays, cut to a one-iteration probe (``limit=1``), or the target alone by choice
+    (preferred None: not a fallback). Until a draft has paid in this request, only the
+    draft the gate would look at next is loaded, not the policy's whole working set."""
+    run = decision.run
+    gate.last = run or decision.preferred
+    if decision.wait_for is not None:
+        return decision
+    verdict = gate.verdict(run) if run is not None else None
+    if verdict == "run":
+        return decision
+    if not gate.any_paid():
+        decision = replace(decision, actions=_only(decision.actions, decision.preferred))
+    if verdict == "probe":
+        return replace(decision, limit=1)
+    if verdict == "skip":
+        return replace(decision, run=None, preferred=None)
+    return decision
+
+
+def _only(actions: CacheActions, draft: str | None) -> CacheActions:
+    keep = tuple(d for d in actions.prefetch if d == draft)
+    return CacheActions(prefetch=keep, evict=actions.evict if keep else (),
+                        cancel=actions.cancel)

@@ -1,0 +1,65 @@
+"""memspec under Python 3.10 (JetPack 6 and Ubuntu 22.04 ship it; pyproject says >= 3.10):
+the README's job, in process and few tokens, run by a python3.10 that has torch and this
+checkout installed (`PYTHON=python3.10 bash launch/setup.sh`), token for token what this
+interpreter decodes. Skipped, with the reason, where there is no such interpreter;
+`MEMSPEC_PYTHON310` names one that is not on PATH."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from test_pipeline import _ready_pool
+
+from memspec.common.paths import PACKAGE_ROOT
+
+PROMPT = "Write a Python function that returns the factorial of n."
+ARGS = ["generate", "--in-process", "--policy", "target-only", "--max-new-tokens", "8",
+        "--json", PROMPT]
+PROBE = ("import sys, torch, memspec.common.paths as p; "
+         "print(sys.version_info[:2] == (3, 10), p.PACKAGE_ROOT)")
+
+
+def _python310() -> str:
+    """The interpreter to test, or pytest.skip with why there is none."""
+    named = os.environ.get("MEMSPEC_PYTHON310")
+    exe = named or shutil.which("python3.10")
+    if exe is None:
+        pytest.skip("no python3.10 on PATH (set MEMSPEC_PYTHON310 to one)")
+    try:
+        res = subprocess.run([exe, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"{exe} does not run ({exc})")
+    if res.returncode != 0:
+        lines = [x.strip() for x in res.stderr.splitlines() if x.strip()] or ["no output"]
+        why = next((x for x in reversed(lines) if "Error" in x), lines[0])[:200]
+        pytest.skip(f"{exe} cannot import torch and memspec ({why}); set it up with "
+                    f"PYTHON={exe} bash launch/setup.sh")
+    is310, root = res.stdout.split(maxsplit=1)
+    if is310 != "True":
+        pytest.skip(f"{exe} is not Python 3.10")
+    if root.strip() != str(PACKAGE_ROOT):
+        pytest.skip(f"{exe} imports memspec from {root.strip()}, not this checkout")
+    return exe
+
+
+def _generate(exe: str) -> dict:
+    res = subprocess.run([exe, "-m", "memspec", *ARGS], capture_output=True, text=True,
+                         timeout=300, cwd=PACKAGE_ROOT.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_under_python_310_token_for_token():
+    exe = _python310()
+    _ready_pool()
+    old = _generate(exe)
+    assert len(old["token_ids"]) == 8 and old["text"].strip()
+    assert old["stats"]["policy"] == "target-only"
+    here = _generate(sys.executable)
+    assert old["token_ids"] == here["token_ids"], (old["text"], here["text"])
