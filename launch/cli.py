@@ -256,6 +256,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.evaluation import main_bench
 
         return main_bench(args)
+    if args.what == "floor":
+        from memspec.bench.floor import main_bench_floor
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_floor(args)
     if args.max_new_tokens is None:
         args.max_new_tokens = 64
     if args.what == "engine":
@@ -282,12 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.soak import main_bench_soak
 
         return main_bench_soak(args)
-    if args.what == "floor":
-        from memspec.bench.floor import main_bench_floor
 
-        if args.max_new_tokens == 64:  # the default of the others; floor's is 128
-            args.max_new_tokens = 128
-        return main_bench_floor(args)
     raise MemspecError(f"unknown benchmark '{args.what}'",
                        "use eval, engine, pipeline, messages, gpu, soak, http or floor")
 
@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine: target precisions to compare (default int4,int8,bfloat16,"
                         "float32; the pool's choice always first)")
     b.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default 128 (eval), 64 (engine, pipeline)")
+                   help="default 128 (eval, floor), 64 (engine, pipeline)")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--plots", default=None, help="folder for PNG plots")
     b.add_argument("--prompts-per-domain", type=int, default=40,

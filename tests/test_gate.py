@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from test_controller import FakeChannels, FakeClock, FakeSlots
 from test_engine import PROMPTS, engine_with
@@ -243,3 +244,22 @@ def test_ngram_index_proposes_the_latest_successor_of_the_longest_suffix():
     assert idx.propose([4, 4]) is None
     idx.extend([8])
     assert idx.propose([2, 3]) == 8  # the newest occurrence wins
+
+
+def test_a_calibration_from_a_busier_machine_does_not_open_the_gate():
+    """The cached calibration was taken while other work slowed everything 3x: a target
+    step looks like 30 ms. This request's verifies run at their quiet cost, so the gate
+    scales the target's calibrated cost down by the same ratio and closes a draft that
+    brings 2 tokens for 2.6 target steps."""
+    busy = GateCosts(target=(0.030, 0.0), verify=(0.042, 0.0), gamma=4)
+    gate = SpecGate(busy)
+    for _ in range(6):  # quiet: a verify 14 ms (+ draft 12 ms), as a 10 ms step would have it
+        r = rec("law", 1, 0.026)
+        r.t_verify, r.t_draft = 0.014, 0.012
+        gate.observe(r)
+    assert gate.target_s(100) == pytest.approx(0.010, rel=0.05)
+    assert gate.verdict("law") == "skip"
+    naive = SpecGate(GateCosts(target=(0.030, 0.0), verify=None))  # no verify line to compare
+    for _ in range(6):
+        naive.observe(rec("law", 1, 0.026))
+    assert naive.verdict("law") == "run"  # what the stale calibration alone would believe

@@ -17,8 +17,8 @@ What the gate does not know yet it probes with single iterations: the first look
 is one or two iterations, not an interval, and a closed gate probes again only while the
 probes' worst-case extra cost (a probe that accepts nothing still emits the token a target
 step would) stays under ``PROBE_SHARE`` of the request's decode time so far. A closed gate asks
-for no rankings (the predictor rests) except right before a probe, and its policy's loads
-beyond the draft it would probe are not issued.
+for no rankings (the predictor rests), and until a draft has paid only the draft the gate
+would look at is loaded, not the policy's whole working set.
 
 Pure logic, shared by the decoder's loop and the replay simulator.
 """
@@ -47,6 +47,7 @@ class GateCosts:
     verify: Line | None = None
     spec: Mapping[str, Line] = field(default_factory=dict)
     draft_prior_s: float = 0.0
+    gamma: int = 4  # rows of `verify` minus one
 
     def target_s(self, context: int) -> float:
         return self.target[0] + self.target[1] * context
@@ -94,6 +95,7 @@ class SpecGate:
         self.tau: dict[str, _Estimate] = {}
         self.spec_a: dict[str, _Estimate] = {}  # intercepts refined from this request
         self.target_a: _Estimate | None = None
+        self.verify_ratio: _Estimate | None = None  # measured over calibrated verifies
         self.context = 0
         self.elapsed = 0.0  # decode seconds of this request's iterations
         self.probe_cost = 0.0  # worst-case extra seconds of the probes so far
@@ -124,14 +126,26 @@ class SpecGate:
         a, b = self.costs.spec_line(rec.draft)
         est = self.spec_a.setdefault(rec.draft, _Estimate(self.COST_ALPHA, a))
         est.add(rec.duration - rec.t_catchup - b * rec.context)
+        verify = self.costs.verify
+        if verify is not None and rec.t_verify > 0 and rec.proposed == self.costs.gamma:
+            if self.verify_ratio is None:  # this machine now against the calibration:
+                self.verify_ratio = _Estimate(self.COST_ALPHA)  # scales the target's
+            self.verify_ratio.add(rec.t_verify / (verify[0] + verify[1] * rec.context))
         if tau is None:  # no prior: the draft's own iterations decide, from the first
             tau = self.tau[rec.draft] = _Estimate(self.ALPHA)
         tau.add(rec.accepted + 1.0)
 
     def target_s(self, context: int) -> float:
+        """A target step at `context`: measured in this request once it has run some; before
+        that the calibration's, scaled as this request's verifies compare with the
+        calibration's (a calibration taken on a busier or quieter machine moves both alike,
+        so the gate's ratio stays right)."""
         assert self.costs is not None
         a, b = self.costs.target
-        return (self.target_a.value if self.target_a else a) + b * context
+        if self.target_a is not None:
+            return self.target_a.value + b * context
+        scale = self.verify_ratio.value if self.verify_ratio is not None else 1.0
+        return scale * (a + b * context)
 
     def spec_s(self, draft: str, context: int) -> float:
         assert self.costs is not None
@@ -181,11 +195,6 @@ class SpecGate:
         tau = self.tau.get(draft)
         return tau is None or (tau.n < self.FIRST_LOOK
                                and tau.value >= self.NEAR_MISS * self.break_even(draft))
-
-    def probe_due(self, draft: str | None) -> bool:
-        """A probe of `draft` would be allowed at the next scheduling point (a closed gate
-        asks for a fresh ranking only then)."""
-        return draft is not None and (draft not in self.tau or self._may_probe(draft))
 
 
 def gate_decision(gate: SpecGate, decision):  # noqa: ANN001 - a policies.Decision

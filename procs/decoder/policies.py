@@ -265,11 +265,11 @@ class Gated:
         return gate_decision(self.gate, self.inner.decide(view))
 
     def wants_ranking(self) -> bool:
-        """A closed gate rests the predictor, except right before its next probe (whose
-        draft the ranking picks)."""
-        if not self.inner.wants_ranking():
-            return False
-        return not self.gate.closed or self.gate.probe_due(self.gate.last)
+        """A closed gate rests the predictor: on a CPU every ranking takes a core from the
+        target (measured: a ranking before each probe cost more than the probe itself); a
+        probe tries the draft chosen last, and a probe that pays reopens the gate and with
+        it the rankings."""
+        return self.inner.wants_ranking() and not self.gate.closed
 
 
 class OracleDynamic(TargetOnly):

@@ -192,6 +192,7 @@ class _Output:
         self.detok = StreamDecoder(tokenizer)
         self.stops = StopMatcher(stops) if stops else None
         self.kept = 0  # tokens reported
+        self.pending: list[int] = []  # committed, to be reported at the interval's end
         self.pieces: list[str] = []
         self.executor: SessionExecutor | None = None
 
@@ -307,9 +308,16 @@ class DecoderService:
         out = _Output(self.tokenizer, req.stop)
 
         def stream(new: list[int]) -> None:
-            ids, text = out.push(new)
-            if ids or text:
-                emit(Tokens(req_id=req.req_id, ids=ids, text=text))
+            """The first tokens and, with stop strings, every commit go out at once (time to
+            first token; a stop ends the request where it completes); the rest once per
+            scheduling interval (`_flush`): a message, a detokenisation and a relay per
+            interval instead of per token keep the decoder's cores on decoding."""
+            if out.kept == 0 or out.stops is not None:
+                ids, text = out.push(new)
+                if ids or text:
+                    emit(Tokens(req_id=req.req_id, ids=ids, text=text))
+            else:
+                out.pending.extend(new)
 
         def prefill(between: Callable[[], bool] | None) -> SessionExecutor:
             """The target prefills while the initial loads run (the loop calls this); a
@@ -329,11 +337,19 @@ class DecoderService:
         if cur is None:
             return
         summary = self.controller.step()
+        out = cur.out
+        if out.pending:
+            t0 = time.perf_counter()
+            ids, text = out.push(out.pending)
+            out.pending = []
+            if ids or text:
+                cur.emit(Tokens(req_id=cur.req.req_id, ids=ids, text=text))
+            if summary is None:  # streaming is scheduling-point work (a Done is after e2e)
+                cur.session.stats.t_sched += time.perf_counter() - t0
         if summary is None:
             return
         self.current = None
         self.plan_meters[summary.policy].observe(cur.session.stats.records)
-        out = cur.out
         rest = out.flush()  # text held back for an incomplete character at the end
         if rest:
             cur.emit(Tokens(req_id=cur.req.req_id, ids=[], text=rest))
