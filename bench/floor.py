@@ -118,34 +118,63 @@ def _row(res: dict[str, Any]) -> dict[str, Any]:
             "ids": res["token_ids"]}
 
 
-def run(pool: str | None, per_domain: int, max_new: int, warm: bool = True) -> dict[str, Any]:
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeat with the median end-to-end speed (its whole record: split, tokens), with
+    every repeat's speed beside it."""
+    ranked = sorted(rows, key=lambda r: r["e2e_tok_s"])
+    mid = dict(ranked[(len(ranked) - 1) // 2])
+    mid["repeats_e2e_tok_s"] = [r["e2e_tok_s"] for r in rows]
+    return mid
+
+
+def _interleaved(rows: list[dict], policies: tuple[str, ...], repeats: int, run_one,
+                 label: str) -> list[dict[str, Any]]:
+    """Every prompt's policies interleaved, the order alternating, `repeats` times; per
+    prompt and policy the median repeat (single runs of fresh processes vary by +-15% on a
+    busy 2-core VM)."""
+    out = []
+    t0 = time.perf_counter()
+    for i, r in enumerate(rows):
+        got: dict[str, list] = {p: [] for p in policies}
+        for rep in range(repeats):
+            order = policies if (i + rep) % 2 == 0 else tuple(reversed(policies))
+            for p in order:
+                got[p].append(_row(run_one(r["prompt"], p)))
+        med = {p: _median_row(v) for p, v in got.items()}
+        out.append({"id": r["id"], "domain": r["domain"], **med})
+        left = (time.perf_counter() - t0) / (i + 1) * (len(rows) - i - 1)
+        _log(f"{label} {i + 1}/{len(rows)}: memspec/target-only "
+             f"{med['memspec']['e2e_tok_s'] / med['target-only']['e2e_tok_s']:.3f}, "
+             f"pipeline/in-process "
+             f"{med['target-only']['e2e_tok_s'] / med['in-process']['e2e_tok_s']:.3f} "
+             f"(~{left / 60:.0f} min left)")
+    return out
+
+
+def run(pool: str | None, per_domain: int, max_new: int, repeats: int = 2,
+        warm: bool = True) -> dict[str, Any]:
     rows = prompts(per_domain)
     _log(f"{len(rows)} prompts (the README's + {per_domain} dev per domain), {max_new} new "
-         f"tokens; cold: {', '.join(COLD)} and target-only in process; warm: one server per "
-         "policy")
-    cold: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
-    for i, r in enumerate(rows):
-        order = COLD if i % 2 == 0 else tuple(reversed(COLD))  # interleaved, both orders
-        got = {p: _row(generate(r["prompt"], p, max_new, pool)) for p in order}
-        got["in-process"] = _row(generate(r["prompt"], "target-only", max_new, pool, True))
-        cold.append({"id": r["id"], "domain": r["domain"], **got})
-        done = i + 1
-        left = (time.perf_counter() - t_start) / done * (len(rows) - done)
-        _log(f"cold {done}/{len(rows)}: memspec/target-only "
-             f"{got['memspec']['e2e_tok_s'] / got['target-only']['e2e_tok_s']:.3f}, "
-             f"pipeline/in-process {got['target-only']['e2e_tok_s'] / got['in-process']['e2e_tok_s']:.3f}"
-             f" (~{left / 60:.0f} min left)")
+         f"tokens, {repeats} repeats; cold: {', '.join(COLD)} and target-only in process; "
+         "warm: one server per policy")
+
+    def cold_one(prompt: str, policy: str) -> dict[str, Any]:
+        if policy == "in-process":
+            return generate(prompt, "target-only", max_new, pool, True)
+        return generate(prompt, policy, max_new, pool)
+
+    cold = _interleaved(rows, (*COLD, "in-process"), repeats, cold_one, "cold")
     out: dict[str, Any] = {"machine": machine_line(), "machine_info": machine_info(),
                            "max_new_tokens": max_new, "prompts": len(rows),
-                           "cold": cold, "cold_summary": summarise(cold)}
+                           "repeats": repeats, "cold": cold, "cold_summary": summarise(cold)}
     if warm:
-        out["warm"] = run_warm(rows, pool, max_new)
+        out["warm"] = run_warm(rows, pool, max_new, repeats)
         out["warm_summary"] = summarise(out["warm"])
     return out
 
 
-def run_warm(rows: list[dict], pool: str | None, max_new: int) -> list[dict[str, Any]]:
+def run_warm(rows: list[dict], pool: str | None, max_new: int, repeats: int
+             ) -> list[dict[str, Any]]:
     import torch
 
     from memspec.common.config import load_pool
@@ -153,7 +182,6 @@ def run_warm(rows: list[dict], pool: str | None, max_new: int) -> list[dict[str,
     from memspec.procs.decoder.inprocess import build_local, run_request
     from memspec.procs.decoder.threads import decoder_threads
 
-    out = []
     with tempfile.TemporaryDirectory(prefix="memspec-floor-") as tmp:
         servers = {p: Server(p, pool, tmp) for p in COLD}
         try:
@@ -162,18 +190,16 @@ def run_warm(rows: list[dict], pool: str | None, max_new: int) -> list[dict[str,
             for s in servers.values():  # each server's first request is its own warm-up
                 s.generate(rows[0]["prompt"], 8)
             run_request(local, rows[0]["prompt"], "target-only", 8, SamplingParams())
-            for i, r in enumerate(rows):
-                order = COLD if i % 2 == 0 else tuple(reversed(COLD))
-                got = {p: _row(servers[p].generate(r["prompt"], max_new)) for p in order}
-                got["in-process"] = _row(run_request(local, r["prompt"], "target-only",
-                                                     max_new, SamplingParams()))
-                out.append({"id": r["id"], "domain": r["domain"], **got})
-                _log(f"warm {i + 1}/{len(rows)}: memspec/target-only "
-                     f"{got['memspec']['e2e_tok_s'] / got['target-only']['e2e_tok_s']:.3f}")
+
+            def warm_one(prompt: str, policy: str) -> dict[str, Any]:
+                if policy == "in-process":
+                    return run_request(local, prompt, "target-only", max_new, SamplingParams())
+                return servers[policy].generate(prompt, max_new)
+
+            return _interleaved(rows, (*COLD, "in-process"), repeats, warm_one, "warm")
         finally:
             for s in servers.values():
                 s.stop()
-    return out
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,7 +285,8 @@ def _plot(res: dict[str, Any], folder: Path) -> Path:
 
 
 def main_bench_floor(args) -> int:
-    res = run(args.pool, args.per_domain, args.max_new_tokens, warm=not args.no_warm)
+    res = run(args.pool, args.per_domain, args.max_new_tokens, repeats=max(1, args.repeats),
+              warm=not args.no_warm)
     _print(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

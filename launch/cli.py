@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: test prompts per domain run for real (0 with --real-mixed 0: "
                         "no real runs)")
     b.add_argument("--real-mixed", type=int, default=30, help="eval: mixed prompts run for real")
-    b.add_argument("--repeats", type=int, default=2, help="eval: real runs per prompt and policy")
+    b.add_argument("--repeats", type=int, default=2,
+                   help="eval, floor: real runs per prompt and policy")
     b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
     b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
     b.add_argument("--cost-model", default=None,

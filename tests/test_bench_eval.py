@@ -78,8 +78,9 @@ CFG = SimConfig(DRAFTS, "general", 2, 4, 4, plan=COST.plan_costs())
 
 
 def test_policies_aggregate_and_normalise():
+    """(Ungated: the policies' own mechanics; the gate has its tests in test_gate.py.)"""
     reqs = requests()
-    per, raw = evaluate_policies(reqs, COST, CFG, {}, POLICIES)
+    per, raw = evaluate_policies(reqs, COST, replace(CFG, gate=False), {}, POLICIES)
     assert set(per) == set(POLICIES) and set(per["memspec"]) == set(DRAFTS)
     norm = ratios(per, "general-static", "steady")
     assert all(abs(norm["general-static"][d] - 1.0) < 1e-12 for d in DRAFTS)

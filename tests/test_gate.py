@@ -263,3 +263,17 @@ def test_a_calibration_from_a_busier_machine_does_not_open_the_gate():
     for _ in range(6):
         naive.observe(rec("law", 1, 0.026))
     assert naive.verdict("law") == "run"  # what the stale calibration alone would believe
+
+
+def test_every_drafting_policy_gets_the_gate():
+    """No baseline lacks a tool memspec has: the pool's spec_gate wraps every policy that
+    runs drafts (oracle-dynamic plans the target alone itself); `gate=False` gives the
+    ungated policy."""
+    from memspec.procs.decoder.policies import GATED, POLICY_NAMES
+
+    for name in POLICY_NAMES:
+        pol = make_policy(name, gate_costs=COSTS, oracle_plan=lambda v: "code")
+        assert isinstance(pol, Gated) == (name in GATED), name
+        assert not isinstance(make_policy(name, gate_costs=COSTS, gate=False,
+                                          oracle_plan=lambda v: "code"), Gated)
+    assert set(POLICY_NAMES) - set(GATED) == {"target-only", "lookup-only", "oracle-dynamic"}

@@ -117,7 +117,8 @@ def reference(sup) -> dict[str, list[int]]:
     return greedy_reference(sup)
 
 
-@pytest.mark.parametrize("policy", ["memspec", "mab-async", "prediction-only", "general-static"])
+@pytest.mark.parametrize("policy", ["memspec", "mab-async", "prediction-only", "general-static",
+                                    "lookup-only"])
 def test_policies_token_identical_through_three_processes(sup, reference, policy):
     used: set[str] = set()
     for d, prompt in first_prompts().items():
@@ -125,6 +126,10 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
         assert isinstance(done, Done), done
         assert done.token_ids == reference[d], (policy, d)
         used |= set(done.stats.drafts_used)
+        t = done.stats.time  # real runs: every part of the wall clock is in the split
+        assert abs(t.other) <= 0.02 * t.e2e, (policy, t)
+        assert t.pre + t.prefill + t.decode + t.sched + t.bind + t.other == \
+            pytest.approx(t.e2e)
     assert used, f"{policy} never ran a draft"
 
 

@@ -47,7 +47,7 @@ CFG = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4)
 def test_resident_static_draft_replays_the_tables_exactly():
     tab = tables(1)
     req = SimRequest("p", "math", 40, tab)
-    st = simulate("general-static", req, cost(), CFG, resident=["general"])
+    st = simulate("general-static", req, cost(), replace(CFG, gate=False), resident=["general"])
     rep = replay_static(tab, "general", 4)
     assert [r.accepted for r in st.records] == rep.accepted
     assert sum(r.emitted for r in st.records) == len(tab["general"])
@@ -67,8 +67,8 @@ def test_cold_start_pays_the_load_in_fallback_then_runs_the_draft():
 def test_oracle_static_runs_the_best_single_draft():
     tab = tables(3, good="law")
     best, _ = oracle_static(tab, 4)
-    st = simulate("oracle-static", SimRequest("p", "law", 40, tab), cost(), CFG,
-                  resident=[best])
+    st = simulate("oracle-static", SimRequest("p", "law", 40, tab), cost(),
+                  replace(CFG, gate=False), resident=[best])
     assert {r.draft for r in st.records} == {best}
 
 

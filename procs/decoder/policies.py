@@ -402,7 +402,10 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
 
 
 _KW = ("oracle_plan", "costs", "gate", "gate_costs")
-GATED = ("memspec", "prediction-only")  # the policies the pool's spec_gate applies to
+# the policies the pool's spec_gate applies to: every one that runs drafts, so that no
+# baseline lacks a tool memspec has (oracle-dynamic plans the target alone itself)
+GATED = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only",
+         "memspec")
 
 
 def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
@@ -412,7 +415,7 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
     kw: `oracle_plan` (oracle-static: view -> draft name or scores; oracle-dynamic: view
     -> Decision); `costs` (PlanCosts, oracle-dynamic's beliefs); `gate` (bool, default
     True) and `gate_costs` (GateCosts, what an iteration costs on this machine) for the
-    speculation gate of memspec and prediction-only (no gate without costs). Every policy's
+    speculation gate of every drafting policy (GATED; no gate without costs). Every policy's
     first decision is taken before the prompt prefills, so its initial loads overlap the
     prefill (procs/decoder/loop.py, Alg. 3 line 3).
     """
