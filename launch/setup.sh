@@ -44,6 +44,25 @@ if [[ "${1:-}" == "--dev" ]]; then
       || echo "[setup] no aarch64 cross tools: those checks will be skipped"
   fi
   "$PY" -m memspec.procs.decoder.native --all || echo "[setup] some kernel paths not built (see above)"
+  # Python 3.10 (JetPack 6, Ubuntu 22.04) where one is installed: a light environment with
+  # the dependencies that need no torch, in which the suite imports every module that needs
+  # none (tests/test_python310.py); the full job under 3.10 needs torch there too
+  py310=""
+  for c in "${MEMSPEC_PYTHON310:-}" "$(command -v python3.10 || true)" \
+           "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10; do
+    if [[ -n "$c" ]] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then
+      py310="$c"; break
+    fi
+  done
+  if [[ -n "$py310" ]]; then
+    light="$("$PY" -c 'from memspec.common.paths import memspec_home; print(memspec_home())')/py310-light"
+    if [[ ! -x "$light/bin/python" ]]; then
+      echo "[setup] Python 3.10 found ($py310): light environment in $light"
+      "$py310" -m venv "$light" && "$light/bin/python" -m pip install -q \
+        --disable-pip-version-check msgspec tomli pyzmq psutil \
+        || echo "[setup] no Python 3.10 environment: its import checks will be skipped"
+    fi
+  fi
 else
   "$PY" -m memspec.procs.decoder.native || echo "[setup] native CPU forward not built (see above)"
 fi

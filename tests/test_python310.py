@@ -63,3 +63,38 @@ def test_the_main_job_runs_under_python_310_token_for_token():
     assert old["stats"]["policy"] == "target-only"
     here = _generate(sys.executable)
     assert old["token_ids"] == here["token_ids"], (old["text"], here["text"])
+
+
+LIGHT_CHECK = """
+import compileall, re, sys
+import memspec
+root = memspec.__path__[0]
+assert compileall.compile_dir(root, quiet=2, rx=re.compile(r"/(models|build|tests)/")), "syntax"
+import memspec.common.config as config, memspec.common.limits, memspec.common.isa
+import memspec.common.messages as m, memspec.common.logs, memspec.common.child
+import memspec.procs.decoder.gate, memspec.procs.decoder.policies, memspec.procs.decoder.loop
+pool = config.load_pool(check=False)
+sub = m.Submit(req_id="r1", prompt="hi", policy="memspec")
+assert m.CLIENT_REQUESTS.decode(m.encode(sub)) == sub
+print(sys.version_info[:2], pool.policy, len(pool.drafts))
+"""
+
+
+def test_the_core_imports_and_parses_under_python_310(tmp_path):
+    """Every module byte-compiles under 3.10, and those that need no torch import and work:
+    the pool config (tomllib is 3.11+: tomli on 3.10), the request limits, the kernel-path
+    choice, the messages, the scheduling loop and its policies. In the light environment
+    `bash launch/setup.sh --dev` makes where a python3.10 is installed (CI included)."""
+    from memspec.common.paths import memspec_home
+
+    exe = memspec_home() / "py310-light" / "bin" / "python"
+    if not exe.is_file():
+        pytest.skip(f"no Python 3.10 light environment at {exe.parent.parent} (made by "
+                    "`bash launch/setup.sh --dev` where python3.10 is installed)")
+    link = tmp_path / "memspec"
+    link.symlink_to(PACKAGE_ROOT, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    res = subprocess.run([str(exe), "-c", LIGHT_CHECK], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("(3, 10)")
