@@ -11,6 +11,7 @@ jobs, thermal state) then fall on every policy alike instead of on one policy's 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -79,10 +80,32 @@ class RealResult:
         return self.row["token_ids"]
 
 
-def read_results(path: Path) -> dict[str, RealResult]:
-    """Cached runs by key; a cache from before typed summaries is a one-line error."""
+def run_fingerprint(pool_path: str | None) -> str:
+    """What a cached real run depends on beyond its request: the pool's drafts and knobs,
+    the target's numerics (dtype and CPU kernel path) and the runtime's code. A run made
+    with anything else is measured again, never mixed into new figures."""
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.tablefiles import pool_fingerprint, runtime_key
+
+    pool = load_pool(pool_path)
+    h = hashlib.sha256(json.dumps(pool_fingerprint(pool), sort_keys=True).encode())
+    h.update(Path(pool.source).read_bytes())
+    h.update(runtime_key(pool).encode())
+    root = Path(__file__).resolve().parent.parent
+    for sub in ("procs", "common", "launch"):
+        for f in sorted((root / sub).rglob("*")):
+            if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts:
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def read_results(path: Path, fingerprint: str | None = None) -> dict[str, RealResult]:
+    """Cached runs by key (only those made with `fingerprint`, when given); a cache from
+    before typed summaries is a one-line error."""
     out = {}
     for key, row in read_jsonl(path, "key").items():
+        if fingerprint is not None and row.get("fingerprint") != fingerprint:
+            continue
         try:
             out[key] = RealResult(row, msgspec.convert(row["stats"], Summary))
         except (msgspec.ValidationError, KeyError) as exc:
@@ -103,8 +126,10 @@ def _one(sup: Supervisor, req: RealRequest) -> Done:
 
 def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None = None
              ) -> dict[str, RealResult]:
-    """Run whatever of `requests` is not in `out` yet; returns every result by key."""
-    done = read_results(out)
+    """Run whatever of `requests` is not in `out` yet (with this code and pool); returns
+    every result by key."""
+    fp = run_fingerprint(pool_path)
+    done = read_results(out, fp)
     todo = [r for r in requests if r.key not in done]
     if todo:
         _log(f"{len(todo)} requests through the three processes (cold start, traced)")
@@ -120,7 +145,7 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
                     row = {"key": r.key, "policy": r.policy, "id": r.prompt_id,
                            "domain": r.domain, "max_new_tokens": r.max_new_tokens,
                            "ucb_c": r.ucb_c, "repeat": r.repeat, "token_ids": msg.token_ids,
-                           "stats": as_json(msg.stats),
+                           "stats": as_json(msg.stats), "fingerprint": fp,
                            "bandwidth_bytes_s": getattr(info, "bandwidth_bytes_s", None)}
                     f.write(json.dumps(row) + "\n")
                     f.flush()

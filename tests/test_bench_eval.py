@@ -230,3 +230,28 @@ def test_pinned_pool_keeps_every_path(tmp_path):
     default = load_pool(None, check=False)
     assert [d.path for d in pool.drafts] == [d.path for d in default.drafts]
     assert pool.target == default.target
+
+
+def test_cached_real_runs_are_kept_only_for_the_same_code_and_pool(tmp_path):
+    """A real run cached by an earlier checkout or another pool is measured again, not
+    mixed into new figures."""
+    import json as _json
+
+    from memspec.bench.realruns import read_results, run_fingerprint
+
+    fp = run_fingerprint(None)
+    assert fp == run_fingerprint(None)
+    from memspec.common.paths import PACKAGE_ROOT
+
+    assert run_fingerprint(str(PACKAGE_ROOT / "pools" / "small-models.toml")) != fp
+    stats = {"generated_tokens": 1, "prompt_tokens": 1, "iterations": 1,
+             "tokens_per_s_steady": 1.0, "tokens_per_s_e2e": 1.0, "num_drafts": 0,
+             "num_draft_tokens": 0, "num_accepted_tokens": 0, "mean_acceptance_length": 1.0,
+             "acceptance_rate": 0.0, "time": {k: 0.0 for k in (
+                 "prefill", "draft", "verify", "catchup", "desired", "fallback",
+                 "target_fallback", "load_wait", "prediction", "decode", "e2e")},
+             "loads": 0, "evictions": 0, "switches": 0, "bytes_loaded": 0, "drafts_used": {}}
+    path = tmp_path / "real.jsonl"
+    path.write_text("\n".join(_json.dumps({"key": k, "stats": stats, "fingerprint": f})
+                              for k, f in (("a", fp), ("b", "stale"))) + "\n")
+    assert set(read_results(path, fp)) == {"a"} and set(read_results(path)) == {"a", "b"}
