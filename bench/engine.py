@@ -14,6 +14,7 @@ other one tried (fp32 is the eager HF path the engine had before static caches):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -24,15 +25,26 @@ from typing import Any
 
 import torch
 
-from memspec.common.config import PoolConfig, load_pool
+from memspec.common.config import PoolConfig, check_paths, load_pool
 from memspec.common.machine import machine_info, machine_line
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.inprocess import LocalRuntime, build_local, run_request
-from memspec.procs.decoder.linear import make_linear
+from memspec.procs.decoder.linear import DenseLinear, Linear, make_linear
 from memspec.procs.decoder.models import encode_prompt
 from memspec.procs.decoder.native import extension, linear_spec
 from memspec.procs.decoder.precision import resolve_dtype
-from memspec.procs.decoder.runners import default_act_dtype, load_state_dict, read_config
+from memspec.procs.decoder.quantized import (
+    PermutedLinear,
+    dense_state_dict,
+    quant_format,
+    split_weights,
+)
+from memspec.procs.decoder.runners import (
+    default_act_dtype,
+    lean_arch,
+    load_state_dict,
+    read_config,
+)
 from memspec.procs.decoder.tablefiles import numerics_key
 from memspec.zoo.prompts import load_prompts
 
@@ -61,19 +73,34 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
     chosen kernel path's block kernels for int4 / int8, its 16-bit kernel for bf16) where
     the native forward is built, PyTorch's own otherwise; fp32 is PyTorch's BLAS."""
     cfg = read_config(pool.target)
-    weights = load_state_dict(pool.target)
     act = torch.float32 if dtype == "float32" else default_act_dtype(torch.device("cpu"))
+    qfmt = quant_format(pool.target)
+    weights = dense_state_dict(pool.target) if qfmt is None or dtype != "int4" else \
+        load_state_dict(pool.target)
     ext = extension()
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    mats = [weights[f"model.layers.{i}.{name}.weight"]
-            for i in range(int(cfg["num_hidden_layers"])) for name in PROJECTIONS]
+    head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+    if qfmt is not None and dtype == "int4":  # a GPTQ / AWQ target: its own blocks
+        arch = lean_arch(cfg)
+        assert arch is not None
+        _, built = split_weights(qfmt, arch, weights, act)
+        mats = [built[f"model.layers.{i}.{name}"]
+                for i in range(arch.layers) for name in PROJECTIONS]
+        if "lm_head" in built:
+            mats, head = mats + [built["lm_head"]], None
+    else:
+        mats = [weights[f"model.layers.{i}.{name}.weight"]
+                for i in range(int(cfg["num_hidden_layers"])) for name in PROJECTIONS]
     plan = []
-    for w, fmt in [(m, dtype) for m in mats] + [(head, "int8" if dtype == "int4" else dtype)]:
-        lin = make_linear(w, fmt, act)
-        x_dtype = act
-        if ext is not None and fmt in ("int4", "int8", "bfloat16"):
+    pairs = [(m, dtype) for m in mats] + \
+        ([(head, "int8" if dtype == "int4" else dtype)] if head is not None else [])
+    for w, fmt in pairs:
+        lin = w if isinstance(w, Linear) else make_linear(w, fmt, act)
+        k, x_dtype = _in_features(lin), act
+        # act-order layers gather their input in Python: that gather is part of their pass
+        if ext is not None and fmt in ("int4", "int8", "bfloat16") and \
+                not isinstance(lin, PermutedLinear):
             lin, x_dtype = ext.Linear(linear_spec(lin)), torch.float32
-        plan.append((lin, torch.randn(rows, w.shape[1]).to(x_dtype)))
+        plan.append((lin, torch.randn(rows, k).to(x_dtype)))
     del weights, mats
 
     @torch.inference_mode()
@@ -82,6 +109,12 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
             lin(x)
 
     return run
+
+
+def _in_features(lin: Linear) -> int:
+    if isinstance(lin, PermutedLinear):
+        return int(lin.perm.numel())
+    return int((lin.weight if isinstance(lin, DenseLinear) else lin.q).shape[1])
 
 
 @torch.inference_mode()
@@ -187,9 +220,14 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
 
 
 def run(pool_path: str | None, n_prompts: int, max_new: int,
-        dtypes: list[str] | None = None) -> dict[str, Any]:
+        dtypes: list[str] | None = None, target: str | None = None) -> dict[str, Any]:
+    """``target``: another target folder in place of the pool's (e.g. a GPTQ / AWQ one);
+    the pool's drafts must share its tokenizer."""
     torch.manual_seed(0)
     pool = load_pool(pool_path)
+    if target:
+        pool = dataclasses.replace(pool, target=Path(target).expanduser().resolve())
+        check_paths(pool)
     chosen = resolve_dtype(pool.dtype, pool.target, "cpu")
     tried = [chosen] + [d for d in (dtypes or DTYPES) if d != chosen]
     t0 = time.perf_counter()
@@ -238,10 +276,12 @@ def run(pool_path: str | None, n_prompts: int, max_new: int,
         _log(f"{d}: step {c['step_ms']:.2f} ms (floor {c['floor_step_ms']:.2f}), verify "
              f"{c['verify_ms']:.2f} ms, draft step {c['draft_step_ms']:.3f} ms")
     threads = torch.get_num_threads()
-    peer = llama_cpp_run(pool, rts[chosen], prompts, max_new, threads)
+    # llama.cpp runs the GGUF the demo target came from: only that target is its peer
+    peer = None if target else llama_cpp_run(pool, rts[chosen], prompts, max_new, threads)
     top = per_dtype[chosen]
     out: dict[str, Any] = {
         "machine": machine_line(), "machine_info": machine_info(), "threads": threads,
+        "target": str(pool.target),
         "isa": machine_info()["isa"], "numerics": numerics_key(chosen),
         "native_forward": ext is not None, "native_load_s": native_s,
         "gamma": pool.gamma, "max_new_tokens": max_new, "prompts": len(prompts),
@@ -271,6 +311,7 @@ def run(pool_path: str | None, n_prompts: int, max_new: int,
 def _print(res: dict[str, Any]) -> None:
     print(f"machine: {res['machine']}; gamma={res['gamma']}, {res['max_new_tokens']} new tokens, "
           f"{res['prompts']} dev prompts, context ~{res['context_tokens']} tokens")
+    print(f"target: {res['target']}; kernel path {res['isa']}")
     print(f"{'dtype':<10}{'floor ms':>9}{'step ms':>9}{'step/fl':>8}{'verify ms':>10}"
           f"{'ver/step':>9}{'draft ms':>9}{'target tok/s':>13}{'spec tok/s':>11}{'spec/tgt':>9}")
     for d, e in res["per_dtype"].items():
@@ -329,7 +370,7 @@ def _plot(res: dict[str, Any], folder: Path) -> Path:
 
 def main_bench_engine(args) -> int:
     dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else None
-    res = run(args.pool, args.prompts, args.max_new_tokens, dtypes)
+    res = run(args.pool, args.prompts, args.max_new_tokens, dtypes, getattr(args, "target", None))
     _print(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

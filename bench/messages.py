@@ -50,6 +50,9 @@ from memspec.common.messages import (
 from memspec.common.metrics import IterationRecord, LoadEvent, RunStats, Summary, Trace
 
 DRAFTS = ["general", "code", "math", "law", "medical"]
+STARTUP = {"process": 1.21, "config": 0.01, "verify": 0.0, "native": 0.01, "tokenizer": 0.74,
+           "target": 0.31, "engine": 0.0, "drafts": 0.04, "slots": 0.01, "edge_profile": 0.0,
+           "calibration": 0.0, "ready": 0.0}  # a decoder's start-up split (startup.py)
 
 
 def _stats(iterations: int = 64, traced: bool = False) -> Summary:
@@ -71,9 +74,15 @@ def samples() -> dict[str, tuple[Message, Codec]]:
     slots = [SlotStatus(i, 3 + i, "resident", d) for i, d in enumerate(DRAFTS[:2])]
     procs = {n: ProcStatus(1000 + i, "ready", 0, 512.5, 12.0)
              for i, n in enumerate(("loader", "predictor", "decoder"))}
+    procs["decoder"] = ProcStatus(1002, "backoff", 3, 640.0, 24.0, "avx512-bf16", "int4",
+                                  crashes=2, backoff_s=0.7, recovery_s=2.4, startup=STARTUP)
     msgs: dict[str, Message] = {
         "Submit": Submit(req_id="a1b2c3d4e5f6", prompt="Write a Python function that "
                          "returns the factorial of n." * 4, max_new_tokens=128),
+        # a request the supervisor resumes on a restarted decoder (launch/resume.py)
+        "Submit+resume": Submit(req_id="a1b2c3d4e5f6", prompt="Write a Python function "
+                                "that returns the factorial of n.", max_new_tokens=128,
+                                resume_ids=list(range(1000, 1064)), resume_chars=250),
         "Tokens": Tokens(req_id="a1b2c3d4e5f6", ids=[1, 2, 3], text=" the"),
         "Done": Done(req_id="a1b2c3d4e5f6", text="word " * 128, token_ids=list(range(128)),
                      stats=_stats()),
@@ -95,14 +104,16 @@ def samples() -> dict[str, tuple[Message, Codec]]:
         "Heartbeat": Heartbeat(proc="decoder", pid=1234, state="busy"),
         "Ready": Ready(proc="decoder", pid=1234, info=DecoderInfo(
             load_s=3.2, K=2, transport="shm", slot_bytes=7_400_000, bandwidth_bytes_s=3.1e6,
-            handles=["memspec-ab-slot0", "memspec-ab-slot1"])),
+            handles=["memspec-ab-slot0", "memspec-ab-slot1"], dtype="int4",
+            isa="avx512-bf16", startup=STARTUP)),
         "Status": Status(procs=procs, slots=slots),
         "StatusRequest": StatusRequest(),
         "Shutdown": Shutdown(reason="bench"),
         "PeerRestarted": PeerRestarted(proc="loader", pid=4321),
         "Queued": Queued(req_id="a1b2c3d4e5f6", ahead=2),
     }
-    codecs = {"Submit": CLIENT_REQUESTS, "StatusRequest": CLIENT_REQUESTS,
+    codecs = {"Submit": CLIENT_REQUESTS, "Submit+resume": DECODER_REQUESTS,
+              "StatusRequest": CLIENT_REQUESTS,
               "Shutdown": DECODER_REQUESTS, "PeerRestarted": DECODER_REQUESTS,
               "Snapshot": PREDICTOR_REQUESTS, "Ranking": PREDICTOR_REPLIES,
               "Load": LOADER_REQUESTS, "Cancel": LOADER_REQUESTS, "Loaded": LOADER_REPLIES,

@@ -20,6 +20,9 @@ from memspec.common import logs
 
 PARENT_ENV = "MEMSPEC_PARENT_PID"  # the supervisor's pid
 NICE_ENV = "MEMSPEC_NICE"  # niceness increment (the loader's and predictor's: 10)
+# the supervisor's time.monotonic() when it spawned the process (Linux's CLOCK_MONOTONIC is
+# one clock for every process): the decoder books its process start and imports from it
+SPAWNED_ENV = "MEMSPEC_SPAWNED_AT"
 PR_SET_PDEATHSIG = 1
 
 

@@ -233,12 +233,47 @@ def _tokenizer_identity(model_dir: Path) -> Any:
             [t.get("content") for t in data.get("added_tokens", [])])
 
 
+FINGERPRINTS = "fingerprints.json"  # in $MEMSPEC_HOME: tokenizer.json stamp -> fingerprint
+MAX_FINGERPRINTS = 64
+
+
+def _stamped_fingerprint(tok: Path) -> str | None:
+    """The fingerprint of `tok` (a tokenizer.json) as last computed, while its size, mtime
+    and inode are unchanged: parsing and hashing a 2 MB vocabulary costs every start of a
+    decoder (a restart included) a quarter of a second."""
+    from memspec.common.files import atomic_write_text
+    from memspec.common.paths import memspec_home
+
+    st = tok.stat()
+    key, stamp = str(tok.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
+    path = memspec_home() / FINGERPRINTS
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key) if isinstance(known, dict) else None
+    if isinstance(entry, list) and len(entry) == 4 and entry[:3] == stamp:
+        return entry[3]
+    ident = _tokenizer_identity(tok.parent)
+    if ident is None:
+        return None
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    kept = {k: v for k, v in (known.items() if isinstance(known, dict) else ()) if k != key}
+    kept = dict(list(kept.items())[-(MAX_FINGERPRINTS - 1):])  # the newest (tests make many)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({**kept, key: [*stamp, digest]}))
+    except OSError:
+        pass  # a read-only home: computed every time
+    return digest
+
+
 def tokenizer_fingerprint(model_dir: Path) -> str | None:
     """Hash of the vocabulary, merges and added tokens; a draft that ships no tokenizer files
     records its target's fingerprint in config.json (``memspec_tokenizer_sha256``) instead."""
-    ident = _tokenizer_identity(model_dir)
-    if ident is not None:
-        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    tok = model_dir / "tokenizer.json"
+    if tok.is_file():
+        return _stamped_fingerprint(tok)
     try:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError):

@@ -147,6 +147,7 @@ def check_request(req: Submit) -> None:
     check_roles(req.messages)
     check_sampling(req.temperature, req.top_p, req.seed, req.top_k, req.min_p)
     check_stops(req.stop)
+    check_resume(req)
     if req.ucb_c is not None:
         if not math.isfinite(req.ucb_c):
             raise LimitError("ucb_c", f"ucb_c = {req.ucb_c!r} is not a finite number",
@@ -154,6 +155,26 @@ def check_request(req: Submit) -> None:
         if req.ucb_c < 0:
             raise LimitError("ucb_c", f"ucb_c {req.ucb_c} is negative",
                              "use 0 or more (default 2.0)")
+
+
+def check_resume(req: Submit) -> None:
+    """A continuation's fields (set by the supervisor after a decoder crash) in range; the
+    decoder checks the ids against the target's vocabulary and the request's budget."""
+    if len(req.resume_ids) > MAX_NEW_TOKENS:
+        raise LimitError("resume_ids", f"resume_ids holds {len(req.resume_ids)} tokens, over "
+                                       f"the limit of {MAX_NEW_TOKENS}", "send fewer")
+    if any(t < 0 for t in req.resume_ids) or req.resume_chars < 0:
+        raise LimitError("resume_ids", "resume_ids or resume_chars is negative",
+                         "send token ids and a character count >= 0")
+
+
+def check_fresh(req: Submit) -> None:
+    """What a client sends: a new request. Only the supervisor resumes one (a decoder
+    crash), so a client's `resume_ids` would only pass a forged history off as the model's."""
+    if req.resume_ids or req.resume_chars:
+        raise LimitError("resume_ids", "resume_ids and resume_chars are set by the server "
+                                       "only (to resume a request after a decoder crash)",
+                         "leave them out")
 
 
 def rank_text(text: str) -> str:

@@ -41,6 +41,8 @@ class DecoderInfo(msgspec.Struct, tag="decoder", forbid_unknown_fields=True):
     handles: list[str]
     dtype: str = ""  # the target's precision (pool dtype, "auto" resolved)
     isa: str = ""  # the CPU kernel path its forward runs (memspec.common.isa; "" on GPUs)
+    # seconds per start-up phase (procs/decoder/startup.py): what a restart costs, and where
+    startup: dict[str, float] = {}
 
 
 class LoaderInfo(msgspec.Struct, tag="loader", forbid_unknown_fields=True):
@@ -69,6 +71,10 @@ class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
     shared_mb: float = 0.0
     isa: str = ""  # the decoder's CPU kernel path, once it is ready
     dtype: str = ""  # the decoder's target precision, once it is ready
+    crashes: int = 0  # exits in a row without a stable run since (a crash loop when > 1)
+    backoff_s: float = 0.0  # seconds until the supervisor starts it again (a crash loop)
+    recovery_s: float = 0.0  # its last restart: crash noticed -> ready again
+    startup: dict[str, float] = {}  # the decoder's start-up phases of its last start
 
 
 class TensorRange(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -199,6 +205,11 @@ class Submit(Message):
     stop: list[str] = []
     top_k: int = 0  # 0: off; 1: greedy (procs/decoder/acceptance.py)
     min_p: float = 0.0  # 0: off
+    # Set by the supervisor only, to resume a request whose decoder crashed: the tokens the
+    # client already has (decoded as context after the prompt, the rest of the budget
+    # generated after them) and the characters of text it already has (the rest is owed)
+    resume_ids: list[int] = []
+    resume_chars: int = 0
 
 
 class Queued(Message):

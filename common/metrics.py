@@ -122,6 +122,9 @@ class Summary(msgspec.Struct, forbid_unknown_fields=True):
     snapshots: int = 0  # sent to the predictor (the prompt's included)
     predictor_s: float = 0.0  # the predictor's own encoding seconds for this request's
     # rankings after the prompt's (which overlaps the prefill): its share of decode time
+    resumed: int = 0  # decoder crashes this request survived (resumed on the restarted one)
+    resume_wait_s: float = 0.0  # its stream's pauses for them: crash noticed -> tokens again
+    resumed_tokens: int = 0  # tokens decoded before the last crash, carried as context
 
 
 OUTCOMES = ("done", "failed", "cancelled", "busy", "invalid")
@@ -216,6 +219,7 @@ class Totals(msgspec.Struct, forbid_unknown_fields=True):
     decode_s: float = 0.0
     e2e_s: float = 0.0
     draft_iterations: dict[str, int] = {}  # draft -> iterations it ran
+    resumed: int = 0  # requests resumed on a restarted decoder (each crash survived counts)
     queued: int = 0
     running: int = 0
     latencies: Latencies = msgspec.field(default_factory=Latencies)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ class Health:
     ready: bool  # all three processes ready and the server not stopping
     states: dict[str, str] = field(default_factory=dict)  # process -> state
     stopping: bool = False
+    # a crash loop: process -> (crashes in a row, seconds until its next start)
+    crash_loop: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -42,7 +45,8 @@ class Health:
             return "stopping"
         if self.ready:
             return "ready"
-        return "restarting" if "restarting" in self.states.values() else "starting"
+        return "restarting" if {"restarting", "backoff"} & set(self.states.values()) \
+            else "starting"
 
 
 class Bridge:
@@ -118,9 +122,13 @@ class Bridge:
             except queue.Empty:
                 break
             fn(sup)
+        now = time.monotonic()
         self.health = Health(ready=sup.ready and not self.closed,
                              stopping=sup.closed or self.closed,
-                             states={n: p.state for n, p in sup.procs.items()})
+                             states={n: p.state for n, p in sup.procs.items()},
+                             crash_loop={n: (p.crashes, max(0.0, p.next_start - now)
+                                             if p.state == "backoff" else 0.0)
+                                         for n, p in sup.procs.items() if p.crashes > 1})
 
     def close(self, sup: Supervisor | None = None) -> None:
         """Refuse further calls; the ones already queued still run (against `sup`, which

@@ -141,8 +141,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         for name, p in st.procs.items():
             kernels = f"  {p.dtype} on {p.isa or 'torch'} kernels" if p.dtype else ""
+            loop = (f"  crash loop: {p.crashes} in a row" + (
+                f", restarted in {p.backoff_s:.0f}s" if p.state == "backoff" else "")
+                if p.crashes > 1 else "")
+            back = f"  last back in {p.recovery_s:.1f}s" if p.restarts else ""
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
-                  f"rss {p.rss_mb:.0f} MB{kernels}")
+                  f"rss {p.rss_mb:.0f} MB{kernels}{back}{loop}")
         for slot in st.slots:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
@@ -150,7 +154,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if st.totals is not None:
             t = st.totals
             outcomes = ", ".join(f"{n} {k}" for k, n in sorted(t.requests.items())) or "none"
-            print(f"requests: {outcomes}; running {t.running}, queued {t.queued}; "
+            print(f"requests: {outcomes} ({t.resumed} resumed after a decoder crash); "
+                  f"running {t.running}, queued {t.queued}; "
                   f"{t.generation_tokens} tokens generated, mean acceptance length "
                   f"{t.mean_acceptance_length:.2f}")
     return 0
@@ -287,9 +292,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from memspec.bench.soak import main_bench_soak
 
         return main_bench_soak(args)
+    if args.what == "faults":
+        from memspec.bench.faults import main_bench_faults
+
+        return main_bench_faults(args)
 
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use eval, engine, pipeline, messages, gpu, soak, http or floor")
+                       "use eval, engine, pipeline, messages, gpu, soak, http, floor or faults")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -396,17 +405,19 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
                    choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http",
-                            "floor"],
+                            "floor", "faults"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
     b.add_argument("--requests", type=int, default=200,
                    help="soak: requests served (RSS per process after 20, 100 and 200)")
+    b.add_argument("--kills", type=int, default=10,
+                   help="faults: requests, each with a kill -9 of the decoder mid-request")
     b.add_argument("--dtypes", default=None,
                    help="engine: target precisions to compare (default int4,int8,bfloat16,"
                         "float32; the pool's choice always first)")
     b.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default 128 (eval, floor), 64 (engine, pipeline)")
+                   help="default 128 (eval, floor), 64 (engine, pipeline, faults)")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--plots", default=None, help="folder for PNG plots")
     b.add_argument("--prompts-per-domain", type=int, default=40,

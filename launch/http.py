@@ -23,6 +23,7 @@ import errno
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
@@ -343,8 +344,13 @@ class App:
 
     async def health(self, request: Request) -> Response:
         h = self.bridge.health
-        return _json({"status": h.status, "procs": h.states}, 200 if h.ready else 503,
-                     None if h.ready else {"Retry-After": str(RETRY_UNAVAILABLE_S)})
+        body: dict[str, Any] = {"status": h.status, "procs": h.states}
+        if h.crash_loop:  # a process that keeps crashing: how often, and when it is retried
+            body["crash_loop"] = {n: {"crashes": c, "backoff_s": round(b, 1)}
+                                  for n, (c, b) in h.crash_loop.items()}
+        retry = max([RETRY_UNAVAILABLE_S, *(math.ceil(b) for _, b in h.crash_loop.values())])
+        return _json(body, 200 if h.ready else 503,
+                     None if h.ready else {"Retry-After": str(retry)})
 
     async def metrics(self, request: Request) -> Response:
         try:

@@ -2,8 +2,11 @@
 
 It also routes requests: prompts from stdin, from in-process code (`submit` / `cancel` /
 `status`) or from clients on a ZeroMQ endpoint are queued here (bounded: a full queue is a
-`ServerBusy`) and handed to the decoder one at a time, so a decoder crash costs only the
-request in flight (it gets an Error reply) and the queue is served by the restarted decoder.
+`ServerBusy`) and handed to the decoder one at a time. A decoder crash loses no request: the
+one in flight goes back to the front of the queue and resumes on the restarted decoder from
+the tokens its client already has (`launch/resume.py`); one that is in flight at two crashes
+in a row is failed alone, and a process that keeps crashing is restarted after a growing
+pause (visible in `status`, /health and /metrics).
 
 Clients may send only Submit and StatusRequest; anything else gets an Error reply. Every
 accepted request gets a `Queued` at once and again every few seconds until it ends: the
@@ -36,9 +39,9 @@ from typing import TypeVar
 
 import zmq
 
-from memspec.common.child import NICE_ENV, PARENT_ENV
+from memspec.common.child import NICE_ENV, PARENT_ENV, SPAWNED_ENV
 from memspec.common.errors import MemspecError, RequestError
-from memspec.common.limits import check_request, echo_id
+from memspec.common.limits import check_fresh, check_request, echo_id
 from memspec.common.logs import LEVEL_ENV, level_name, message_of
 from memspec.common.memory import process_info
 from memspec.common.messages import (
@@ -79,6 +82,7 @@ from memspec.common.sockets import (
     sweep_run_dirs,
 )
 from memspec.launch.endpoint import EndpointLock, check_endpoint
+from memspec.launch.resume import STABLE_S, Progress, backoff_s, continuation
 from memspec.procs.predictor import FALLBACK
 
 LOG = logging.getLogger(__name__)
@@ -111,6 +115,7 @@ class Pending:
     req: Submit
     reply: Reply
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+    progress: Progress = field(default_factory=Progress)  # what its client has: to resume it
 
 
 class ClientReply:
@@ -145,6 +150,10 @@ class Proc:
     started: float = 0.0
     ready_at: float = 0.0  # monotonic time of the last Ready
     info: ProcInfo | None = None
+    crashes: int = 0  # in a row: reset by STABLE_S ready (or, for the decoder, a request served)
+    crashed_at: float | None = None  # the first crash of the current outage
+    next_start: float = 0.0  # state "backoff": when it is started again
+    recovery_s: float = 0.0  # its last restart: crash noticed -> Ready
 
     @property
     def pid(self) -> int | None:
@@ -238,7 +247,8 @@ class Supervisor:
         # (common/child.py): no preexec_fn, which can deadlock a process with threads.
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1",
-                   **{PARENT_ENV: str(os.getpid()), LEVEL_ENV: self.log_level, NICE_ENV: "0"})
+                   **{PARENT_ENV: str(os.getpid()), LEVEL_ENV: self.log_level, NICE_ENV: "0",
+                      SPAWNED_ENV: repr(time.monotonic())})
         helper = name != "decoder"
         if helper:  # one thread each: the decoder owns the cores for its forwards
             # Spinning OpenMP workers of a helper starve the decoder (measured: a verify went
@@ -288,26 +298,63 @@ class Supervisor:
         return message_of((errs or lines or ["no output"])[-1].strip())[:300]
 
     def _on_crash(self, p: Proc, why: str) -> None:
-        LOG.warning(f"{p.name} {why}; restarting")
+        now = time.monotonic()
         if p.popen and p.popen.poll() is None:
             p.popen.kill()
             p.popen.wait()
+        p.popen = None
+        p.crashes += 1
+        if p.crashed_at is None:
+            p.crashed_at = now
+        pause = backoff_s(p.crashes)
+        LOG.warning(f"{p.name} {why}; restarting" + (
+            f" in {pause:.0f}s ({p.crashes} crashes in a row)" if pause else ""))
         if p.name == "decoder":
             cleanup_shm(f"memspec-{self.decoder_token}-")
             if self.in_flight:
                 pending, self.in_flight = self.in_flight, None
-                self._ended(pending.req.req_id, "failed")
-                pending.reply(Error(req_id=pending.req.req_id, kind="unavailable",
-                                    message=f"decoder crashed ({why}) during this request; "
-                                            "resubmit it"))
+                self._resume_or_fail(pending, why)
             self.slots = []
         p.restarts += 1
-        self.spawn(p.name)
-        p.state = "restarting"
+        if pause:
+            p.state, p.next_start = "backoff", now + pause
+        else:
+            self.spawn(p.name)
+            p.state = "restarting"
+
+    def _resume_or_fail(self, pending: Pending, why: str) -> None:
+        """The request the dead decoder was running: back to the front of the queue, to go
+        on from what its client has; failed alone when it was running at the decoder's last
+        crashes in a row too (it may be what kills it) or was being cancelled."""
+        rid = pending.req.req_id
+        if rid in self._aborted:
+            self._ended(rid, "cancelled")
+            pending.reply(Error(req_id=rid, message="aborted"))
+            return
+        prog = pending.progress
+        prog.crashed(time.monotonic())
+        if prog.poisoned:
+            self._ended(rid, "failed")
+            LOG.error(f"request {rid} failed: running at {prog.crashes} decoder crashes in a "
+                      "row")
+            pending.reply(Error(req_id=rid, message=(
+                f"request {rid!r} was running at {prog.crashes} decoder crashes in a row (the "
+                f"last: {why}), so it is not retried: it may be what crashes the decoder; "
+                "check the decoder's log, or resubmit it if the crashes had another cause")))
+            return
+        self.totals.resumed += 1
+        self.queue.appendleft(pending)
+        LOG.warning(f"request {rid} resumes after {len(prog.streamed)} tokens once the decoder "
+                    "is back")
 
     def _check_procs(self) -> None:
         now = time.monotonic()
         for p in self.procs.values():
+            if p.state == "backoff":
+                if now >= p.next_start:
+                    self.spawn(p.name)
+                    p.state = "restarting"
+                continue
             if p.popen is None:
                 continue
             code = p.popen.poll()
@@ -317,6 +364,8 @@ class Supervisor:
                 self._on_crash(p, f"sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f}s")
             elif p.state != "ready" and now - p.started > START_TIMEOUT_S:
                 self._on_crash(p, "did not become ready")
+            elif p.state == "ready" and p.crashes and now - p.ready_at > STABLE_S:
+                p.crashes = 0  # stable again: the next crash is a one-off
 
     # ---- messages -------------------------------------------------------------------
     def _queued(self, sock: zmq.Socket, codec: Codec[M]) -> Iterator[M | ProtocolError]:
@@ -373,8 +422,10 @@ class Supervisor:
             LOG.warning(msg.info.head[len(FALLBACK):])
         p.state, p.last_beat, p.info = "ready", time.monotonic(), msg.info
         p.ready_at = p.last_beat
+        if p.crashed_at is not None:
+            p.recovery_s, p.crashed_at = p.ready_at - p.crashed_at, None
         if restarted:
-            LOG.info(f"{p.name} is back (pid {msg.pid})")
+            LOG.info(f"{p.name} is back (pid {msg.pid}) {p.recovery_s:.1f}s after it crashed")
             if p.name in ("loader", "predictor"):
                 try:
                     send(self.decoder, PeerRestarted(proc=p.name, pid=msg.pid))
@@ -390,12 +441,16 @@ class Supervisor:
                 continue
             pending = self.in_flight
             if msg.req_id in (pending.req.req_id, ""):
+                now = time.monotonic()
+                pending.progress.relayed(msg, now)
                 if isinstance(msg, Tokens) and msg.ids:
-                    pending.times.tokens(time.monotonic())
+                    pending.times.tokens(now)
                 elif isinstance(msg, Done):
                     self.in_flight = None
                     self._aborted.discard(pending.req.req_id)
-                    self.totals.served(msg.stats, pending.times, time.monotonic())
+                    pending.progress.stamp(msg.stats)
+                    self.totals.served(msg.stats, pending.times, now)
+                    self.procs["decoder"].crashes = 0  # it serves: no crash loop
                 elif isinstance(msg, Error):
                     self.in_flight = None
                     self._ended(pending.req.req_id, "failed")
@@ -427,8 +482,9 @@ class Supervisor:
 
     def _dispatch(self) -> None:
         if self.in_flight is None and self.queue and self.procs["decoder"].state == "ready":
+            head = self.queue[0]
             try:
-                send(self.decoder, self.queue[0].req)
+                send(self.decoder, continuation(head.req, head.progress))
             except zmq.Again:
                 return  # decoder socket not connected yet: try on the next tick
             self.in_flight = self.queue.popleft()
@@ -453,6 +509,7 @@ class Supervisor:
             raise MemspecError("the server is stopping", "resubmit once it is back")
         try:
             check_request(req)
+            check_fresh(req)
         except RequestError:
             self.totals.count("invalid")
             raise
@@ -511,14 +568,19 @@ class Supervisor:
             try:
                 send(self.decoder, Abort(req_id=req_id))
             except zmq.Again:
-                pass  # the decoder is restarting: the request fails with it
+                pass  # the decoder is restarting: the request ends with it
             return True
         return False
 
     def status(self) -> Status:
+        now = time.monotonic()
         procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
+                               crashes=p.crashes, recovery_s=p.recovery_s,
+                               backoff_s=max(0.0, p.next_start - now)
+                               if p.state == "backoff" else 0.0,
                                **(process_info(p.pid) if p.pid else {}),
-                               **({"isa": p.info.isa, "dtype": p.info.dtype}
+                               **({"isa": p.info.isa, "dtype": p.info.dtype,
+                                   "startup": dict(p.info.startup)}
                                   if isinstance(p.info, DecoderInfo) else {}))
                  for n, p in self.procs.items()}
         return Status(procs=procs, slots=self.slots, quarantined=self.quarantined,

@@ -4,6 +4,8 @@ The same API against a running `memspec up` is in test_http.py."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import psutil
@@ -57,6 +59,16 @@ def test_runtime_in_this_process():
         with pytest.raises(RequestError):
             rt.generate([{"role": "robot", "content": "x"}])
         assert rt.status().totals.requests["done"] == 4
+        # a decoder crash mid-stream: the stream goes on on the restarted decoder
+        longer = rt.generate(PROMPT, max_new_tokens=48, policy="target-only")
+        decoder = rt.status().procs["decoder"].pid
+        stream = rt.stream(PROMPT, max_new_tokens=48)
+        text = next(stream)  # the first commit: the rest (>= 28 tokens) is still to come
+        os.kill(decoder, signal.SIGKILL)
+        text += "".join(stream)
+        assert text == longer.text and stream.result.token_ids == longer.token_ids
+        assert stream.result.stats.resumed == 1
+        assert rt.status().procs["decoder"].pid != decoder
     deadline = time.monotonic() + 10
     while _children() - before:
         assert time.monotonic() < deadline, "the processes outlived the Runtime"

@@ -70,6 +70,15 @@ class Arch:
                    qkv_bias=mtype == "qwen2", max_pos=max_pos)
 
 
+def projection_shapes(a: Arch) -> dict[str, tuple[int, int]]:
+    """(out, in) of every weight matrix by its module's last name."""
+    nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    return {"q_proj": (nq, a.hidden), "k_proj": (nk, a.hidden), "v_proj": (nk, a.hidden),
+            "o_proj": (a.hidden, nq), "gate_proj": (a.intermediate, a.hidden),
+            "up_proj": (a.intermediate, a.hidden), "down_proj": (a.hidden, a.intermediate),
+            "embed_tokens": (a.vocab, a.hidden), "lm_head": (a.vocab, a.hidden)}
+
+
 @dataclass
 class KVCache:
     """K and V for every layer: [layers, kv_heads, capacity, head_dim], written in place.
@@ -167,16 +176,16 @@ class LeanLM:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_weights(cls, arch: Arch, weights: Mapping[str, torch.Tensor], fmt: str,
-                     act_dtype: torch.dtype, fuse: bool = True) -> LeanLM:
+                     act_dtype: torch.dtype, fuse: bool = True,
+                     linears: Mapping[str, Linear] | None = None) -> LeanLM:
         """Build from an HF state dict. ``fmt``: ``float32``/``bfloat16``/``float16`` keep
         the weights dense in that dtype (views stay views when nothing changes), ``int8`` or
-        ``int4`` quantise the projections and the LM head."""
+        ``int4`` quantise the projections and the LM head. ``linears``: layers already in
+        their final format, by module name (a GPTQ / AWQ checkpoint's: quantized.py), used
+        as they are instead of ``<name>.weight``."""
         a = arch
-        nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        shapes = {"q_proj": (nq, a.hidden), "k_proj": (nk, a.hidden), "v_proj": (nk, a.hidden),
-                  "o_proj": (a.hidden, nq), "gate_proj": (a.intermediate, a.hidden),
-                  "up_proj": (a.intermediate, a.hidden), "down_proj": (a.hidden, a.intermediate),
-                  "embed_tokens": (a.vocab, a.hidden), "lm_head": (a.vocab, a.hidden)}
+        shapes = projection_shapes(a)
+        linears = linears or {}
         used: set[str] = set()
 
         def get(name: str) -> torch.Tensor:
@@ -193,6 +202,11 @@ class LeanLM:
             return w
 
         def lin(*names: str, bias: bool = False) -> list[Linear]:
+            if all(n in linears for n in names):
+                from memspec.procs.decoder.quantized import fuse_prebuilt
+
+                built = [linears[n] for n in names]
+                return fuse_prebuilt(built) if fuse else built
             ws = [get(f"{n}.weight") for n in names]
             bs = [get(f"{n}.bias") for n in names] if bias else None
             if fuse and len(ws) > 1:
@@ -215,10 +229,13 @@ class LeanLM:
                 gate_up=lin(f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"),
                 down=lin(f"{p}.mlp.down_proj")[0]))
         embed = get("model.embed_tokens.weight")
-        head_w = embed if arch.tie else get("lm_head.weight")
-        # int4 layers keep an int8 LM head: the vocabulary projection is where low-bit
-        # rounding moves the argmax most (GGUF files store it as Q8_0 for that reason)
-        lm_head = make_linear(head_w, "int8" if fmt == "int4" else fmt, act_dtype)
+        if "lm_head" in linears:  # a quantised LM head of its own (never tied)
+            lm_head = linears["lm_head"]
+        else:
+            head_w = embed if arch.tie else get("lm_head.weight")
+            # int4 layers keep an int8 LM head: the vocabulary projection is where low-bit
+            # rounding moves the argmax most (GGUF files store it as Q8_0 for that reason)
+            lm_head = make_linear(head_w, "int8" if fmt == "int4" else fmt, act_dtype)
         embed_scale = None
         if arch.tie and isinstance(lm_head, Int8Linear):
             embed, embed_scale = lm_head.q, lm_head.d  # int8 rows serve both ends

@@ -79,6 +79,16 @@ class Int4Linear(Linear):
         self.bias = None if bias is None else bias.to(act_dtype)
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                    act_dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Blocks quantised before (a restarted decoder's cache of them: prepared.py)."""
+        self = cls.__new__(cls)
+        self.q, self.d, self.m, self.act_dtype = q, d, m, act_dtype
+        self.bias = None if bias is None else bias.to(act_dtype)
+        self._packed = None
+        return self
+
     def _torch_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """PyTorch's int4 layout: w = (q - 8) * scale + zero, so zero = m + 8d."""
         if self._packed is None:
@@ -116,6 +126,16 @@ class Int8Linear(Linear):
         self.act_dtype = act_dtype
         self.bias = None if bias is None else bias.to(act_dtype)
         self._dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, act_dtype: torch.dtype,
+                    bias: torch.Tensor | None = None) -> Int8Linear:
+        """Blocks quantised before (a restarted decoder's cache of them: prepared.py)."""
+        self = cls.__new__(cls)
+        self.q, self.d, self.act_dtype = q, d, act_dtype
+        self.bias = None if bias is None else bias.to(act_dtype)
+        self._dense = None
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._dense is None:  # the PyTorch path has no kernel for Q8_0 blocks

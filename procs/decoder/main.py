@@ -8,7 +8,9 @@ The main loop is a busy loop over scheduling intervals: one interval of the runn
 request, then whatever the supervisor sent meanwhile (a status request, an abort, a
 shutdown, the next request), so nothing waits for a whole request to finish. Idle, it
 blocks on every socket at once. A request error is that request's Error reply; an engine
-failure ends the process (the supervisor restarts it).
+failure ends the process: the supervisor restarts it and resumes the request it was running
+(launch/resume.py). The start-up is timed phase by phase (startup.py), since a restart is
+on the serving path.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import math
 import os
 import secrets
 import signal
-import statistics
 import time
 from collections import deque
 
@@ -53,8 +54,9 @@ from memspec.common.messages import (
 from memspec.common.procexit import fast_exit
 from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv, send
-from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.models import encode_prompt, open_engine
+from memspec.procs.decoder import edge_profile
+from memspec.procs.decoder.models import open_engine
+from memspec.procs.decoder.native import extension
 from memspec.procs.decoder.service import (
     LOG,
     DecoderService,
@@ -63,7 +65,9 @@ from memspec.procs.decoder.service import (
     open_drafts,
     verify_target,
 )
-from memspec.procs.decoder.slots import SlotBuffer, bind_draft
+from memspec.procs.decoder.slots import SlotBuffer
+from memspec.procs.decoder.startup import StartupClock
+from memspec.procs.decoder.tablefiles import runtime_key
 from memspec.procs.decoder.threads import ThreadPlan, decoder_threads
 
 HEARTBEAT_S = 0.5
@@ -141,25 +145,6 @@ class SocketChannels:
                         self.inbox.append((ident or b"", req))
             events = dict(self.poller.poll(0))
         return out
-
-
-def _calibrate_iteration_s(engine: SpecEngine, tokenizer, pool, slot: SlotBuffer,
-                           files) -> float:
-    """Median SD iteration time with the general draft (another healthy one when it is
-    quarantined): the unit of the edge-emulated profile."""
-    spec = pool.general_draft if pool.general in files else pool.draft(next(iter(files)))
-    layout = files[spec.name].layout
-    slot.fill_from_file(layout)
-    files[spec.name].entry.check_bytes(slot.data[:layout.data_size].numpy(),
-                                       f"draft '{spec.name}'")  # it runs checked bytes only
-    engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab,
-                                parts=engine.target_parts))
-    ids = encode_prompt(tokenizer, "Describe the ocean in two sentences.")
-    _, stats = engine.generate(ids, 40, select=lambda s: spec.name)
-    engine.remove_draft(spec.name)
-    slot.generation += 1
-    durs = [r.duration for r in stats.records[1:]] or [r.duration for r in stats.records]
-    return statistics.median(durs)
 
 
 class DecoderProcess:
@@ -242,6 +227,7 @@ class DecoderProcess:
 
 
 def run(args: argparse.Namespace) -> int:
+    clock = StartupClock()  # "process": spawn -> here (the interpreter and the imports)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pool = load_pool(args.pool)
     torch.manual_seed(0)
@@ -254,9 +240,15 @@ def run(args: argparse.Namespace) -> int:
     channels = SocketChannels(ctx, args.loader, args.predictor, args.control, requests)
     t0 = time.perf_counter()
     device = args.device
+    clock.mark("config")
     verify_target(pool.target)
-    engine, tokenizer, dtype = open_engine(pool, device)
+    clock.mark("verify")
+    if device == "cpu":
+        extension()  # the native forward's module (loaded once; open_engine uses it)
+        clock.mark("native")
+    engine, tokenizer, dtype = open_engine(pool, device, phases=clock.mark)
     files, quarantined = open_drafts(pool, engine.vocab)
+    clock.mark("drafts")
     capacity = max((f.layout.data_size for f in files.values()), default=0)
     k = pool.K
     if pool.memory_budget_mb is not None:  # too small for one draft: error at start
@@ -268,33 +260,39 @@ def run(args: argparse.Namespace) -> int:
     mems = [SlotMemory.create(f"memspec-{token}-slot{i}", capacity, transport, device)
             for i in range(k)] if capacity else []
     buffers = [SlotBuffer(capacity, data=m.tensor) for m in mems]
+    clock.mark("slots")
     bandwidth = 0.0
     if pool.storage == "edge-emulated" and buffers:
         if pool.bandwidth_mb_s:
             bandwidth = pool.bandwidth_mb_s * 1e6
         else:
-            iter_s = _calibrate_iteration_s(engine, tokenizer, pool, buffers[0], files)
-            unit = files[pool.general] if pool.general in files else next(iter(files.values()))
+            iter_s, cached = edge_profile.iteration_s(engine, tokenizer, pool, buffers[0], files,
+                                                      runtime_key(pool, engine.device))
+            unit = files[edge_profile.unit_draft(pool, files).name]
             bandwidth = unit.layout.data_size / (pool.load_iter_ratio * iter_s)
-            log(f"edge-emulated: SD iteration {iter_s * 1e3:.1f} ms -> "
-                f"{bandwidth / 1e6:.2f} MB/s (load/iteration = {pool.load_iter_ratio})")
+            log(f"edge-emulated: SD iteration {iter_s * 1e3:.1f} ms"
+                f"{' (cached)' if cached else ''} -> {bandwidth / 1e6:.2f} MB/s "
+                f"(load/iteration = {pool.load_iter_ratio})")
+        clock.mark("edge_profile")
     handles = [m.handle for m in mems]
     slots = EngineSlots(pool, engine, buffers, handles, transport, files, bandwidth)
     service = DecoderService(pool, engine, tokenizer, slots, channels,
                              cold_start=args.cold_start, quarantined=quarantined)
+    clock.mark("calibration")
     if args.device == "cpu":
         service.controller.on_helpers = ThreadPlan(*threads)
     proc = DecoderProcess(channels, service)
     # the supervisor caches the slots for `memspec status`
     service.controller.on_slots_changed = lambda: channels.push(proc.status())
+    clock.mark("ready")
     send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info=DecoderInfo(
         load_s=time.perf_counter() - t0, K=k, transport=transport, dtype=dtype,
         isa=getattr(engine.target, "isa", ""),
         slot_bytes=capacity,
-        bandwidth_bytes_s=bandwidth, handles=handles)))
+        bandwidth_bytes_s=bandwidth, handles=handles, startup=clock.split)))
     log(f"ready: target in {dtype} on {getattr(engine.target, 'isa', 'torch')} kernels "
-        f"({threads[0]} threads, {threads[1]} while a helper works), K={k} slots of {capacity / 2**20:.1f} MB ({transport}), "
-        f"{time.perf_counter() - t0:.1f}s")
+        f"({threads[0]} threads, {threads[1]} while a helper works), K={k} slots of "
+        f"{capacity / 2**20:.1f} MB ({transport}), {clock.total:.2f}s: {clock.line()}")
     if quarantined:  # found at start: the supervisor shows them in status and logs them
         channels.push(proc.status())
 
@@ -303,23 +301,21 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    linger = 0
     try:
         proc.run()
-    except Exception as exc:  # an engine failure: the state may be corrupt, so end here
-        LOG.exception(f"engine failure ({type(exc).__name__}); exiting for a restart")
+    except Exception as exc:  # an engine failure: the state may be corrupt, so end here;
+        # the supervisor restarts the decoder and resumes the request it was running (and
+        # fails it alone if it is running at the next crash too)
         cur = service.current
-        if cur is not None:  # tell the client why, before the supervisor restarts us
-            service.abort(cur.req.req_id, f"decoder failed ({type(exc).__name__}: {exc}); "
-                                          "it restarts, resubmit the request",
-                          kind="unavailable")
-            linger = 1000
+        LOG.exception(f"error: engine failure ({type(exc).__name__}: {exc})"
+                      + (f" in request {cur.req.req_id}" if cur else "")
+                      + "; exiting for a restart")
         return 1
     finally:
         for m in mems:
             m.close()
             m.unlink()
-        ctx.destroy(linger=linger)
+        ctx.destroy(linger=0)
     return 0
 
 

@@ -1,19 +1,33 @@
-"""Open any local Hugging Face causal-LM directory as target (or as a plainly loaded draft)."""
+"""Open any local Hugging Face causal-LM directory as target (or as a plainly loaded draft).
+
+A restarted decoder's requests wait for this, so the common case takes the short way: a
+tokenizer whose `tokenizer_config.json` names a generic tokenizers-backed class is built by
+that class directly (AutoTokenizer would first import the model's configuration module, a
+second on a CPU, to learn what the file already says), and the EOS ids are read from the
+JSON files themselves; anything else goes through transformers' Auto classes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from memspec.common.errors import ModelError, RequestError
 from memspec.common.limits import CHAT_ROLES, TOOL_ROLE, LimitError
 from memspec.common.messages import ChatTurn
+from memspec.common.paths import memspec_home
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.lean import LeanLM
 from memspec.procs.decoder.precision import resolve_dtype
+from memspec.procs.decoder.quantized import (
+    dense_state_dict,
+    load_hf_dequantized,
+    quant_format,
+    quantized_lean,
+)
 from memspec.procs.decoder.runners import (
     FLOAT_DTYPES,
     LOW_BIT,
@@ -40,7 +54,11 @@ def _check_dir(path: Path, role: str) -> None:
 def load_causal_lm(path: Path, role: str = "target", dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> torch.nn.Module:
     """Load weights from disk only (never a hub): ``local_files_only`` guards that."""
+    from transformers import AutoModelForCausalLM
+
     _check_dir(path, role)
+    if quant_format(path) is not None:  # GPTQ / AWQ: its exact dequantised weights
+        return load_hf_dequantized(path, dtype).to(device).eval()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, low_cpu_mem_usage=True)
@@ -51,37 +69,64 @@ def load_causal_lm(path: Path, role: str = "target", dtype: torch.dtype = torch.
     return model.to(device).eval()
 
 
+# tokenizer classes that read tokenizer.json and tokenizer_config.json alone: built directly
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: Path):  # noqa: ANN202
+    """The class a generic tokenizer's config names, else None (AutoTokenizer decides)."""
+    try:
+        name = json.loads((Path(path) / "tokenizer_config.json").read_text()).get(
+            "tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if name not in GENERIC_TOKENIZERS or not (Path(path) / "tokenizer.json").is_file():
+        return None
+    import transformers
+
+    return getattr(transformers, name, None)
+
+
 def load_tokenizer(path: Path):
     _check_dir(path, "target")
     try:
+        cls = _tokenizer_class(path)
+        if cls is not None:
+            return cls.from_pretrained(path, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load tokenizer from {path} ({str(exc)[:120]})",
                          "the folder needs tokenizer.json / tokenizer_config.json") from None
 
 
-def eos_token_ids(path: Path, tokenizer=None) -> tuple[int, ...]:
-    """EOS ids from generation_config (chat models stop on more than one) and the tokenizer."""
-    ids: set[int] = set()
+def _json_eos(file: Path) -> list[int]:
+    """`eos_token_id` of a JSON config file ([] when it has none or is missing)."""
     try:
-        gen = GenerationConfig.from_pretrained(path, local_files_only=True)
-        eos = gen.eos_token_id
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    except OSError:
-        pass
-    if not ids:
-        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        eos = getattr(cfg, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
+
+
+def eos_token_ids(path: Path, tokenizer=None) -> tuple[int, ...]:
+    """EOS ids from generation_config (chat models stop on more than one), else the model
+    config, and the tokenizer's."""
+    ids: set[int] = set(_json_eos(Path(path) / "generation_config.json")
+                        or _json_eos(Path(path) / "config.json"))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
 
 
 def build_target(model_dir: Path, dtype: str, device: str | torch.device = "cpu",
-                 act_dtype: torch.dtype | None = None, fast: bool = True) -> Runner:
+                 act_dtype: torch.dtype | None = None, fast: bool = True,
+                 prepared: Path | None = None) -> Runner:
     """The target in ``dtype`` (already resolved from ``auto``). ``float32`` is the eager HF
-    path the engine had before static caches; every other dtype runs the lean forward."""
+    path the engine had before static caches; every other dtype runs the lean forward.
+    ``prepared``: a home whose cache of quantised weights a CPU target reads and writes
+    (prepared.py; the decoder's, so a restart skips the quantisation)."""
     device = torch.device(device)
     if dtype == "float32":
         return HFRunner(load_causal_lm(model_dir, "target", device=device))
@@ -95,20 +140,33 @@ def build_target(model_dir: Path, dtype: str, device: str | torch.device = "cpu"
     if dtype in LOW_BIT and device.type != "cpu":
         raise ModelError(f"dtype {dtype} has CPU kernels only", "use bfloat16 on this device")
     act = act_dtype or (FLOAT_DTYPES.get(dtype) or default_act_dtype(device))
-    weights = {k: v.to(device) for k, v in load_state_dict(model_dir).items()}
+    qfmt = quant_format(model_dir)
+    if qfmt is not None and dtype == "int4":  # GPTQ / AWQ blocks as they are: nothing to cache
+        lean = quantized_lean(qfmt, arch, load_state_dict(model_dir), act)
+        return accelerate(lean, fast)
+    if prepared is not None and device.type == "cpu":
+        from memspec.procs.decoder.prepared import lean_target
+
+        return accelerate(lean_target(model_dir, arch, dtype, act,
+                                      lambda: dense_state_dict(model_dir), prepared), fast)
+    weights = {k: v.to(device) for k, v in dense_state_dict(model_dir).items()}
     return accelerate(LeanLM.from_weights(arch, weights, dtype, act, fuse=True), fast)
 
 
 def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = None,
-                fast: bool = True):
+                fast: bool = True, phases: Callable[[str], None] = lambda phase: None):
     """The pool's target in its resolved precision, wrapped in an engine; plus the tokenizer
-    and the dtype actually used (``auto`` resolved, see precision.py)."""
+    and the dtype actually used (``auto`` resolved, see precision.py). ``phases(name)`` is
+    called as each part is done (the decoder times its start-up: startup.py)."""
     tokenizer = load_tokenizer(pool.target)
+    phases("tokenizer")
     chosen = resolve_dtype(dtype or pool.dtype, pool.target, device)
-    target = build_target(pool.target, chosen, device, fast=fast)
+    target = build_target(pool.target, chosen, device, fast=fast, prepared=memspec_home())
+    phases("target")
     engine = SpecEngine(target, eos_token_ids(pool.target, tokenizer), gamma=pool.gamma,
                         max_context=pool.max_context, lookup=pool.lookup)
     _keep_head_features(engine, pool)
+    phases("engine")
     return engine, tokenizer, chosen
 
 

@@ -12,16 +12,19 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import DynamicCache
 
 from memspec.common.errors import ModelError
 from memspec.common.isa import bf16_native
 from memspec.procs.decoder.cudagraph import GraphLM
 from memspec.procs.decoder.lean import Arch, LeanLM, UnsupportedArch
 from memspec.procs.decoder.native import accelerate as native_accelerate
+from memspec.procs.decoder.quantized import needs_gather
+
+if TYPE_CHECKING:  # imported where an HF model runs: a lean target's decoder starts without it
+    from transformers import DynamicCache
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOW_BIT = ("int8", "int4")
@@ -62,6 +65,8 @@ class HFRunner:
         self.max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
     def new_cache(self, capacity: int) -> DynamicCache:
+        from transformers import DynamicCache
+
         cache = DynamicCache()
         hidden = int(self.model.config.hidden_size)
         cache.feat = torch.zeros(capacity, len(self.feature_layers) * hidden,
@@ -148,6 +153,8 @@ def accelerate(lean: LeanLM, enabled: bool = True) -> Runner:
         return lean
     if lean.device.type == "cuda":
         return GraphLM(lean)
+    if needs_gather(lean):  # act-order GPTQ layers: the C++ forward has no input gather
+        return lean
     return native_accelerate(lean)
 
 

@@ -7,11 +7,19 @@ follows the last interval. A request that cannot be served (bad prompt, an oracl
 tables, sampling an oracle) gets an Error reply; an exception from the engine is not
 caught here: the process dies and the supervisor restarts it, because a failed forward
 may have left the engine's state corrupt.
+
+A request the supervisor resumes after a crash (`Submit.resume_ids`, launch/resume.py) is
+decoded on from the tokens its client has: they are prefilled after the prompt (the greedy
+output depends only on the token ids, so it goes on exactly as it would have), the stream's
+text state is rebuilt from them (`_Output.prime`: incremental detokenisation and stop
+strings pick up at the cut) and the text the client has not yet received is sent first.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.config import PoolConfig
-from memspec.common.errors import MemspecError, ModelError
+from memspec.common.errors import MemspecError, ModelError, RequestError
 from memspec.common.limits import check_request, echo_id, rank_text
 from memspec.common.manifest import NAME as MANIFEST
 from memspec.common.manifest import WeightsEntry, read_manifest, verify, weights_entry
@@ -33,7 +41,7 @@ from memspec.common.messages import (
     Tokens,
     chat_text,
 )
-from memspec.common.metrics import IterationRecord, RunStats
+from memspec.common.metrics import IterationRecord, RunStats, Summary
 from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
@@ -59,6 +67,9 @@ from memspec.procs.decoder.stops import StopMatcher
 from memspec.procs.decoder.tablefiles import runtime_key
 
 Emit = Callable[[Message], None]
+# a test hook: a decoder whose environment sets this kills itself (SIGKILL) during any
+# request whose prompt or chat holds the value, after its first tokens (tests/test_faults.py)
+CRASH_ON_ENV = "MEMSPEC_TEST_CRASH_ON"
 
 
 LOG = logging.getLogger(__name__)
@@ -166,12 +177,15 @@ class EngineSlots:
 
 
 class SessionExecutor:
-    """An engine Session as the loop's Executor; `stopped` ends it early (a stop string)."""
+    """An engine Session as the loop's Executor; `stopped` ends it early (a stop string).
+    A resumed request's tokens from before the crash (`prior`) count as generated for the
+    predictor's recent window."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, prior: list[int] | None = None) -> None:
         self.session = session
         self.stats: RunStats = session.stats
         self.stopped = False
+        self.prior = prior or []
 
     @property
     def done(self) -> bool:
@@ -181,7 +195,7 @@ class SessionExecutor:
         return self.session.step(draft, desired=desired)
 
     def recent(self, n: int) -> list[int]:
-        return self.session.generated[-n:] if n > 0 else []
+        return (self.prior + self.session.generated)[-n:] if n > 0 else []
 
 
 class _Output:
@@ -191,10 +205,33 @@ class _Output:
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
         self.detok = StreamDecoder(tokenizer)
         self.stops = StopMatcher(stops) if stops else None
-        self.kept = 0  # tokens reported
+        self.kept = 0  # tokens reported (by this decoder)
         self.pending: list[int] = []  # committed, to be reported at the interval's end
         self.pieces: list[str] = []
         self.executor: SessionExecutor | None = None
+        self.prior: list[int] = []  # a resumed request's tokens from before the crash
+        self.owed = ""  # their text the client has not received
+
+    def prime(self, prior: list[int], client_chars: int) -> None:
+        """Resume after `prior`, of which the client has `client_chars` characters of text:
+        the detokeniser and the stop strings take them token by token, as a request's
+        stream with stop strings does, so the text they let out is what this stream would
+        have sent by then; what of it the client lacks (text a dead decoder held back, or
+        decoded but never sent) is owed, and goes out with the next tokens."""
+        self.prior = list(prior)
+        released = ""
+        for tok in prior:
+            piece = self.detok.push([tok])
+            released += self.stops.push(piece) if self.stops is not None else piece
+            if self.hit:
+                break
+        if self.stops is not None:
+            self.pieces.append(released)
+        self.owed = released[client_chars:]
+
+    def take_owed(self, text: str) -> str:
+        owed, self.owed = self.owed, ""
+        return owed + text
 
     def push(self, new: list[int]) -> tuple[list[int], str]:
         if self.stops is None:
@@ -218,7 +255,7 @@ class _Output:
         if self.stops is not None:
             rest = self.stops.push(rest) + self.stops.flush()
             self.pieces.append(rest)
-        return rest
+        return self.take_owed(rest)
 
     @property
     def hit(self) -> bool:
@@ -231,6 +268,11 @@ class _Current:
     emit: Emit
     session: Session
     out: _Output
+    prompt_len: int  # the prompt's tokens (a resumed request's session holds more)
+
+
+def _request_text(req: Submit) -> str:
+    return req.prompt + "".join(m.content for m in req.messages)
 
 
 class DecoderService:
@@ -256,6 +298,7 @@ class DecoderService:
         # request on: the target timed at start (cached per machine and build); a draft's
         # own cost is measured by its first iteration in each request (the gate's first look)
         self.gate_costs = gate_costs if gate_costs is not None else self._calibrate()
+        self.crash_on = os.environ.get(CRASH_ON_ENV, "")
 
     def _calibrate(self) -> GateCosts | None:
         try:
@@ -287,6 +330,20 @@ class DecoderService:
         ids = (encode_chat(self.tokenizer, [{"role": m.role, "content": m.content}
                                             for m in req.messages])
                if req.messages else encode_prompt(self.tokenizer, req.prompt))
+        max_new = req.max_new_tokens or self.pool.max_new_tokens
+        prior = list(req.resume_ids)
+        if prior:
+            self._check_resume(prior, max_new)
+            if policy_name in ORACLE_POLICIES:  # its plan is for the prompt alone: the
+                policy_name = "target-only"  # same greedy tokens, without the plan
+        out = _Output(self.tokenizer, req.stop)
+        out.prime(prior, req.resume_chars)
+        if prior and (len(prior) >= max_new or prior[-1] in self.engine.eos_ids or out.hit):
+            self._done_at_once(req, emit, out, len(ids), policy_name, t_start)
+            return
+        prompt_len = len(ids)
+        ids = ids + prior
+        max_new -= len(prior)
         # every snapshot carries the predictor's text: cut once to what it reads
         ranked = rank_text(req.prompt or chat_text(req.messages))
         plan = None
@@ -304,8 +361,6 @@ class DecoderService:
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
                              gate=self.pool.spec_gate, gate_costs=self.gate_costs)
-        max_new = req.max_new_tokens or self.pool.max_new_tokens
-        out = _Output(self.tokenizer, req.stop)
 
         def stream(new: list[int]) -> None:
             """The first tokens and, with stop strings, every commit go out at once (time to
@@ -314,6 +369,7 @@ class DecoderService:
             interval instead of per token keep the decoder's cores on decoding."""
             if out.kept == 0 or out.stops is not None:
                 ids, text = out.push(new)
+                text = out.take_owed(text)
                 if ids or text:
                     emit(Tokens(req_id=req.req_id, ids=ids, text=text))
             else:
@@ -323,8 +379,8 @@ class DecoderService:
             """The target prefills while the initial loads run (the loop calls this); a
             request the engine refuses (too long, bad ids) raises its RequestError here."""
             session = self.engine.start(ids, max_new, params, stream, between)
-            out.executor = SessionExecutor(session)
-            self.current = _Current(req, emit, session, out)
+            out.executor = SessionExecutor(session, prior)
+            self.current = _Current(req, emit, session, out, prompt_len)
             return out.executor
 
         self.controller.start(Job(req.req_id, ranked, policy, None, t_start,
@@ -346,19 +402,49 @@ class DecoderService:
                 cur.emit(Tokens(req_id=cur.req.req_id, ids=ids, text=text))
             if summary is None:  # streaming is scheduling-point work (a Done is after e2e)
                 cur.session.stats.t_sched += time.perf_counter() - t0
+        if self.crash_on and out.kept and self.crash_on in _request_text(cur.req):
+            LOG.error(f"{CRASH_ON_ENV}: killing the decoder during request {cur.req.req_id}")
+            os.kill(os.getpid(), signal.SIGKILL)
         if summary is None:
             return
         self.current = None
         self.plan_meters[summary.policy].observe(cur.session.stats.records)
+        summary.prompt_tokens = cur.prompt_len
+        self._done(cur.req, cur.emit, out, cur.session.generated[:out.kept], summary)
+
+    def _done(self, req: Submit, emit: Emit, out: _Output, new: list[int],
+              summary: Summary) -> None:
+        """The request's Done: every token and the whole text, those from before a crash
+        included (after the text still held back or owed to the client)."""
         rest = out.flush()  # text held back for an incomplete character at the end
         if rest:
-            cur.emit(Tokens(req_id=cur.req.req_id, ids=[], text=rest))
-        ids = cur.session.generated[:out.kept]
+            emit(Tokens(req_id=req.req_id, ids=[], text=rest))
+        ids = out.prior + new
         text = ("".join(out.pieces) if out.stops is not None
                 else self.tokenizer.decode(ids, skip_special_tokens=True))
         ended = out.hit or (bool(ids) and ids[-1] in self.engine.eos_ids)
-        cur.emit(Done(req_id=cur.req.req_id, text=text, token_ids=ids, stats=summary,
-                      finish_reason="stop" if ended else "length"))
+        summary.resumed_tokens = len(out.prior)
+        summary.generated_tokens += len(out.prior)
+        emit(Done(req_id=req.req_id, text=text, token_ids=ids, stats=summary,
+                  finish_reason="stop" if ended else "length"))
+
+    def _check_resume(self, prior: list[int], max_new: int) -> None:
+        if len(prior) > max_new:
+            raise RequestError(f"resume_ids holds {len(prior)} tokens, over the request's "
+                               f"budget of {max_new}", "send at most max_new_tokens")
+        if any(t >= self.engine.vocab for t in prior):
+            raise RequestError("resume_ids has token ids outside the target's vocabulary",
+                               f"use ids in [0, {self.engine.vocab})")
+
+    def _done_at_once(self, req: Submit, emit: Emit, out: _Output, prompt_len: int,
+                      policy: str, t_start: float) -> None:
+        """A resumed request whose tokens before the crash already ended it (its Done was
+        lost with the decoder): nothing to decode."""
+        stats = RunStats(prompt_tokens=prompt_len)
+        stats.t_e2e = self.clock.now() - t_start
+        summary = stats.report()
+        summary.policy = policy
+        self._done(req, emit, out, [], summary)
 
     def abort(self, req_id: str, reason: str = "aborted", kind: ErrorKind = "") -> bool:
         """Stop the running request `req_id` at this scheduling point with an Error reply."""

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
@@ -25,9 +24,16 @@ from memspec.procs.decoder.head import (
     is_head,
     read_head_config,
 )
-from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
+from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache, projection_shapes
 from memspec.procs.decoder.native import NativeLM
-from memspec.procs.decoder.runners import HFRunner, Runner, accelerate, lean_arch
+from memspec.procs.decoder.quantized import QuantFormat, dequantized, quant_format, quantized_lean
+from memspec.procs.decoder.runners import (
+    HFRunner,
+    Runner,
+    accelerate,
+    default_act_dtype,
+    lean_arch,
+)
 
 META_PREFIX = "memspec."  # tensors in a draft file that are ours, not the model's
 ID_MAP_KEY = "memspec.draft_to_target"  # draft vocab index -> target token id
@@ -142,6 +148,8 @@ def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
 def _hf_module(name: str, config: Any, weights: dict[str, torch.Tensor],
                device: torch.device) -> nn.Module:
     """The draft as an HF module whose parameters are the given slot views (no copy)."""
+    from transformers import AutoModelForCausalLM  # model drafts only: a head pool skips it
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
@@ -178,6 +186,27 @@ def _lean_runner(name: str, config: Any, weights: dict[str, torch.Tensor]) -> Le
                          "rebuild the draft's model.safetensors from its config") from None
 
 
+def _quantized_runner(name: str, qfmt: QuantFormat, config: Any,
+                      weights: dict[str, torch.Tensor], device: torch.device) -> Runner:
+    """A GPTQ / AWQ draft: int4 blocks on a CPU (as a target's), else its exact dequantised
+    weights in bf16 (GPUs have no int4 kernel here) or fp32 (architectures without a lean
+    forward)."""
+    arch = lean_arch(config.to_dict())
+    try:
+        if arch is not None and device.type == "cpu":
+            return accelerate(quantized_lean(qfmt, arch, weights, default_act_dtype(device)))
+        dense = dequantized(qfmt, projection_shapes(arch) if arch else None, weights)
+        if arch is not None:
+            dense = {k: v.to(torch.bfloat16) for k, v in dense.items()}
+            return accelerate(LeanLM.from_weights(arch, dense, "bfloat16", torch.bfloat16,
+                                                  fuse=False))
+    except ModelError as exc:
+        raise ModelError(f"draft '{name}': {exc.problem}", exc.fix) from None
+    plain = type(config).from_dict({k: v for k, v in config.to_dict().items()
+                                    if k != "quantization_config"})
+    return HFRunner(_hf_module(name, plain, dense, device))
+
+
 def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | None = None,
                config=None, target_vocab: int | None = None,
                parts: TargetParts | None = None) -> BoundDraft:
@@ -204,7 +233,15 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         runner: Runner = HeadRunner(name, arch, weights, parts, to_target)
         return BoundDraft(name, runner, slot, slot.generation, to_target,
                           _inverse(to_target, target_vocab), config, weights)
-    config = config or AutoConfig.from_pretrained(model_dir)
+    if config is None:
+        from transformers import AutoConfig  # model drafts only: a head pool skips it
+
+        config = AutoConfig.from_pretrained(model_dir)
+    qfmt = quant_format(model_dir, config.to_dict())
+    if qfmt is not None:  # GPTQ / AWQ: blocks unpacked out of the slot (not views)
+        runner = _quantized_runner(name, qfmt, config, weights, slot.data.device)
+        to_draft = _inverse(to_target, target_vocab) if to_target is not None else None
+        return BoundDraft(name, runner, slot, slot.generation, to_target, to_draft, config)
     lean = _lean_runner(name, config, weights)
     if lean is not None:
         if lean.vocab != weights["model.embed_tokens.weight"].shape[0]:

@@ -1,0 +1,55 @@
+"""The decoder's cache of quantised target weights (a restart reads them instead of
+quantising): the same bits and the same logits as quantising, a key that follows the weight
+file, and a damaged cache that is rebuilt rather than used."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from memspec.procs.decoder.models import build_target
+from memspec.procs.decoder.prepared import cache_path
+
+IDS = torch.tensor([1, 5, 9, 22, 40, 41, 7, 3])
+
+
+def _logits(runner) -> torch.Tensor:
+    cache = runner.new_cache(64)
+    return runner.forward(IDS, 0, cache).float()
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8", "int4-torch"])
+def test_cached_weights_give_the_quantised_model_bit_for_bit(tiny_dir, tmp_path, dtype):
+    fmt, _, path = dtype.partition("-")
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dir / "target", target)
+    fast = path != "torch"
+    fresh = _logits(build_target(target, fmt, fast=fast))
+    first = build_target(target, fmt, fast=fast, prepared=tmp_path / "home")
+    file = cache_path(tmp_path / "home", target, fmt)
+    assert file.is_file()
+    stamp = file.stat().st_mtime_ns
+    cached = build_target(target, fmt, fast=fast, prepared=tmp_path / "home")
+    assert file.stat().st_mtime_ns == stamp  # read, not written again
+    assert torch.equal(_logits(first), fresh) and torch.equal(_logits(cached), fresh)
+    # the weight file changes: the key changes, and the cache is rebuilt from it
+    weights = target / "model.safetensors"
+    os.utime(weights, ns=(stamp, stamp + 10**9))
+    build_target(target, fmt, fast=fast, prepared=tmp_path / "home")
+    assert file.stat().st_mtime_ns != stamp
+
+
+def test_a_damaged_cache_is_rebuilt_not_used(tiny_dir, tmp_path, caplog):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dir / "target", target)
+    fresh = _logits(build_target(target, "int4"))
+    build_target(target, "int4", prepared=tmp_path / "home")
+    file = cache_path(tmp_path / "home", target, "int4")
+    data = bytearray(file.read_bytes())
+    file.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    again = build_target(target, "int4", prepared=tmp_path / "home")
+    assert torch.equal(_logits(again), fresh)
+    assert "unreadable" in caplog.text and file.stat().st_size == len(data)
