@@ -75,6 +75,7 @@ class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
     backoff_s: float = 0.0  # seconds until the supervisor starts it again (a crash loop)
     recovery_s: float = 0.0  # its last restart: crash noticed -> ready again
     startup: dict[str, float] = {}  # the decoder's start-up phases of its last start
+    standby_pid: int | None = None  # the decoder's standby (procs/decoder/standby.py), if any
 
 
 class TensorRange(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):

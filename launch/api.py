@@ -152,7 +152,7 @@ class _Local:
         pool, cold_start, max_queue, start_timeout = self.args
         sup = None
         try:
-            sup = Supervisor(pool, cold_start=cold_start, max_queue=max_queue)
+            sup = Supervisor(pool, cold_start=cold_start, max_queue=max_queue, standby=True)
 
             def starting() -> bool:
                 self.bridge.pump(sup)

@@ -97,7 +97,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     logs.setup("supervisor", args.log_level)  # an unknown level: one line, nothing started
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
                  cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue,
-                 http=args.http, api_key=api_key, log_level=args.log_level)
+                 http=args.http, api_key=api_key, log_level=args.log_level,
+                 standby=not args.no_standby)
 
 
 def _timeouts(args: argparse.Namespace):  # noqa: ANN202
@@ -339,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one; more get a "
                         "'server busy' error (default 16)")
+    u.add_argument("--no-standby", action="store_true",
+                   help="keep no standby decoder (an idle interpreter with torch imported, "
+                        "started while the server is idle, so a crashed decoder is back in "
+                        "about a second instead of three)")
     u.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API, /health and /metrics "
                         "(e.g. 127.0.0.1:8000; a bare PORT is loopback)")

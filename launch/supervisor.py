@@ -83,6 +83,7 @@ from memspec.common.sockets import (
 )
 from memspec.launch.endpoint import EndpointLock, check_endpoint
 from memspec.launch.resume import STABLE_S, Progress, backoff_s, continuation
+from memspec.procs.decoder.standby import go_message
 from memspec.procs.predictor import FALLBACK
 
 LOG = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ KEEPALIVE_S = 2.0  # Queued to every waiting client; a failed send means the cli
 MAX_QUEUE = 16  # requests waiting behind the running one
 READ_BATCH = 256  # messages read per socket per tick: a flood cannot starve the others
 SLOT_STATES = ("free", "loading", "resident")
+STANDBY_IDLE_S = 1.0  # a standby decoder starts once the server has been idle this long
+STANDBY_MAX_FAILURES = 3  # standbys that died on their own before the supervisor stops trying
 Reply = Callable[[Message], None]
 
 
@@ -164,8 +167,16 @@ class Supervisor:
     def __init__(self, pool: str | None = None, client_endpoint: str | None = None,
                  tcp: bool = False, cold_start: bool = False, quiet_logs: bool = True,
                  run_dir: Path | None = None, max_queue: int = MAX_QUEUE,
-                 log_level: str | None = None) -> None:
+                 log_level: str | None = None, standby: bool = False) -> None:
         self.pool = pool
+        # a standby decoder (procs/decoder/standby.py): a long-running server keeps one, so a
+        # crashed decoder's successor has its imports and tokenizer done
+        self.standby_enabled = standby
+        self.standby: subprocess.Popen | None = None
+        self.standby_token = ""
+        self.standby_ready = False  # the standby said it is prepared
+        self._standby_failures = 0
+        self._last_busy = 0.0
         self.log_level = level_name(log_level)  # the children's (common/logs.py)
         self.client_endpoint = client_endpoint
         self.cold_start = cold_start
@@ -223,15 +234,14 @@ class Supervisor:
                                "pick another --endpoint") from None
 
     # ---- processes ------------------------------------------------------------------
-    def _cmd(self, name: str) -> list[str]:
+    def _cmd(self, name: str, token: str = "") -> list[str]:
         cmd = [sys.executable, "-m", f"memspec.procs.{name}.main",
                "--endpoint", self.ep[name], "--control", self.ep["control"]]
         if self.pool and name != "loader":  # the loader holds no config: Load says it all
             cmd += ["--pool", self.pool]
         if name == "decoder":
-            self.decoder_token = owned_run_token()
             cmd += ["--loader", self.ep["loader"], "--predictor", self.ep["predictor"],
-                    "--run-token", self.decoder_token]
+                    "--run-token", token]
             if self.cold_start:
                 cmd.append("--cold-start")
         return cmd
@@ -240,8 +250,12 @@ class Supervisor:
         assert self.run_dir is not None
         return self.run_dir / f"{name}.log"
 
-    def spawn(self, name: str) -> None:
+    def spawn(self, name: str, standby: bool = False) -> None:
+        """Start `name`; the decoder's successor is the standby when there is one. With
+        `standby`, start a standby decoder instead (it waits for `_take_standby`)."""
         p = self.procs[name]
+        if name == "decoder" and not standby and self._take_standby(p):
+            return
         log = open(self.log_path(name), "ab") if self.quiet_logs else None  # noqa: SIM115
         # The child dies with us, takes its niceness and our log level itself, at start
         # (common/child.py): no preexec_fn, which can deadlock a process with threads.
@@ -260,12 +274,81 @@ class Supervisor:
                        **{NICE_ENV: str(HELPER_NICE)})
         else:
             env[SUPERVISOR_ID_ENV] = self.supervisor_id
-        p.popen = subprocess.Popen(self._cmd(name), stdin=subprocess.DEVNULL,
-                                   stdout=log or sys.stderr, stderr=log or sys.stderr,
-                                   start_new_session=True, env=env)
+        token = owned_run_token() if name == "decoder" else ""
+        cmd = self._cmd(name, token) + (["--standby"] if standby else [])
+        popen = subprocess.Popen(cmd, stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
+                                 stdout=log or sys.stderr, stderr=log or sys.stderr,
+                                 start_new_session=True, env=env)
         if log:
             log.close()
+        if standby:
+            self.standby, self.standby_token, self.standby_ready = popen, token, False
+            return
+        if name == "decoder":
+            self.decoder_token = token
+        p.popen = popen
         p.state, p.started, p.last_beat = "starting", time.monotonic(), time.monotonic()
+
+    def _take_standby(self, p: Proc) -> bool:
+        """Tell the standby decoder to go on as the decoder; False when there is none alive."""
+        sb, self.standby, self.standby_ready = self.standby, None, False
+        if sb is None:
+            return False
+        try:
+            if sb.poll() is not None:
+                raise BrokenPipeError
+            sb.stdin.write(go_message(time.monotonic()))
+            sb.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            self._retire(sb)
+            return False
+        LOG.info(f"the standby decoder (pid {sb.pid}) takes over")
+        p.popen, self.decoder_token = sb, self.standby_token
+        p.state, p.started, p.last_beat = "starting", time.monotonic(), time.monotonic()
+        return True
+
+    def _keep_standby(self, now: float) -> None:
+        """Start a standby decoder while the server is idle: its imports never compete with
+        a request's decoding."""
+        if not self.standby_enabled or self.closed:
+            return
+        sb = self.standby
+        if sb is not None:
+            if sb.poll() is not None:  # it died on its own: its log says why
+                self.standby, self.standby_ready = None, False
+                self._standby_failures += 1
+                cleanup_shm(f"memspec-{self.standby_token}-")
+                LOG.warning(f"the standby decoder exited (code {sb.returncode}): "
+                            f"{self._last_log_line('decoder')}"
+                            + ("; no more standbys" if self._standby_failures
+                               >= STANDBY_MAX_FAILURES else ""))
+            return
+        if not self.idle:
+            self._last_busy = now
+            return
+        dec = self.procs["decoder"]
+        if (self._standby_failures < STANDBY_MAX_FAILURES and dec.state == "ready"
+                and now - max(self._last_busy, dec.ready_at) >= STANDBY_IDLE_S):
+            self.spawn("decoder", standby=True)
+
+    def set_standby(self, enabled: bool) -> None:
+        """Keep a standby decoder from now on, or not (the one there is, is retired)."""
+        self.standby_enabled = enabled
+        if not enabled and self.standby is not None:
+            sb, self.standby, self.standby_ready = self.standby, None, False
+            self._retire(sb)
+            cleanup_shm(f"memspec-{self.standby_token}-")
+
+    @staticmethod
+    def _retire(sb: subprocess.Popen) -> None:
+        """End a standby decoder (it exits on end of input; a kill if it does not)."""
+        try:
+            sb.stdin.close()
+        except (OSError, ValueError):
+            pass
+        if sb.poll() is None:
+            sb.kill()
+        sb.wait()
 
     def start(self, timeout: float = START_TIMEOUT_S,
               stop: Callable[[], bool] = lambda: False) -> bool:
@@ -366,6 +449,7 @@ class Supervisor:
                 self._on_crash(p, "did not become ready")
             elif p.state == "ready" and p.crashes and now - p.ready_at > STABLE_S:
                 p.crashes = 0  # stable again: the next crash is a one-off
+        self._keep_standby(now)
 
     # ---- messages -------------------------------------------------------------------
     def _queued(self, sock: zmq.Socket, codec: Codec[M]) -> Iterator[M | ProtocolError]:
@@ -388,6 +472,9 @@ class Supervisor:
                 p = self.procs[msg.proc]
                 if p.pid == msg.pid:  # a forged or stale beat keeps no hung process alive
                     p.last_beat = time.monotonic()
+                elif (msg.state == "standby" and self.standby is not None
+                      and msg.pid == self.standby.pid):
+                    self.standby_ready = True  # prepared: a takeover skips its imports
             elif isinstance(msg, Status):
                 self._on_slots(msg)
             elif isinstance(msg, Error):
@@ -579,6 +666,9 @@ class Supervisor:
                                backoff_s=max(0.0, p.next_start - now)
                                if p.state == "backoff" else 0.0,
                                **(process_info(p.pid) if p.pid else {}),
+                               **({"standby_pid": self.standby.pid}
+                                  if n == "decoder" and self.standby is not None
+                                  and self.standby_ready else {}),
                                **({"isa": p.info.isa, "dtype": p.info.dtype,
                                    "startup": dict(p.info.startup)}
                                   if isinstance(p.info, DecoderInfo) else {}))
@@ -637,6 +727,7 @@ class Supervisor:
         for item in pending:
             item.reply(Error(req_id=item.req.req_id, message=f"{reason}; resubmit the request",
                              kind="unavailable"))
+        self.set_standby(False)
         procs = [p for p in self.procs.values() if p.popen]
         for p in procs:
             if p.popen.poll() is None:

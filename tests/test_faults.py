@@ -567,6 +567,7 @@ def test_decoder_kill9_mid_request_loses_no_request_through_any_door(tmp_path, p
             st = rt.status()
             assert st.procs["decoder"].crashes == 0 and st.totals.resumed == 11
             assert st.procs["decoder"].restarts == 12 and st.procs["loader"].restarts == 0
+        kids += _children(up.p.pid)  # the decoder of now, and its standby if there is one
         code, dt = up.stopped_within(signal.SIGINT, 10.0)
         assert code == 130
         _gone_within(kids, 5)
@@ -574,6 +575,51 @@ def test_decoder_kill9_mid_request_loses_no_request_through_any_door(tmp_path, p
         print(f"poison request failed alone, the next served; {time.monotonic() - t0:.0f}s")
     finally:
         up.kill()
+
+
+def _tick_until(s: Supervisor, cond: Callable[[], bool], bound: float, what: str) -> None:
+    deadline = time.monotonic() + bound
+    while not cond():
+        assert time.monotonic() < deadline, what
+        s.tick(50)
+
+
+def test_a_standby_decoder_takes_over_and_leaves_nothing_behind(pool):
+    """While the server is idle the supervisor prepares a standby decoder (imports and
+    tokenizer done, nothing else held); a kill -9 of the decoder mid-request makes that
+    standby the decoder (no new process starts), the request resumes token-identical, a
+    new standby follows once the server is idle, and shutdown ends it too."""
+    s = Supervisor(str(pool), standby=True)
+    pids: list[int] = []
+    try:
+        s.start()
+        prompt = first_prompts()["code"]
+        ref = s.run(Submit(req_id="ref", prompt=prompt, policy="target-only",
+                           max_new_tokens=RESUME_NEW), timeout_s=300)
+        assert isinstance(ref, Done), ref
+        _tick_until(s, lambda: s.standby_ready, 120, "no standby was prepared")
+        standby, pid = s.standby.pid, s.procs["decoder"].pid
+        pids += [standby, pid]
+        assert s.status().procs["decoder"].standby_pid == standby
+        killed: list[float] = []
+
+        def on_reply(m: Message) -> None:
+            if isinstance(m, Tokens) and m.ids and not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        done = s.run(Submit(req_id="k", prompt=prompt, policy="memspec",
+                            max_new_tokens=RESUME_NEW), on_reply, timeout_s=300)
+        assert isinstance(done, Done), done
+        assert killed and done.stats.resumed == 1 and done.token_ids == ref.token_ids
+        assert s.procs["decoder"].pid == standby  # the standby took over
+        assert "tokenizer" in s.procs["decoder"].info.startup  # and timed its start
+        _tick_until(s, lambda: s.standby_ready, 120, "no second standby")
+        assert s.standby.pid not in pids
+        pids.append(s.standby.pid)
+    finally:
+        s.shutdown()
+    _gone_within(pids, 5)
 
 
 def _get(url: str, path: str) -> tuple[int, dict, bytes]:

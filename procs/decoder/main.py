@@ -54,7 +54,7 @@ from memspec.common.messages import (
 from memspec.common.procexit import fast_exit
 from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv, send
-from memspec.procs.decoder import edge_profile
+from memspec.procs.decoder import edge_profile, standby
 from memspec.procs.decoder.models import open_engine
 from memspec.procs.decoder.native import extension
 from memspec.procs.decoder.service import (
@@ -331,9 +331,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-token", default=None)
     ap.add_argument("--cold-start", action="store_true",
                     help="empty the slots before every request (the paper's evaluation method)")
+    ap.add_argument("--standby", action="store_true",
+                    help="do the start-up work that does not depend on the run, then wait on "
+                         "stdin for the supervisor's go (standby.py)")
     args = ap.parse_args(argv)
     child.start("decoder")
     try:
+        if args.standby:
+            standby.prepare(args.pool, args.device)
+            standby.announce(args.control)
+            if not standby.wait_for_go():
+                return 0  # retired before it was needed
         return run(args)
     except MemspecError as exc:
         LOG.error(f"error: {exc}")

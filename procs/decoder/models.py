@@ -87,7 +87,19 @@ def _tokenizer_class(path: Path):  # noqa: ANN202
     return getattr(transformers, name, None)
 
 
+# tokenizers already loaded, by folder: a standby decoder loads the target's ahead of its
+# run (standby.py), and the run then takes it from here
+_TOKENIZERS: dict[str, object] = {}
+
+
 def load_tokenizer(path: Path):
+    key = str(Path(path).resolve())
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = _load_tokenizer(path)
+    return _TOKENIZERS[key]
+
+
+def _load_tokenizer(path: Path):
     _check_dir(path, "target")
     try:
         cls = _tokenizer_class(path)
