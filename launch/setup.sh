@@ -44,6 +44,16 @@ if [[ "${1:-}" == "--dev" ]]; then
       || echo "[setup] no aarch64 cross tools: those checks will be skipped"
   fi
   "$PY" -m memspec.procs.decoder.native --all || echo "[setup] some kernel paths not built (see above)"
+  # GPTQ / AWQ checkpoints written by GPTQModel itself, with its own forward on them, for
+  # tests/test_quantized_reference.py: a side venv under $MEMSPEC_HOME/quantref (GPTQModel
+  # pinned, from the package index; ~4 min on 2 cores the first time, seconds after). If
+  # it cannot be made, one line says why and those tests skip, printing the same reason.
+  echo "[setup] GPTQModel reference checkpoints (python3 -m memspec.zoo.quantref)"
+  if qr="$("$PY" -m memspec.zoo.quantref)"; then
+    echo "[setup] $qr"
+  else
+    echo "[setup] ${qr:-GPTQModel checkpoints not made (see above)}; the tests that need them will skip"
+  fi
   # Python 3.10 (JetPack 6, Ubuntu 22.04) where one is installed: a light environment with
   # the dependencies that need no torch, in which the suite imports every module that needs
   # none (tests/test_python310.py); the full job under 3.10 needs torch there too

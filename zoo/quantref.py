@@ -10,11 +10,17 @@
   (group 128, symmetric, act-group-aware order);
 - `<job>.reference.safetensors`: GPTQModel's own forward of the saved folder (its torch
   kernels, fp16) on a fixed prompt, and its dequantisation of a few layers;
-- `status.json`: what ran, how long, and every failure's exact error.
+- `status.json`: what ran, how long, and every failure's exact error (or why the side
+  environment could not be made);
+- `work/`: each job's output (`<job>.log`) and GPTQModel's own `logs/` (it writes them
+  under its working directory, which is this one, never the caller's).
 
-The test suite compares the engine against these (tests/test_quantized_reference.py) and
-skips, naming this command, where they are missing. About 4 minutes on 2 CPU cores (the
-target's quantisation is most of it); jobs already done are kept.
+`launch/setup.sh --dev` runs it, so CI has them; the test suite compares the engine against
+these (tests/test_quantized_reference.py) and skips, printing why and naming this command,
+where they are missing. About 3.5 minutes on 2 CPU cores from nothing, pip's cache empty
+(the side environment under a minute, the target's quantisation 1.5 minutes); jobs already
+done are kept, so a rerun takes seconds. Progress goes to stderr; stdout gets one line:
+where the checkpoints are, or why they are not (exit status 1 or 2).
 """
 
 from __future__ import annotations
@@ -153,6 +159,33 @@ def _finish_draft(out: Path, id_map) -> None:
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def _run_worker(cmd: list[str], env: dict, log: Path, timeout: float, name: str) -> str:
+    """One worker, its output in ``log``, a progress line every 30 s; returns the error
+    to report if it leaves no status (its last line, or the timeout)."""
+    t0 = time.perf_counter()
+    with log.open("w") as out:  # cwd: GPTQModel writes its logs/ under the working directory
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=log.parent)
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=30)
+                    break
+                except subprocess.TimeoutExpired:
+                    spent = time.perf_counter() - t0
+                    if spent > timeout:
+                        proc.kill()
+                        proc.wait()
+                        return f"timed out after {timeout:.0f} s (log: {log})"
+                    _log(f"{name}: {spent:.0f} s")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return f"{(lines or ['?'])[-1].strip()[:300]} (exit {proc.returncode}; log: {log})"
+
+
 def build(only: list[str] | None = None, timeout: float = 900.0) -> dict:
     """Make every job's folder and reference that is missing; returns status.json."""
     from memspec.procs.decoder.models import encode_prompt, load_tokenizer
@@ -201,27 +234,49 @@ def build(only: list[str] | None = None, timeout: float = 900.0) -> dict:
             env = {**os.environ, "GPTQMODEL_CPU_WORKERS": str(max(2, os.cpu_count() or 1)),
                    "PYTHONWARNINGS": "ignore"}
             left = max(60.0, timeout - (time.perf_counter() - t0))
-            try:
-                res = subprocess.run([str(py), str(Path(__file__).with_name(
-                    "quantref_worker.py")), str(spec)], capture_output=True, text=True,
-                    timeout=left, env=env)
-            except subprocess.TimeoutExpired:
-                status[j["name"]] = {"ok": False, "error": f"timed out after {left:.0f} s"}
-                continue
+            log = root / "work" / f"{j['name']}.log"
+            error = _run_worker([str(py), str(Path(__file__).with_name("quantref_worker.py")),
+                                 str(spec)], env, log, left, j["name"])
             got = json.loads(run_status.read_text()) if run_status.is_file() else {}
-            status[j["name"]] = got.get(j["name"], {
-                "ok": False, "error": (res.stderr.strip().splitlines() or ["?"])[-1][:400]})
+            status[j["name"]] = got.get(j["name"], {"ok": False, "error": error})
             if status[j["name"]]["ok"] and j["src"] == str(draft_src):
                 _finish_draft(Path(j["out"]), id_map)
             run_status.unlink(missing_ok=True)
             _log(f"{j['name']}: {status[j['name']]}")
+    status.pop("_error", None)
     status["_meta"] = {"pinned": list(PINNED), "command": COMMAND, "probe": probe,
                        "seconds": round(time.perf_counter() - t0, 1)}
     status_file.write_text(json.dumps(status, indent=1))
     return status
 
 
+def failure(status: dict, names: list[str] | None = None) -> str | None:
+    """Why the checkpoints (all jobs, or ``names``) are not all there, in one line (None
+    when they are)."""
+    if "_error" in status:
+        return status["_error"]
+    bad = [f"{k}: {v.get('error', '?')}" for k, v in status.items()
+           if not k.startswith("_") and not v.get("ok")]
+    missing = [k for k in (names or jobs()) if k not in status]
+    if missing:
+        bad.append(f"not made: {', '.join(missing)} (run `{COMMAND}`)")
+    return "; ".join(bad) or None
+
+
+def _record(error: str) -> None:
+    """Keep why the side environment could not be made, for the tests' skip reason."""
+    f = home() / "status.json"
+    try:
+        status = json.loads(f.read_text()) if f.is_file() else {}
+        status["_error"] = error
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps(status, indent=1))
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Progress and detail on stderr; one line on stdout: what was made, or why not."""
     ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=None, help="comma-separated job names "
                     f"({', '.join(jobs())})")
@@ -229,15 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         status = build(args.only.split(",") if args.only else None, args.timeout)
-    except MemspecError as exc:
-        print(f"memspec: error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - one line for set-up and the tests' skip
+        reason = str(exc) if isinstance(exc, MemspecError) else f"{type(exc).__name__}: {exc}"
+        reason = " ".join(reason.split())[:400]
+        _record(reason)
+        print(f"GPTQModel checkpoints not made: {reason}")
         return 2
-    bad = {k: v for k, v in status.items() if not k.startswith("_") and not v.get("ok")}
     for k, v in status.items():
         if not k.startswith("_"):
-            print(f"{k}: {'ok' if v.get('ok') else 'FAILED: ' + v.get('error', '?')}")
-    print(f"in {home()}")
-    return 1 if bad else 0
+            _log(f"{k}: {'ok' if v.get('ok') else 'FAILED: ' + v.get('error', '?')}")
+    names = args.only.split(",") if args.only else list(jobs())
+    why = failure({k: v for k, v in status.items() if k in names or k.startswith("_")}, names)
+    if why:
+        print(f"GPTQModel checkpoints not all made ({home()}): {why}")
+        return 1
+    print(f"GPTQModel checkpoints in {home()} ({status['_meta']['seconds']} s)")
+    return 0
 
 
 if __name__ == "__main__":

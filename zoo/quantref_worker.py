@@ -3,7 +3,8 @@ GPTQModel quantises each job's model and then, as the reference, runs its own fo
 the folder it saved and dequantises a few of its layers. A plain script on purpose: it
 imports GPTQModel, never memspec.
 
-Usage: python quantref_worker.py JOBS.json   (see quantref.py for the fields)
+Usage: python quantref_worker.py JOBS.json   (see quantref.py for the fields); quantref.py
+runs it in `$MEMSPEC_HOME/quantref/work`, where GPTQModel puts its `logs/`.
 """
 
 from __future__ import annotations
