@@ -172,7 +172,7 @@ def format_table(res: dict[str, Any]) -> str:
     lines = [f"decoder kill -9 mid-request, {res['kills']} times with a standby decoder and "
              f"{res['kills']} without, interleaved ({res['max_new_tokens']} greedy tokens per "
              f"request, {res['isa']} kernels, {res['cpus']} CPUs)",
-             f"{"seconds":<52}{'standby':>10}{'cold':>10}"]
+             f"{'seconds':<52}{'standby':>10}{'cold':>10}"]
 
     def row(label: str, get) -> None:  # noqa: ANN001
         lines.append(f"{label:<52}" + "".join(f"{get(paths[p]):10.3f}" for p in PATHS))
