@@ -66,6 +66,17 @@ def generate(prompt: str, policy: str, max_new: int, pool: str | None,
     return res
 
 
+def settle(rt, what: str, bound_s: float = 120.0) -> None:  # noqa: ANN001
+    """Until a `memspec up`'s standby decoder is prepared (it starts one once idle for a
+    second): a warm server has one, and its imports must not land in a measured request."""
+    deadline = time.monotonic() + bound_s
+    while rt.status().procs["decoder"].standby_pid is None:
+        if time.monotonic() > deadline:
+            raise MemspecError(f"{what} prepared no standby decoder in {bound_s:.0f}s",
+                               "see its decoder log")
+        time.sleep(0.2)
+
+
 class Server:
     """`memspec up` serving one policy (its own processes), reached with the Python API."""
 
@@ -86,6 +97,9 @@ class Server:
                 raise MemspecError(f"memspec up did not start: {self.err.decode()[-300:]}")
             time.sleep(0.05)
         self.rt = Runtime(ep).start()
+
+    def settle(self) -> None:
+        settle(self.rt, f"the {self.policy} server")
 
     def _pump(self) -> None:
         while part := self.p.stderr.read1(4096):
@@ -189,6 +203,8 @@ def run_warm(rows: list[dict], pool: str | None, max_new: int, repeats: int
             local = build_local(load_pool(pool))
             for s in servers.values():  # each server's first request is its own warm-up
                 s.generate(rows[0]["prompt"], 8)
+            for s in servers.values():
+                s.settle()
             run_request(local, rows[0]["prompt"], "target-only", 8, SamplingParams())
 
             def warm_one(prompt: str, policy: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memspec.bench.floor import settle
 from memspec.bench.pipeline import _log, _prompts
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
@@ -158,6 +159,7 @@ def run(pool: str | None, n_prompts: int, max_new: int) -> dict[str, Any]:
             _chat(up.port, model, prompts[0], 2)  # warm: first draft loads, first ranking
             rows = []
             with Runtime(f"ipc://{tmp}/m.sock") as rt:
+                settle(rt, "memspec up")
                 for i, prompt in enumerate(prompts):
                     _log(f"prompt {i + 1}/{len(prompts)}")
                     gen = _generate(prompt, max_new, pool)
