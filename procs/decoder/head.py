@@ -154,6 +154,16 @@ class TargetParts:
             self._packed[key] = ext.Linear(linear_spec(lin))
         return self._packed[key]
 
+    def prepare(self, to_target: torch.Tensor) -> None:
+        """Build a draft vocabulary's LM rows (and their C++ packing) now: on an int4
+        target that is a dequantisation of the whole LM head and a repacking, ~20 ms that
+        would otherwise land in the first bind of a fresh decoder's first request."""
+        lin = self.lm_rows(to_target.to(torch.long))
+        if isinstance(self.target, NativeLM):
+            ext = extension(isa=self.target.isa)
+            if ext is not None:
+                self.native_lm(lin, ext)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self._embed(ids).float()

@@ -63,6 +63,7 @@ from memspec.procs.decoder.service import (
     EngineSlots,
     log,
     open_drafts,
+    prepare_heads,
     verify_target,
 )
 from memspec.procs.decoder.slots import SlotBuffer
@@ -249,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
     engine, tokenizer, dtype = open_engine(pool, device, phases=clock.mark)
     files, quarantined = open_drafts(pool, engine.vocab)
     clock.mark("drafts")
+    prepare_heads(engine, pool, files)
+    clock.mark("heads")
     capacity = max((f.layout.data_size for f in files.values()), default=0)
     k = pool.K
     if pool.memory_budget_mb is not None:  # too small for one draft: error at start

@@ -123,6 +123,25 @@ def open_drafts(pool: PoolConfig, target_vocab: int
     return files, quarantined
 
 
+def prepare_heads(engine: SpecEngine, pool: PoolConfig, files: dict[str, DraftFile]) -> None:
+    """The target's LM rows for each head's draft vocabulary, built at start (one id map
+    read from each head's file) rather than at a request's first bind."""
+    from safetensors import safe_open
+
+    maps: dict[tuple[int, int], Any] = {}  # id maps, one per distinct map
+    for name, f in files.items():
+        if not is_head(pool.draft(name).path):
+            continue
+        try:
+            with safe_open(str(f.path), framework="pt") as sf:
+                to_target = sf.get_tensor(ID_MAP_KEY)
+        except Exception:  # noqa: BLE001 - a bad file is the bind's to report, as before
+            continue
+        maps.setdefault((to_target.numel(), int(to_target.sum())), to_target)
+    for to_target in maps.values():
+        engine.target_parts.prepare(to_target)
+
+
 def verify_target(target: Path) -> None:
     """The target's files against its manifest (written by `memspec zoo target`), hashed
     once per change of a file: a corrupt target is an error at start, never decoded with."""
