@@ -77,33 +77,48 @@ def settle(rt, what: str, bound_s: float = 120.0) -> None:  # noqa: ANN001
         time.sleep(0.2)
 
 
-class Server:
-    """`memspec up` serving one policy (its own processes), reached with the Python API."""
+class UpProcess:
+    """`memspec up` in a subprocess, its stderr collected, ready once it says so."""
 
-    def __init__(self, policy: str, pool: str | None, run_dir: str) -> None:
-        from memspec.launch.api import Runtime
-
-        self.policy = policy
-        ep = f"ipc://{run_dir}/{policy}.sock"
-        args = ["up", "--no-stdin", "--endpoint", ep] + (["--pool", pool] if pool else [])
-        self.p = subprocess.Popen([*MEMSPEC, *args], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def __init__(self, args: list[str]) -> None:
+        self.p = subprocess.Popen([*MEMSPEC, "up", "--no-stdin", *args],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE)
         self.err = bytearray()
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + 300
         while b"ready on" not in self.err:
             if self.p.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise MemspecError(f"memspec up did not start: {self.err.decode()[-300:]}")
+                raise MemspecError(f"memspec up did not start: {self.err.decode()[-500:]}")
             time.sleep(0.05)
-        self.rt = Runtime(ep).start()
-
-    def settle(self) -> None:
-        settle(self.rt, f"the {self.policy} server")
 
     def _pump(self) -> None:
         while part := self.p.stderr.read1(4096):
             self.err.extend(part)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+
+
+class Server(UpProcess):
+    """`memspec up` serving one policy (its own processes), reached with the Python API."""
+
+    def __init__(self, policy: str, pool: str | None, run_dir: str) -> None:
+        from memspec.launch.api import Runtime
+
+        self.policy, self.rt = policy, None
+        ep = f"ipc://{run_dir}/{policy}.sock"
+        super().__init__(["--endpoint", ep] + (["--pool", pool] if pool else []))
+        self.rt = Runtime(ep).start()
+
+    def settle(self) -> None:
+        settle(self.rt, f"the {self.policy} server")
 
     def generate(self, prompt: str, max_new: int) -> dict[str, Any]:
         from memspec.common.metrics import as_json
@@ -114,12 +129,7 @@ class Server:
     def stop(self) -> None:
         if getattr(self, "rt", None) is not None:
             self.rt.close()
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
+        super().stop()
 
 
 def _row(res: dict[str, Any]) -> dict[str, Any]:

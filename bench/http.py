@@ -19,12 +19,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.floor import settle
+from memspec.bench.floor import UpProcess, settle
 from memspec.bench.pipeline import _log, _prompts
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
@@ -34,32 +33,13 @@ MEMSPEC = [sys.executable, "-m", "memspec"]
 LONG = "Write a very long story about a lighthouse keeper and his dog."
 
 
-class _Up:
-    """`memspec up --http 127.0.0.1:0` in a subprocess, its stderr collected."""
+class _Up(UpProcess):
+    """`memspec up --http 127.0.0.1:0`; its HTTP port read from its stderr."""
 
     def __init__(self, pool: str | None, run_dir: str) -> None:
-        args = ["up", "--no-stdin", "--endpoint", f"ipc://{run_dir}/m.sock",
-                "--http", "127.0.0.1:0"] + (["--pool", pool] if pool else [])
-        self.p = subprocess.Popen([*MEMSPEC, *args], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.err = bytearray()
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + 300
-        while b"ready on" not in self.err:
-            if self.p.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise MemspecError(f"memspec up did not start: {self.err.decode()[-500:]}")
-            time.sleep(0.05)
+        super().__init__(["--endpoint", f"ipc://{run_dir}/m.sock", "--http", "127.0.0.1:0"]
+                         + (["--pool", pool] if pool else []))
         self.port = int(re.search(rb"HTTP on http://[^:]+:(\d+)/v1", self.err).group(1))
-
-    def _pump(self) -> None:
-        while part := self.p.stderr.read1(4096):
-            self.err.extend(part)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            self.p.wait(60)
 
 
 def _generate(prompt: str, max_new: int, pool: str | None) -> dict[str, Any]:
