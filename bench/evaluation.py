@@ -659,6 +659,17 @@ def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[S
     out["sim_vs_real"]["max_rel_error"] = max_rel_error(out["sim_vs_real"])
     e2e = [r.stats.time.e2e for r in rows.values()]
     out["real_request_s"] = statistics.fmean(e2e) if e2e else None
+    # the real runs above share one decoder (slots emptied per request); beside them,
+    # memspec as a fresh decoder's first request, on the test set's first prompt per domain
+    first = [prompts[r.prompt_id] for r in first_per_domain(subsets.get("test", []), 1)]
+    if first:
+        from memspec.bench.floor import first_requests
+
+        _log(f"first requests: {len(first)} test prompts, memspec and target-only, "
+             "a fresh process each")
+        out["cold_decoder"] = first_requests(
+            [{"id": p["id"], "domain": p["domain"], "prompt": p["prompt"]} for p in first],
+            real_pool, max_new, max(1, sizes.repeats))
     return out
 
 

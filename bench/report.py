@@ -142,6 +142,13 @@ def summary_text(r: dict[str, Any]) -> str:
              f"{r['storage']} (load/iteration {r['load_over_iteration']:.2f})"]
     lines += ["real runs (steady-state tokens/s ratios, GMEAN over prompts):"]
     lines += headline_lines(r)
+    cold = r.get("cold_decoder")
+    if cold:
+        m = cold["memspec_over_target_only_e2e"]
+        lines.append(f"memspec / target-only end to end as a fresh process's first request "
+                     f"({cold['prompts']} test prompts x {cold['repeats']}): GMEAN "
+                     f"{_f(m['gmean'])}, worst {_f(m['min'])}; tokens identical: "
+                     f"{cold['identical_tokens']}")
     for label, v, op, bound, ok in checks(r):
         lines.append(f"  [{'ok' if ok else 'MISS'}] {label}: {_f(v, '{:.4f}')} "
                      f"(must be {op} {bound})")

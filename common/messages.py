@@ -162,7 +162,7 @@ class Loaded(Message):
     draft: str
     nbytes: int
     seconds: float
-    checksum: str
+    checksum: str  # sha256 of the data section; "" when it was checked range by range
 
 
 class LoadFailed(Message):

@@ -197,11 +197,13 @@ class SpecGate:
                                and tau.value >= self.NEAR_MISS * self.break_even(draft))
 
 
-def gate_decision(gate: SpecGate, decision):  # noqa: ANN001 - a policies.Decision
+def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: ANN001
     """`decision` (a policies.Decision) as the gate lets it run: unchanged while its draft
     pays, cut to a one-iteration probe (``limit=1``), or the target alone by choice
-    (preferred None: not a fallback). Until a draft has paid in this request, only the
-    draft the gate would look at next is loaded, not the policy's whole working set."""
+    (preferred None: not a fallback). Until a draft has paid in this request nothing is
+    loaded while some draft is `resident` to be probed (a load costs the loader's reads
+    and checks on the decoder's cores, and a draft that has not paid yet rarely pays them
+    back within the request); with none resident, only the draft the gate would look at."""
     run = decision.run
     gate.last = run or decision.preferred
     if decision.wait_for is not None:
@@ -209,8 +211,9 @@ def gate_decision(gate: SpecGate, decision):  # noqa: ANN001 - a policies.Decisi
     verdict = gate.verdict(run) if run is not None else None
     if verdict == "run":
         return decision
-    if not gate.any_paid():
-        decision = replace(decision, actions=_only(decision.actions, decision.preferred))
+    if not gate.any_paid() and gate.costs is not None:
+        keep = None if resident else decision.preferred
+        decision = replace(decision, actions=_only(decision.actions, keep))
     if verdict == "probe":
         return replace(decision, limit=1)
     if verdict == "skip":

@@ -179,6 +179,10 @@ class Controller:
         # told before every interval (and prefill chunk) whether the predictor or the loader
         # is working now: the decoder then leaves them a core, else takes every core
         self.on_helpers: Callable[[bool], None] | None = None
+        # whether a load in flight holds a core: yes at full storage speed; a paced
+        # (edge-emulated) load mostly sleeps, its reads and checks come in ~1 ms bursts,
+        # and a decoder left one core for all of it loses more than those bursts cost
+        self.loads_busy = True
         self._bind_s = 0.0  # binding done so far (kept apart from scheduling time)
 
     # ---- replies from the loader and the predictor, and supervisor notices --------------
@@ -322,7 +326,9 @@ class Controller:
                 self.evict(d)
         self.scores = None
         run = self.running = _Running(job, [] if job.trace else None)
-        if job.policy.uses_predictor:
+        # the prompt is ranked first unless the policy wants no ranking yet (a gate that
+        # probes a resident draft before any load) and a draft is there to be probed
+        if job.policy.uses_predictor and (job.policy.wants_ranking() or not self.table.resident):
             self._snapshot()
             if job.executor is not None or not job.chunks:  # nothing to overlap it with
                 run.t_initial = self._wait_initial_ranking()
@@ -367,7 +373,7 @@ class Controller:
     def helpers_busy(self) -> bool:
         """The predictor is encoding this request's newest snapshot, or a load is in flight
         (the loader reads, checks and copies on the same cores)."""
-        if self.table.loading - self.table.resident:
+        if self.loads_busy and self.table.loading - self.table.resident:
             return True
         run = self.running
         return run is not None and run.rank_seq < run.seq and run.t_sent >= 0 \

@@ -282,6 +282,10 @@ def run(args: argparse.Namespace) -> int:
     service = DecoderService(pool, engine, tokenizer, slots, channels,
                              cold_start=args.cold_start, quarantined=quarantined)
     clock.mark("calibration")
+    service.controller.loads_busy = bandwidth <= 0
+    if not args.cold_start:  # a cold-start run (the paper's measurement) starts empty
+        service.preload(pool.general)
+        clock.mark("preload")
     if args.device == "cpu":
         service.controller.on_helpers = ThreadPlan(*threads)
     proc = DecoderProcess(channels, service)

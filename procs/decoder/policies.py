@@ -262,14 +262,14 @@ class Gated:
         self.inner.observe_iteration(rec)
 
     def decide(self, view: SchedView) -> Decision:
-        return gate_decision(self.gate, self.inner.decide(view))
+        return gate_decision(self.gate, self.inner.decide(view), bool(view.runnable()))
 
     def wants_ranking(self) -> bool:
-        """A closed gate rests the predictor: on a CPU every ranking takes a core from the
-        target (measured: a ranking before each probe cost more than the probe itself); a
-        probe tries the draft chosen last, and a probe that pays reopens the gate and with
-        it the rankings."""
-        return self.inner.wants_ranking() and not self.gate.closed
+        """Rankings only once a draft has paid in this request: until then the gate loads
+        nothing while a resident draft can be probed, so a ranking could change neither
+        residency nor the choice, and on a CPU every ranking takes a core from the target
+        (measured: a ranking before each probe cost more than the probe itself)."""
+        return self.inner.wants_ranking() and (self.gate.costs is None or self.gate.any_paid())
 
 
 class OracleDynamic(TargetOnly):

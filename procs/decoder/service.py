@@ -194,6 +194,13 @@ class EngineSlots:
     def unbind(self, draft: str) -> None:
         self.engine.remove_draft(draft)
 
+    def fill(self, slot: int, draft: str) -> None:
+        """Read `draft` into `slot` in this process and check its bytes as the loader does
+        (start-up only: a request's loads go through the loader)."""
+        f, buf = self.files[draft], self.buffers[slot]
+        buf.fill_from_file(f.layout)
+        f.entry.check_bytes(buf.data[:f.layout.data_size].cpu().numpy(), f"draft '{draft}'")
+
 
 class SessionExecutor:
     """An engine Session as the loop's Executor; `stopped` ends it early (a stop string).
@@ -310,6 +317,7 @@ class DecoderService:
         self.current: _Current | None = None
         self._oracles: OracleIndex | None = None
         self.K = len(slots.buffers)
+        self.slots = slots
         self._plan_prior = plan_costs(pool, {d: f.layout.data_size for d, f in slots.files.items()})
         # oracle-dynamic's beliefs, learnt per policy: no policy learns from another's requests
         self.plan_meters: dict[str, PlanCostMeter] = {}
@@ -326,6 +334,26 @@ class DecoderService:
         except (RuntimeError, ValueError, OSError) as exc:  # an engine that cannot be timed
             LOG.warning(f"no start-up calibration ({exc}); the speculation gate is off")
             return None
+
+    def preload(self, draft: str) -> bool:
+        """Make `draft` resident before the first request (read and checked here, at start):
+        a fresh decoder's first request can then probe it at once instead of paying a load
+        on its own clock, and the gate loads nothing more until a draft pays."""
+        table = self.controller.table
+        if draft not in self.slots.files or table.where(draft) is not None:
+            return False
+        slot = table.begin_load(draft)
+        if slot is None:
+            return False
+        try:
+            self.slots.fill(slot.index, draft)
+            self.slots.bind(slot.index, slot.generation, draft)
+        except MemspecError as exc:
+            table.release(slot)
+            LOG.warning(f"draft '{draft}' not preloaded: {exc}")
+            return False
+        table.complete(slot.index, slot.generation, draft)
+        return True
 
     @property
     def busy(self) -> bool:
