@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import zmq
 
+from memspec.bench.floor import README_PROMPT, generate
 from memspec.common.config import load_pool
 from memspec.common.messages import (
     LOADER_REPLIES,
@@ -236,6 +237,12 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
             inproc.append(statistics.median(a))
             multi.append(statistics.median(b))
             _log(f"prompt {i + 1}/{len(prompts)}: {multi[-1] / inproc[-1]:.3f}")
+        _log("target-only end to end, warm: this server against the in-process engine")
+        to_prompts = [README_PROMPT, *prompts]
+        warm = _target_only_pairs(
+            to_prompts, reps,
+            lambda p: _request(sup, p, "target-only", max_new).stats.tokens_per_s_e2e,
+            lambda p, rt=rt: run_request(rt, p, "target-only", max_new)["stats"]["tokens_per_s_e2e"])
         _log("interference of a busy predictor and loader with decode iterations")
         inter = interference(sup, rt, pool, prompts, max_new)
         del rt
@@ -245,11 +252,42 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
         fill = fill_vs_cold_read(sup, pool.target / "model.safetensors")
     finally:
         sup.shutdown()
+    _log("target-only end to end, fresh processes: `memspec generate` against `--in-process`")
+    cold = _target_only_pairs(
+        to_prompts, reps,
+        lambda p: generate(p, "target-only", max_new, pool_path)["stats"]["tokens_per_s_e2e"],
+        lambda p: generate(p, "target-only", max_new, pool_path,
+                           in_process=True)["stats"]["tokens_per_s_e2e"])
     ratios = [m / i for m, i in zip(multi, inproc)]
     return {"prompts": n_prompts, "max_new_tokens": max_new,
             "in_process_tok_s": inproc, "pipeline_tok_s": multi,
             "pipeline_over_in_process": statistics.geometric_mean(ratios),
+            "target_only_e2e": {"warm": warm, "fresh_process": cold,
+                                "threads": decoder_threads()[0]},
             "ranking": rank, "fill": fill, "interference": inter}
+
+
+def _target_only_pairs(prompts: list[str], reps: int, pipeline, in_process) -> dict[str, Any]:  # noqa: ANN001
+    """target-only end to end through the three processes and in process (every core: the
+    fastest target-only this machine has), interleaved with the order alternating, the
+    median of `reps` per prompt."""
+    pipe, local = [], []
+    for i, p in enumerate(prompts):
+        a, b = [], []
+        for r in range(reps):
+            if (i + r) % 2:
+                b.append(in_process(p))
+                a.append(pipeline(p))
+            else:
+                a.append(pipeline(p))
+                b.append(in_process(p))
+        pipe.append(statistics.median(a))
+        local.append(statistics.median(b))
+        _log(f"target-only {i + 1}/{len(prompts)}: pipeline/in-process {pipe[-1] / local[-1]:.3f}")
+    ratios = [a / b for a, b in zip(pipe, local)]
+    return {"pipeline_tok_s": pipe, "in_process_tok_s": local,
+            "pipeline_over_in_process": {"gmean": statistics.geometric_mean(ratios),
+                                         "min": min(ratios), "per_prompt": ratios}}
 
 
 def main_bench_pipeline(args) -> int:
@@ -258,6 +296,11 @@ def main_bench_pipeline(args) -> int:
           f"(gmean over {res['prompts']} prompts, {res['max_new_tokens']} new tokens)")
     for i, (a, b) in enumerate(zip(res["in_process_tok_s"], res["pipeline_tok_s"])):
         print(f"  prompt {i}: in-process {a:6.1f} tok/s   pipeline {b:6.1f} tok/s   {b / a:.3f}")
+    for k, label in (("warm", "warm server"), ("fresh_process", "fresh process")):
+        t = res["target_only_e2e"][k]["pipeline_over_in_process"]
+        print(f"target-only end to end, pipeline / in-process ({label}, "
+              f"{res['target_only_e2e']['threads']} threads): GMEAN {t['gmean']:.3f}, "
+              f"worst {t['min']:.3f}")
     r = res["ranking"]
     print(f"snapshot->ranking round trip: {r['round_trip_ms']:.1f} ms "
           f"(predictor compute {r['predictor_compute_ms']:.1f} ms)")

@@ -167,7 +167,7 @@ def _stdout_reply(msg: Message) -> None:
         CONSOLE.error(msg.message)
 
 
-def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = True,
+def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = False,
              **kw: Any) -> dict[str, Any]:
     """One request through a private pipeline; returns the `--json` object."""
     check_utf8(prompt, "the prompt")

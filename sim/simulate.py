@@ -297,7 +297,8 @@ def _run(policy_name: str, req: SimRequest, cost: CostModel, cfg: SimConfig, ucb
         return executor
 
     ctl.start(Job(req.prompt_id, "", policy, None, t_start=0.0, trace=trace, prefill=prefill,
-                  chunks=cfg.prefill_chunk > 0))
+                  chunks=cfg.prefill_chunk > 0,
+                  max_new_tokens=cfg.max_new_tokens or req.length))
     while (summary := ctl.step()) is None:
         pass
     assert executor is not None

@@ -163,7 +163,8 @@ def test_gate_never_stands_in_the_way_of_a_draft_that_pays():
     """A paying draft runs as without the gate: only the start differs (the gated request
     probes the resident general draft and asks for its first ranking once that paid)."""
     c = cost()
-    req = SimRequest("p", "x", 40, tables(0.85, seed=3),
+    n = SpecGate.RANK_HORIZON + 200  # long enough for a ranking to be worth asking for
+    req = SimRequest("p", "x", n, tables(0.85, seed=3, length=n),
                      scores=lambda p: {d: 1.0 if d == "code" else 0.1 for d in DRAFTS})
     cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=c.plan_costs())
     on = simulate("memspec", req, c, cfg, resident=["general", "code"])
@@ -172,6 +173,18 @@ def test_gate_never_stands_in_the_way_of_a_draft_that_pays():
     assert sum(r.draft is None for r in on.records) <= 4
     assert [r.draft for r in on.records][:5] == ["general"] * 5
     assert [r.draft for r in on.records][5:] == [r.draft for r in off.records][-len(on.records) + 5:]
+
+
+def test_a_short_request_asks_for_no_ranking():
+    """With fewer tokens to come than a switch needs to pay back (RANK_HORIZON) the gated
+    request runs the resident draft that pays and leaves the predictor alone."""
+    c = cost()
+    req = SimRequest("p", "x", 40, tables(0.85, seed=3),
+                     scores=lambda p: {d: 1.0 if d == "code" else 0.1 for d in DRAFTS})
+    cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=c.plan_costs())
+    on = simulate("memspec", req, c, cfg, resident=["general", "code"])
+    assert {r.draft for r in on.records} == {"general"}
+    assert on.summary()["snapshots"] == 0
 
 
 def test_a_fresh_decoder_gates_a_wrong_draft_within_two_intervals(tiny_dir):

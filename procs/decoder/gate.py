@@ -85,6 +85,13 @@ class SpecGate:
     PROBE_SHARE = 0.02  # the probes' worst-case extra cost, as a share of decode time
     FIRST_LOOK = 2  # single iterations a draft gets, free, before its record decides...
     NEAR_MISS = 0.75  # ... the second only when the first came this close to break-even
+    # A ranking is worth asking for only with this many tokens still to come: what it sets
+    # off (the predictor's encoding with the decoder on one core, the load of the draft it
+    # ranks first, that draft's first look over the context) costs ~6.5 target steps on a
+    # 2-core CPU (measured: 20-30 ms encoding, ~10 ms of loader checks, a 7-15 ms catch-up,
+    # at ~5.5 ms a step), and the pool's domain heads accept ~2% more than the general head
+    # on their own domains (zoo eval: 1.01-1.03x), i.e. save ~0.02 steps a token.
+    RANK_HORIZON = 320
 
     def __init__(self, costs: GateCosts | None) -> None:
         self.costs = costs

@@ -128,6 +128,7 @@ class Job:
     t_start: float  # clock time the request arrived
     trace: bool = False  # keep iteration records and residency events for the summary
     prefill: Callable[[Callable[[], bool] | None], Executor] | None = None
+    max_new_tokens: int = 0  # the request's budget (0: unknown): a ranking's horizon
     chunks: bool = True  # the prefill calls `between` (exact-chunk runners); else it is
     # one piece, and a policy that needs the first ranking waits for it before the prefill
 
@@ -388,6 +389,11 @@ class Controller:
         request's decode time (its next ranking priced as its last)."""
         run = self.running
         assert run is not None
+        horizon = getattr(run.job.policy, "ranking_horizon", 0)
+        if horizon and run.job.max_new_tokens:  # too few tokens left to pay a switch back
+            left = run.job.max_new_tokens - sum(r.emitted for r in ex.stats.records)
+            if left < horizon:
+                return False
         decode = sum(r.duration for r in ex.stats.records)
         return run.encode_s + run.last_encode_s <= PREDICTOR_SHARE * decode
 

@@ -264,6 +264,12 @@ class Gated:
     def decide(self, view: SchedView) -> Decision:
         return gate_decision(self.gate, self.inner.decide(view), bool(view.runnable()))
 
+    @property
+    def ranking_horizon(self) -> int:
+        """Tokens a request must still have ahead for a ranking to be worth asking for
+        (`SpecGate.RANK_HORIZON`; none without the gate's costs)."""
+        return self.gate.RANK_HORIZON if self.gate.costs is not None else 0
+
     def wants_ranking(self) -> bool:
         """Rankings only once a draft has paid in this request: until then the gate loads
         nothing while a resident draft can be probed, so a ranking could change neither

@@ -431,7 +431,7 @@ class DecoderService:
             return out.executor
 
         self.controller.start(Job(req.req_id, ranked, policy, None, t_start,
-                                  trace=req.trace, prefill=prefill,
+                                  trace=req.trace, prefill=prefill, max_new_tokens=max_new,
                                   chunks=self.engine.exact_chunks))
 
     def step(self) -> None:
