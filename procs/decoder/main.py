@@ -283,8 +283,9 @@ def run(args: argparse.Namespace) -> int:
                              cold_start=args.cold_start, quarantined=quarantined)
     clock.mark("calibration")
     service.controller.loads_busy = bandwidth <= 0
+    preloaded = False
     if not args.cold_start:  # a cold-start run (the paper's measurement) starts empty
-        service.preload(pool.general)
+        preloaded = service.preload(pool.general)
         clock.mark("preload")
     if args.device == "cpu":
         service.controller.on_helpers = ThreadPlan(*threads)
@@ -300,8 +301,8 @@ def run(args: argparse.Namespace) -> int:
     log(f"ready: target in {dtype} on {getattr(engine.target, 'isa', 'torch')} kernels "
         f"({threads[0]} threads, {threads[1]} while a helper works), K={k} slots of "
         f"{capacity / 2**20:.1f} MB ({transport}), {clock.total:.2f}s: {clock.line()}")
-    if quarantined:  # found at start: the supervisor shows them in status and logs them
-        channels.push(proc.status())
+    if quarantined or preloaded:  # the supervisor shows them in status and metrics (and
+        channels.push(proc.status())  # logs the quarantined)
 
     def on_signal(signum, frame):  # noqa: ANN001
         proc.stop = True
