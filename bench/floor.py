@@ -151,7 +151,7 @@ def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return mid
 
 
-def _interleaved(rows: list[dict], policies: tuple[str, ...], repeats: int, run_one,
+def interleaved(rows: list[dict], policies: tuple[str, ...], repeats: int, run_one,
                  label: str) -> list[dict[str, Any]]:
     """Every prompt's policies interleaved, the order alternating, `repeats` times; per
     prompt and policy the median repeat (single runs of fresh processes vary by +-15% on a
@@ -167,14 +167,18 @@ def _interleaved(rows: list[dict], policies: tuple[str, ...], repeats: int, run_
         med = {p: _median_row(v) for p, v in got.items()}
         out.append({"id": r["id"], "domain": r["domain"], **med})
         left = (time.perf_counter() - t0) / (i + 1) * (len(rows) - i - 1)
-        pipe = ""
-        if "in-process" in med:
-            ratio = med["target-only"]["e2e_tok_s"] / med["in-process"]["e2e_tok_s"]
-            pipe = f", pipeline/in-process {ratio:.3f}"
-        _log(f"{label} {i + 1}/{len(rows)}: memspec/target-only "
-             f"{med['memspec']['e2e_tok_s'] / med['target-only']['e2e_tok_s']:.3f}"
-             f"{pipe} (~{left / 60:.0f} min left)")
+        shown = [f"{name} {med[a]['e2e_tok_s'] / med[b]['e2e_tok_s']:.3f}"
+                 for name, a, b in (("memspec/target-only", "memspec", "target-only"),
+                                    ("pipeline/in-process", "target-only", "in-process"))
+                 if a in med and b in med]
+        _log(f"{label} {i + 1}/{len(rows)}: {', '.join(shown)} (~{left / 60:.0f} min left)")
     return out
+
+
+def ratio_summary(runs: list[dict[str, Any]], a: str, b: str) -> dict[str, Any]:
+    """Per prompt `a` over `b` end to end, their geometric mean and the worst prompt."""
+    ratios = [r[a]["e2e_tok_s"] / r[b]["e2e_tok_s"] for r in runs if r[b]["e2e_tok_s"] > 0]
+    return {"gmean": gmean(ratios), "min": min(ratios, default=0.0), "per_prompt": ratios}
 
 
 def first_requests(rows: list[dict], pool: str | None, max_new: int, repeats: int = 1
@@ -182,15 +186,11 @@ def first_requests(rows: list[dict], pool: str | None, max_new: int, repeats: in
     """memspec and target-only each as a fresh process's first request (`memspec generate
     --json`, policies interleaved per prompt): what a user who starts memspec for one
     prompt gets, beside the warm figures of `memspec bench`'s real runs."""
-    runs = _interleaved(rows, ("target-only", "memspec"), repeats,
+    runs = interleaved(rows, ("target-only", "memspec"), repeats,
                         lambda prompt, policy: generate(prompt, policy, max_new, pool),
                         "first request")
-    ratios = [r["memspec"]["e2e_tok_s"] / r["target-only"]["e2e_tok_s"] for r in runs
-              if r["target-only"]["e2e_tok_s"] > 0]
     return {"prompts": len(runs), "repeats": repeats,
-            "memspec_over_target_only_e2e": {"gmean": gmean(ratios),
-                                             "min": min(ratios, default=0.0),
-                                             "per_prompt": ratios},
+            "memspec_over_target_only_e2e": ratio_summary(runs, "memspec", "target-only"),
             "memspec_e2e_tok_s": [r["memspec"]["e2e_tok_s"] for r in runs],
             "target_only_e2e_tok_s": [r["target-only"]["e2e_tok_s"] for r in runs],
             "identical_tokens": all(r["memspec"]["ids"] == r["target-only"]["ids"]
@@ -209,7 +209,7 @@ def run(pool: str | None, per_domain: int, max_new: int, repeats: int = 2,
             return generate(prompt, "target-only", max_new, pool, True)
         return generate(prompt, policy, max_new, pool)
 
-    cold = _interleaved(rows, (*COLD, "in-process"), repeats, cold_one, "cold")
+    cold = interleaved(rows, (*COLD, "in-process"), repeats, cold_one, "cold")
     out: dict[str, Any] = {"machine": machine_line(), "machine_info": machine_info(),
                            "max_new_tokens": max_new, "prompts": len(rows),
                            "repeats": repeats, "cold": cold, "cold_summary": summarise(cold)}
@@ -244,7 +244,7 @@ def run_warm(rows: list[dict], pool: str | None, max_new: int, repeats: int
                     return run_request(local, prompt, "target-only", max_new, SamplingParams())
                 return servers[policy].generate(prompt, max_new)
 
-            return _interleaved(rows, (*COLD, "in-process"), repeats, warm_one, "warm")
+            return interleaved(rows, (*COLD, "in-process"), repeats, warm_one, "warm")
         finally:
             for s in servers.values():
                 s.stop()

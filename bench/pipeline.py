@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import zmq
 
-from memspec.bench.floor import README_PROMPT, generate
+from memspec.bench.floor import README_PROMPT, generate, interleaved, ratio_summary
 from memspec.common.config import load_pool
 from memspec.common.messages import (
     LOADER_REPLIES,
@@ -38,6 +38,7 @@ from memspec.common.messages import (
     Snapshot,
     Submit,
 )
+from memspec.common.metrics import as_json
 from memspec.common.safetensors_layout import read_layout
 from memspec.common.slotmem import SlotMemory, choose_transport, new_run_token, shm_name
 from memspec.common.sockets import configure, recv, send
@@ -241,8 +242,8 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
         to_prompts = [README_PROMPT, *prompts]
         warm = _target_only_pairs(
             to_prompts, reps,
-            lambda p: _request(sup, p, "target-only", max_new).stats.tokens_per_s_e2e,
-            lambda p, rt=rt: run_request(rt, p, "target-only", max_new)["stats"]["tokens_per_s_e2e"])
+            lambda p: _as_json(_request(sup, p, "target-only", max_new)),
+            lambda p, rt=rt: run_request(rt, p, "target-only", max_new), "warm")
         _log("interference of a busy predictor and loader with decode iterations")
         inter = interference(sup, rt, pool, prompts, max_new)
         del rt
@@ -254,10 +255,8 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
         sup.shutdown()
     _log("target-only end to end, fresh processes: `memspec generate` against `--in-process`")
     cold = _target_only_pairs(
-        to_prompts, reps,
-        lambda p: generate(p, "target-only", max_new, pool_path)["stats"]["tokens_per_s_e2e"],
-        lambda p: generate(p, "target-only", max_new, pool_path,
-                           in_process=True)["stats"]["tokens_per_s_e2e"])
+        to_prompts, reps, lambda p: generate(p, "target-only", max_new, pool_path),
+        lambda p: generate(p, "target-only", max_new, pool_path, in_process=True), "fresh")
     ratios = [m / i for m, i in zip(multi, inproc)]
     return {"prompts": n_prompts, "max_new_tokens": max_new,
             "in_process_tok_s": inproc, "pipeline_tok_s": multi,
@@ -267,27 +266,22 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
             "ranking": rank, "fill": fill, "interference": inter}
 
 
-def _target_only_pairs(prompts: list[str], reps: int, pipeline, in_process) -> dict[str, Any]:  # noqa: ANN001
+def _as_json(done: Done) -> dict[str, Any]:
+    return {"token_ids": done.token_ids, "stats": as_json(done.stats)}
+
+
+def _target_only_pairs(prompts: list[str], reps: int, pipeline, in_process,  # noqa: ANN001
+                       label: str) -> dict[str, Any]:
     """target-only end to end through the three processes and in process (every core: the
-    fastest target-only this machine has), interleaved with the order alternating, the
-    median of `reps` per prompt."""
-    pipe, local = [], []
-    for i, p in enumerate(prompts):
-        a, b = [], []
-        for r in range(reps):
-            if (i + r) % 2:
-                b.append(in_process(p))
-                a.append(pipeline(p))
-            else:
-                a.append(pipeline(p))
-                b.append(in_process(p))
-        pipe.append(statistics.median(a))
-        local.append(statistics.median(b))
-        _log(f"target-only {i + 1}/{len(prompts)}: pipeline/in-process {pipe[-1] / local[-1]:.3f}")
-    ratios = [a / b for a, b in zip(pipe, local)]
-    return {"pipeline_tok_s": pipe, "in_process_tok_s": local,
-            "pipeline_over_in_process": {"gmean": statistics.geometric_mean(ratios),
-                                         "min": min(ratios), "per_prompt": ratios}}
+    fastest target-only this machine has), interleaved as `bench floor` does; `pipeline` and
+    `in_process` answer a prompt with a `generate --json` object."""
+    rows = [{"id": f"p{i}", "domain": "", "prompt": p} for i, p in enumerate(prompts)]
+    runs = interleaved(rows, ("target-only", "in-process"), reps,
+                        lambda p, policy: pipeline(p) if policy == "target-only"
+                        else in_process(p), label)
+    return {"pipeline_tok_s": [r["target-only"]["e2e_tok_s"] for r in runs],
+            "in_process_tok_s": [r["in-process"]["e2e_tok_s"] for r in runs],
+            "pipeline_over_in_process": ratio_summary(runs, "target-only", "in-process")}
 
 
 def main_bench_pipeline(args) -> int:

@@ -35,9 +35,7 @@ def measure(engine: Any, tokenizer: Any, pool: Any, slot: SlotBuffer,
     quarantined), bound from checked bytes in `slot`."""
     spec = unit_draft(pool, files)
     layout = files[spec.name].layout
-    slot.fill_from_file(layout)
-    files[spec.name].entry.check_bytes(slot.data[:layout.data_size].numpy(),
-                                       f"draft '{spec.name}'")  # it runs checked bytes only
+    files[spec.name].fill(slot, spec.name)  # it runs checked bytes only
     engine.add_draft(bind_draft(spec.name, spec.path, slot, layout, target_vocab=engine.vocab,
                                 parts=engine.target_parts))
     ids = encode_prompt(tokenizer, PROMPT)

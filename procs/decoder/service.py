@@ -92,6 +92,12 @@ class DraftFile:
     layout: Layout
     entry: WeightsEntry  # header and tensor ranges: what the loader checks while copying
 
+    def fill(self, buf: SlotBuffer, name: str) -> None:
+        """Read the data section into `buf` in this process and check its bytes as the
+        loader does (start-up only: a request's loads go through the loader)."""
+        buf.fill_from_file(self.layout)
+        self.entry.check_bytes(buf.data[:self.layout.data_size].cpu().numpy(), f"draft '{name}'")
+
 
 def open_drafts(pool: PoolConfig, target_vocab: int
                 ) -> tuple[dict[str, DraftFile], dict[str, str]]:
@@ -193,13 +199,6 @@ class EngineSlots:
 
     def unbind(self, draft: str) -> None:
         self.engine.remove_draft(draft)
-
-    def fill(self, slot: int, draft: str) -> None:
-        """Read `draft` into `slot` in this process and check its bytes as the loader does
-        (start-up only: a request's loads go through the loader)."""
-        f, buf = self.files[draft], self.buffers[slot]
-        buf.fill_from_file(f.layout)
-        f.entry.check_bytes(buf.data[:f.layout.data_size].cpu().numpy(), f"draft '{draft}'")
 
 
 class SessionExecutor:
@@ -346,7 +345,7 @@ class DecoderService:
         if slot is None:
             return False
         try:
-            self.slots.fill(slot.index, draft)
+            self.slots.files[draft].fill(self.slots.buffers[slot.index], draft)
             self.slots.bind(slot.index, slot.generation, draft)
         except MemspecError as exc:
             table.release(slot)
