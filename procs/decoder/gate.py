@@ -14,10 +14,11 @@ Every iteration of the request refines them (measured over predicted, per draft 
 target); nothing is learnt from other requests or other policies.
 
 What the gate does not know yet it probes with single iterations: the first look at a draft
-is one or two iterations, not an interval, and a closed gate probes again only while the
-probes' worst-case extra cost (a probe that accepts nothing still emits the token a target
-step would) stays under ``PROBE_SHARE`` of the request's decode time so far. A closed gate asks
-for no rankings (the predictor rests), and until a draft has paid only the draft the gate
+is up to FIRST_LOOK iterations while its record stays near break-even, not an interval; a
+draft let run stops at the first iteration after which it no longer pays (not at the end
+of its interval); and a closed gate probes again only while the probes' worst-case extra
+cost (a probe that accepts nothing still emits the token a target step would) stays under
+``PROBE_SHARE`` of the request's decode time so far. A closed gate asks for no rankings (the predictor rests), and until a draft has paid only the draft the gate
 would look at is loaded, not the policy's whole working set.
 
 Pure logic, shared by the decoder's loop and the replay simulator.
@@ -25,6 +26,8 @@ Pure logic, shared by the decoder's loop and the replay simulator.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -79,12 +82,43 @@ class _Estimate:
         self.value += w * (x - self.value)
 
 
+class _RecentMedian:
+    """A cost: the median of the last few timings (and the calibration's, while there are
+    few). Other work on the machine makes single iterations many times slower (measured:
+    0.5 s for a 10 ms iteration beside a second pipeline); a median ignores such outliers
+    where a mean would let one of them flip the gate's arithmetic."""
+
+    WINDOW = 9
+
+    def __init__(self, prior: float | None = None) -> None:
+        self.prior, self.n = prior, 0
+        self.recent: deque[float] = deque(maxlen=self.WINDOW)
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.recent.append(x)
+
+    @property
+    def value(self) -> float:
+        xs = list(self.recent)
+        if self.prior is not None and len(xs) < 3:
+            xs.append(self.prior)
+        return statistics.median(xs) if xs else 0.0
+
+
 class SpecGate:
-    ALPHA = 0.2  # tokens per iteration: weight of one iteration once warmed up
-    COST_ALPHA = 0.3  # measured iteration costs: weight of one iteration
+    # ALPHA .. STOP_INSIDE: chosen on dev by `memspec bench gate` (docs/gate_sweep.json):
+    # over iterations that cost 1.7-3.1 target steps, the setting that gains the most while
+    # no iteration cost's geometric mean falls below 0.975 and no prompt below 0.92 (a
+    # one-iteration look closed the gate on drafts that pay on average: acceptance swings
+    # 0-4 from one iteration to the next)
+    ALPHA = 0.1  # tokens per iteration: weight of one iteration once warmed up
     PROBE_SHARE = 0.02  # the probes' worst-case extra cost, as a share of decode time
-    FIRST_LOOK = 2  # single iterations a draft gets, free, before its record decides...
-    NEAR_MISS = 0.75  # ... the second only when the first came this close to break-even
+    FIRST_LOOK = 4  # single iterations a draft gets, free, before its record decides...
+    NEAR_MISS = 0.5  # ... each after the first while its record is this close to break-even
+    STOP_INSIDE = 10**6  # a running draft whose record has fewer iterations than this
+    # stops at the first iteration after which it no longer pays, not at its interval's end
+    # (the sweep weighed 0, 8 and always: always)
     # A ranking is worth asking for only with this many tokens still to come: what it sets
     # off (the predictor's encoding with the decoder on one core, the load of the draft it
     # ranks first, that draft's first look over the context) costs ~6.5 target steps on a
@@ -100,9 +134,9 @@ class SpecGate:
     def reset(self) -> None:
         """A new request: nothing of the last one carries over (costs are re-refined)."""
         self.tau: dict[str, _Estimate] = {}
-        self.spec_a: dict[str, _Estimate] = {}  # intercepts refined from this request
-        self.target_a: _Estimate | None = None
-        self.verify_ratio: _Estimate | None = None  # measured over calibrated verifies
+        self.spec_a: dict[str, _RecentMedian] = {}  # intercepts refined from this request
+        self.target_a: _RecentMedian | None = None
+        self.verify_ratio: _RecentMedian | None = None  # measured over calibrated verifies
         self.context = 0
         self.elapsed = 0.0  # decode seconds of this request's iterations
         self.probe_cost = 0.0  # worst-case extra seconds of the probes so far
@@ -121,7 +155,7 @@ class SpecGate:
         if rec.draft is None:
             a, b = self.costs.target
             if self.target_a is None:
-                self.target_a = _Estimate(self.COST_ALPHA, a)
+                self.target_a = _RecentMedian(a)
             self.target_a.add(rec.duration - b * rec.context)
             return
         tau = self.tau.get(rec.draft)
@@ -131,12 +165,12 @@ class SpecGate:
             self.probes += 1
             self.probing = False
         a, b = self.costs.spec_line(rec.draft)
-        est = self.spec_a.setdefault(rec.draft, _Estimate(self.COST_ALPHA, a))
+        est = self.spec_a.setdefault(rec.draft, _RecentMedian(a))
         est.add(rec.duration - rec.t_catchup - b * rec.context)
         verify = self.costs.verify
         if verify is not None and rec.t_verify > 0 and rec.proposed == self.costs.gamma:
             if self.verify_ratio is None:  # this machine now against the calibration:
-                self.verify_ratio = _Estimate(self.COST_ALPHA)  # scales the target's
+                self.verify_ratio = _RecentMedian()  # scales the target's
             self.verify_ratio.add(rec.t_verify / (verify[0] + verify[1] * rec.context))
         if tau is None:  # no prior: the draft's own iterations decide, from the first
             tau = self.tau[rec.draft] = _Estimate(self.ALPHA)
@@ -162,16 +196,16 @@ class SpecGate:
 
     def break_even(self, draft: str) -> float:
         """Tokens per iteration at which `draft` and the target alone decode equally fast."""
-        t = self.target_s(self.context)
-        return self.spec_s(draft, self.context) / t if t > 0 else 1.0
+        t = self.target_s(self.context)  # an iteration emits at least the token a step
+        return max(1.0, self.spec_s(draft, self.context) / t) if t > 0 else 1.0  # would
 
     def any_paid(self) -> bool:
         """Some draft's record in this request pays (its working set is worth loading)."""
         return any(self.pays(d) for d in self.tau)
 
     def pays(self, draft: str) -> bool:
-        tau = self.tau.get(draft)
-        return tau is not None and tau.value >= self.break_even(draft)
+        tau = self.tau.get(draft)  # a draft that accepts nothing pays on no machine
+        return tau is not None and tau.value > 1.0 and tau.value >= self.break_even(draft)
 
     # ---- the choice ---------------------------------------------------------------------
     def verdict(self, draft: str) -> Verdict:
@@ -186,13 +220,26 @@ class SpecGate:
         self.closed = not self.probing
         return "probe" if self.probing else "skip"
 
+    def keeps(self, draft: str) -> bool:
+        """Inside an interval the gate let `draft` run: go on only while it pays."""
+        tau = self.tau.get(draft)
+        young = tau is not None and tau.n < self.STOP_INSIDE
+        return self.costs is None or not young or self.pays(draft)
+
     def _probe_extra(self, draft: str) -> float:
-        return max(0.0, self.spec_s(draft, self.context) - self.target_s(self.context))
+        """What a probe costs over a target step: as measured in this request, and never
+        below the calibration's (the fastest timings: other work only adds), so that noisy
+        timings never make probes look free."""
+        assert self.costs is not None
+        c = self.context
+        a, b = self.costs.spec_line(draft)
+        calibrated = a + b * c - self.costs.target_s(c)
+        return max(0.0, calibrated, self.spec_s(draft, c) - self.target_s(c))
 
     def _may_probe(self, draft: str) -> bool:
-        """The first look at a draft is free: one iteration, and a second one after a near
-        miss (nothing is known yet, and it is what lets a draft in at all). Later probes
-        stay within PROBE_SHARE of the decode time so far."""
+        """The first look at a draft is free: up to FIRST_LOOK iterations while its record
+        stays within NEAR_MISS of break-even (nothing is known yet, and it is what lets a
+        draft in at all). Later probes stay within PROBE_SHARE of the decode time so far."""
         if self._free_look(draft):
             return True
         extra = self._probe_extra(draft)
@@ -200,8 +247,11 @@ class SpecGate:
 
     def _free_look(self, draft: str) -> bool:
         tau = self.tau.get(draft)
-        return tau is None or (tau.n < self.FIRST_LOOK
-                               and tau.value >= self.NEAR_MISS * self.break_even(draft))
+        if tau is None:
+            return True
+        if tau.n >= self.FIRST_LOOK or (tau.n >= 2 and tau.value <= 1.0):
+            return False  # looked enough; or two looks without one token: pays nowhere
+        return tau.value >= self.NEAR_MISS * self.break_even(draft)
 
 
 def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: ANN001

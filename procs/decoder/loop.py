@@ -432,6 +432,8 @@ class Controller:
             run.iteration += 1
             if ex.done:
                 break
+            if draft is not None and not job.policy.keeps(draft):
+                draft, desired = None, True  # the target alone by choice, not a fallback
         run.active = draft
         if not ex.done:
             self.channels.heartbeat("busy")

@@ -87,6 +87,9 @@ class Policy(Protocol):
     def wants_ranking(self) -> bool:
         """(Policies that use the predictor) send a snapshot after this interval?"""
 
+    def keeps(self, draft: str) -> bool:
+        """Go on running `draft` for the rest of this interval (after its last iteration)?"""
+
 
 # An oracle plan sees the view and names the draft to run (oracle-static) or decides the
 # interval outright, loads included (oracle-dynamic; None: nothing left to plan).
@@ -147,6 +150,9 @@ class TargetOnly:
 
     def decide(self, view: SchedView) -> Decision:
         return Decision(None, None, NO_ACTIONS)
+
+    def keeps(self, draft: str) -> bool:
+        return True
 
     def wants_ranking(self) -> bool:
         return self.uses_predictor
@@ -264,6 +270,12 @@ class Gated:
     def decide(self, view: SchedView) -> Decision:
         return gate_decision(self.gate, self.inner.decide(view), bool(view.runnable()))
 
+    def keeps(self, draft: str) -> bool:
+        """A draft the gate let run stops at the first iteration after which its record no
+        longer pays: the rest of the interval runs the target alone (an interval of N
+        iterations of a draft that accepts nothing cost ~N target steps on a CPU)."""
+        return self.gate.keeps(draft) and self.inner.keeps(draft)
+
     @property
     def ranking_horizon(self) -> int:
         """Tokens a request must still have ahead for a ranking to be worth asking for
@@ -325,6 +337,9 @@ class _Ucb:
 
     def wants_ranking(self) -> bool:
         return False
+
+    def keeps(self, draft: str) -> bool:
+        return True
 
     def observe_iteration(self, rec: IterationRecord) -> None:
         self.observe(rec.draft, rec.proposed, rec.accepted)
