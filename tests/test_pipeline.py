@@ -39,6 +39,7 @@ from memspec.common.messages import (
 from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT
 from memspec.common.sockets import configure, send
 from memspec.launch.supervisor import Supervisor
+from memspec.procs.decoder.service import STREAM_EVERY_S
 from memspec.zoo.prompts import load_prompts
 
 pytestmark = pytest.mark.slow
@@ -134,13 +135,23 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
 
 
 def test_streamed_text_adds_up_to_the_final_text(sup, reference):
-    """Tokens carry text pieces from incremental detokenisation: together the full text."""
+    """Tokens carry text pieces from incremental detokenisation: together the full text;
+    the first tokens go out at once, later ones at most every STREAM_EVERY_S (each message
+    wakes the supervisor and the client on the decoder's cores)."""
     for d, prompt in first_prompts().items():
         pieces: list[Tokens] = []
         done = run(sup, prompt, "general-static", on_token=pieces.append)
         assert isinstance(done, Done), done
         assert [t for p in pieces for t in p.ids] == done.token_ids == reference[d]
         assert "".join(p.text for p in pieces) == done.text
+        assert len(pieces[0].ids) <= 5  # the first iteration's tokens, not a batch
+    pieces = []
+    done = run(sup, prompt, "target-only", on_token=pieces.append, max_new_tokens=160)
+    assert isinstance(done, Done) and len(done.token_ids) > 100, done
+    paced = 2 + done.stats.time.decode / STREAM_EVERY_S
+    assert len(pieces) <= paced, (len(pieces), paced)
+    if paced < len(done.token_ids) / 4:  # intervals of 4 steps under 50 ms: fewer messages
+        assert len(pieces) < len(done.token_ids) / 4  # than one per interval
     pids = {n: p.pid for n, p in sup.procs.items()}
     assert all(p.state == "ready" for p in sup.procs.values()) and all(pids.values())
 
