@@ -177,8 +177,10 @@ def _background(endpoints: dict[str, str], draft: str, prompt: str, T: int, inte
 
 def interference(sup: Supervisor, rt, pool, prompts: list[str], max_new: int
                  ) -> dict[str, Any]:
-    """Median SD iteration time (general-static, in this process with the decoder's thread
-    count) with the predictor and loader busy over the same with them idle."""
+    """Median SD iteration time (general-static, in this process) with the predictor and
+    loader busy over the same with them idle, each on the thread count the decoder's loop
+    uses then (every core while the helpers rest, one fewer while one works: on all cores
+    a busy helper stalls every kernel's barrier, ~4x on 2 cores)."""
     import multiprocessing as mp
 
     name = pool.general
@@ -203,10 +205,12 @@ def interference(sup: Supervisor, rt, pool, prompts: list[str], max_new: int
         for i, p in enumerate(prompts):
             for state in ((False, True) if i % 2 == 0 else (True, False)):
                 (on.set if state else on.clear)()
+                torch.set_num_threads(decoder_threads()[1 if state else 0])
                 time.sleep(0.2)
                 (busy if state else quiet).append(statistics.median(iterations(p)))
             _log(f"interference {i + 1}/{len(prompts)}: {busy[-1] / quiet[-1]:.3f}")
     finally:
+        torch.set_num_threads(decoder_threads()[0])
         stop.set()
         on.set()
         bg.join(10)
