@@ -15,7 +15,6 @@ other one tried (fp32 is the eager HF path the engine had before static caches):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from memspec.bench.plotting import save_outputs
 from memspec.common.config import PoolConfig, check_paths, load_pool
 from memspec.common.machine import machine_info, machine_line
 from memspec.procs.decoder.acceptance import SamplingParams
@@ -372,8 +372,5 @@ def main_bench_engine(args) -> int:
     dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else None
     res = run(args.pool, args.prompts, args.max_new_tokens, dtypes, getattr(args, "target", None))
     _print(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.plots:
-        print(f"plot: {_plot(res, Path(args.plots))}")
+    save_outputs(res, args, _plot, indent=2)
     return 0

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memspec.bench.plotting import save_outputs
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
 from memspec.zoo.prompts import load_prompts
@@ -336,8 +337,5 @@ def main_bench_floor(args) -> int:
     res = run(args.pool, args.per_domain, args.max_new_tokens, repeats=max(1, args.repeats),
               warm=not args.no_warm)
     _print(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    if args.plots:
-        print(f"plot: {_plot(res, Path(args.plots))}")
+    save_outputs(res, args, _plot)
     return 0

@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from memspec.bench.plotting import save_outputs
 from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError
 from memspec.procs.decoder.gate import SpecGate
@@ -181,8 +182,5 @@ def main_bench_gate(args) -> int:  # noqa: ANN001
     res.update(prompts=len(reqs), max_new_tokens=args.max_new_tokens,
                cost_model=args.cost_model, split="dev")
     _print(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    if args.plots:
-        print(f"plot: {_plot(res, Path(args.plots))}")
+    save_outputs(res, args, _plot)
     return 0

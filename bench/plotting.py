@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from memspec.common.errors import MemspecError
@@ -21,3 +24,12 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_outputs(res: dict[str, Any], args: Any, plot: Callable[[dict[str, Any], Path], Path],
+                 indent: int = 1) -> None:
+    """A bench command's `--json` file and `--plots` folder, when asked for."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=indent))
+    if args.plots:
+        print(f"plot: {plot(res, Path(args.plots))}")

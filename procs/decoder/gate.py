@@ -68,18 +68,15 @@ class GateCosts:
 
 
 class _Estimate:
-    """A running mean (after a prior counted as one sample, if any) that turns into an EMA
-    after a few samples: the first iterations decide quickly, later ones track a changing
-    text."""
+    """Tokens per iteration: a running mean that turns into an EMA after 1/alpha samples:
+    the first iterations decide quickly, later ones track a changing text."""
 
-    def __init__(self, alpha: float, prior: float | None = None) -> None:
-        self.alpha, self.n = alpha, 0
-        self.value, self._weight = (0.0, 0) if prior is None else (prior, 1)
+    def __init__(self, alpha: float) -> None:
+        self.alpha, self.n, self.value = alpha, 0, 0.0
 
     def add(self, x: float) -> None:
         self.n += 1
-        w = max(self.alpha, 1.0 / (self.n + self._weight))
-        self.value += w * (x - self.value)
+        self.value += max(self.alpha, 1.0 / self.n) * (x - self.value)
 
 
 class _RecentMedian:
