@@ -1,7 +1,7 @@
 """`memspec bench`: real three-process runs are the headline; the simulator sits beside them.
 
 1. A cost model measured on the real runtime (traced calibration requests, train prompts).
-2. UCB's c for the MAB baselines swept on **dev** ({0.1, 0.5, 1, 2, 3}, the paper's grid);
+2. UCB's c for the MAB baselines swept on **dev** (`bench tune`'s grid, 0.001-3, which brackets it);
    nothing is tuned on test.
 3. The replay simulator (the decoder's own loop, policies and cache manager over the
    engine's acceptance tables, priced by the cost model) runs every policy on the test
@@ -9,11 +9,17 @@
    (the relaxed bound), oracle checks (oracle-dynamic >= oracle-static and >= every online
    policy, per domain), time breakdowns, time to the first draft token, sweeps.
 4. Real runs through the three processes on a subset of test and of mixed, policies
-   interleaved per prompt, several repeats, target-only always beside: GMEAN of per-prompt
-   ratios with a bootstrap 95% interval for each headline ratio, and the simulator's value
-   of the same statistic on the same prompts next to it (`sim_vs_real`).
+   interleaved per prompt, several repeats, target-only always beside, every drafting
+   baseline with the speculation gate and (general-static, mab-async, memspec) without
+   it, and lookup-only: GMEAN of per-prompt ratios, end to end (the headline: request
+   start to last token, prefill and binds included) and steady, each with a bootstrap 95%
+   interval; each policy's wall time split into parts that add up to it; the simulator's
+   value of the steady statistic on the same prompts next to it (`sim_vs_real`).
 5. The predictor's Table 2 (trained on train + dev, measured on test and mixed) from the
-   head's sidecar, beside the prompt's-domain rule and the majority rule.
+   sidecar of the head the pool ranks with, beside the prompt's-domain rule and the
+   majority rule.
+
+The result records the commit it was measured on and whether the tree was clean.
 
 `render` rewrites docs/RESULTS.md, the plots and the README's figures from a bench JSON
 alone (`memspec bench --from-json docs/bench.json ...`).
@@ -21,6 +27,7 @@ alone (`memspec bench --from-json docs/bench.json ...`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
@@ -33,16 +40,26 @@ from typing import Any
 
 from memspec.bench.calibrate import calibrate
 from memspec.bench.figures import draw_all
-from memspec.bench.realruns import RealResult, interleaved, pinned_pool, run_real
+from memspec.bench.provenance import provenance
+from memspec.bench.realruns import (
+    RealResult,
+    interleaved,
+    pinned_pool,
+    run_fingerprint,
+    run_real,
+    variant,
+)
 from memspec.bench.report import summary_text, write_readme, write_results
 from memspec.bench.stats import HEADLINE, Runs, headline_ratios
+from memspec.bench.tune import UCB_C as TUNE_UCB_C
 from memspec.common.config import PoolConfig, load_pool
-from memspec.common.errors import ConfigError
+from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.machine import machine_info
 from memspec.common.metrics import RunStats, Summary, gmean
-from memspec.common.paths import memspec_home
+from memspec.common.paths import PACKAGE_ROOT, memspec_home
 from memspec.procs.decoder.replay import oracle_dynamic, oracle_static, pooled, replay_static
-from memspec.procs.predictor.head import default_head_path, read_info
+from memspec.procs.predictor.head import read_info
+from memspec.procs.predictor.ranker import head_path_for
 from memspec.sim.costmodel import CostModel
 from memspec.sim.optimum import optimum
 from memspec.sim.scores import position_scores
@@ -62,15 +79,25 @@ from memspec.zoo.trace import prompt_set
 POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only",
             "memspec", "oracle-dynamic")
 SIM_POLICIES = ("target-only", *POLICIES)
-REAL_POLICIES = ("target-only", "general-static", "oracle-static", "mab-async",
-                 "prediction-only", "memspec", "oracle-dynamic")
+# bench variants (bench/realruns.py `variant`): a drafting policy's own name runs gated,
+# `-ungated` without the gate
+REAL_POLICIES = ("target-only", "lookup-only", "general-static", "general-static-ungated",
+                 "oracle-static", "mab-async", "mab-async-ungated", "prediction-only",
+                 "memspec", "memspec-ungated", "oracle-dynamic")
 ONLINE = ("general-static", "mab-sync", "mab-async", "prediction-only", "memspec")
-UCB_C = (0.1, 0.5, 1.0, 2.0, 3.0)
+# real variants that oracle-dynamic must not trail (the baselines that plan no oracle)
+NOT_ONLINE = ("target-only", "oracle-static", "oracle-dynamic")
+NOT_SIMULATED = {"lookup-only": "real runs only: the simulator has no acceptance table of "
+                                "the context lookup alone (sim/simulate.py refuses it)"}
+UCB_C = TUNE_UCB_C  # `bench tune`'s grid: it brackets the optimum on dev
 SWEEP_N = (2, 4, 8, 16)
 SWEEP_LEN = (64, 128, 256)
 SWEEP_K = (2, 3, 4)
 SWEEP_RATIO = (1.0, 2.7, 5.0, 10.0)
-TIME_KEYS = ("desired", "fallback", "target_fallback", "load_wait", "prediction", "catchup")
+# the wall clock of a request, in parts that add up to it (`wall_split`)
+SPLIT = ("pre", "prefill", "draft", "catchup", "verify", "target_gated", "target_fallback",
+         "load_wait", "bind", "prediction", "sched", "other")
+SPLIT_GAP = 0.02  # the measured parts must explain the wall time of every run to this
 EVAL_SETS = ("test", "mixed")
 
 
@@ -175,9 +202,37 @@ def split_info(sizes: Sizes | None = None) -> dict[str, Any]:
 # --------------------------------------------------------------------------- aggregation
 
 
+def _summary(s: RunStats | Summary) -> Summary:
+    return s.report() if isinstance(s, RunStats) else s
+
+
+def wall_split(s: Summary) -> dict[str, float]:
+    """Seconds of one request's wall clock per part (SPLIT). A target step runs no draft
+    and times only its verify, so `verify` here is the target's share of drafted
+    iterations, and the target alone is split by why it ran: by choice (`target_gated`:
+    target-only, a closed gate) or as fallback (nothing preferred resident)."""
+    t = s.time
+    return {"pre": t.pre, "prefill": t.prefill, "draft": t.draft, "catchup": t.catchup,
+            "verify": t.verify - t.target_alone - t.target_fallback,
+            "target_gated": t.target_alone, "target_fallback": t.target_fallback,
+            "load_wait": t.load_wait, "bind": t.bind, "prediction": t.prediction,
+            "sched": t.sched, "other": t.other}
+
+
+def parts_gap(s: Summary) -> float | None:
+    """|wall time - its measured parts| / wall time (None: no wall time). `other` is left
+    out: the runtime books it as the remainder, so counting it would close any sum."""
+    split, e2e = wall_split(s), s.time.e2e
+    if e2e <= 0:
+        return None
+    return abs(e2e - sum(v for k, v in split.items() if k != "other")) / e2e
+
+
 def aggregate(stats: Sequence[RunStats | Summary]) -> dict[str, Any]:
-    """Pooled tokens/s (total tokens over total time) and the time breakdown fractions."""
-    sums = [s.report() if isinstance(s, RunStats) else s for s in stats]
+    """Pooled tokens/s (total tokens over total time), the wall-time split as shares of
+    the wall time (`{part}_frac`) with how well its parts add up, and issue #10's shares
+    of decode time (`*_of_decode`)."""
+    sums = [_summary(s) for s in stats]
     tokens = sum(s.generated_tokens for s in sums)
     decode = sum(s.time.decode for s in sums)
     e2e = sum(s.time.e2e for s in sums)
@@ -187,19 +242,33 @@ def aggregate(stats: Sequence[RunStats | Summary]) -> dict[str, Any]:
            "steady": tokens / decode if decode else 0.0, "e2e": tokens / e2e if e2e else 0.0,
            "mean_acceptance_length": 1 + acc / drafts if drafts else 1.0,
            "loads": sum(s.loads for s in sums), "runs": len(sums)}
-    for k in TIME_KEYS:
-        out[f"{k}_frac"] = sum(getattr(s.time, k) for s in sums) / decode if decode else 0.0
+    parts = [wall_split(s) for s in sums]
+    for k in SPLIT:
+        out[f"{k}_frac"] = sum(w[k] for w in parts) / e2e if e2e else 0.0
+    # a non-preferred draft ran (inside draft, catch-up and verify above: another view)
+    out["fallback_resident_frac"] = sum(s.time.fallback for s in sums) / e2e if e2e else 0.0
+    fallback = sum(s.time.fallback + s.time.target_fallback for s in sums)
+    out["fallback_of_decode"] = fallback / decode if decode else 0.0
+    out["prediction_of_decode"] = sum(s.time.prediction for s in sums) / decode if decode \
+        else 0.0
+    gaps = [g for g in map(parts_gap, sums) if g is not None]
+    out["parts_gap_max"] = max(gaps) if gaps else None
+    measured = sum(v for w in parts for k, v in w.items() if k != "other")
+    out["parts_gap_pooled"] = abs(e2e - measured) / e2e if e2e else None
     return out
 
 
-def breakdown(stats: Sequence[RunStats | Summary]) -> dict[str, float]:
-    """Shares of decode time; `fallback_frac` counts the target alone while loading too
-    (the issue's definition), `fallback_resident_frac` only a non-preferred draft."""
+BREAKDOWN_KEYS = (*(f"{k}_frac" for k in SPLIT), "fallback_resident_frac",
+                  "fallback_of_decode", "prediction_of_decode", "parts_gap_max",
+                  "parts_gap_pooled")
+
+
+def breakdown(stats: Sequence[RunStats | Summary]) -> dict[str, float | None]:
+    """Where a policy's wall time goes: shares of it per part (they add up to 1), the worst
+    run's gap between its measured parts and its wall time, and the fallback and
+    prediction shares of decode time that issue #10's bounds are stated in."""
     a = aggregate(stats)
-    out = {f"{k}_frac": a[f"{k}_frac"] for k in TIME_KEYS if k != "fallback"}
-    out["fallback_resident_frac"] = a["fallback_frac"]
-    out["fallback_frac"] = a["fallback_frac"] + a["target_fallback_frac"]
-    return out
+    return {k: a[k] for k in BREAKDOWN_KEYS}
 
 
 def first_draft_token_s(stats: RunStats | Summary) -> float | None:
@@ -351,6 +420,7 @@ def sim_section(reqs: Sequence[SimRequest], cost: CostModel, cfg: SimConfig,
                                 for p in raw if p != "target-only"},
         "oracle_checks": oracle_checks(per),
         "headroom_mean_acceptance_length": headroom(reqs, gamma, general),
+        "not_simulated": dict(NOT_SIMULATED),
     }
     if with_optimum:
         _log(f"optimum (dynamic programming) over {len(reqs)} trajectories")
@@ -385,17 +455,17 @@ def sweep(ucb: Mapping[str, float], variants: Iterable[Variant]) -> list[dict[st
                                     "oracle-dynamic"))
         h = headline(per, {})
         rows.append({"knob": knob, "value": value, **{k: round(v, 4) for k, v in h.items()},
-                     "memspec_fallback_frac": round(_frac(per["memspec"], "fallback")
-                                                    + _frac(per["memspec"], "target_fallback"),
-                                                    4)})
+                     "memspec_fallback_frac": round(_frac(per["memspec"],
+                                                          "fallback_of_decode"), 4)})
         _log(f"sweep {knob}={value}: memspec/mab-async {h['memspec_over_mab_async']:.3f}, "
              f"/general-static {h['memspec_over_general_static']:.3f}")
     return rows
 
 
 def _frac(doms: Mapping[str, Mapping[str, Any]], key: str) -> float:
+    """A share of decode time pooled over domains."""
     dec = sum(v["decode_s"] for v in doms.values())
-    return sum(v[f"{key}_frac"] * v["decode_s"] for v in doms.values()) / dec if dec else 0.0
+    return sum(v[key] * v["decode_s"] for v in doms.values()) / dec if dec else 0.0
 
 
 def headroom(reqs: Sequence[SimRequest], gamma: int, general: str) -> dict[str, Any]:
@@ -450,16 +520,52 @@ def read_cost_model(path: Path) -> CostModel:
                           "pass a `memspec bench --json` file, e.g. docs/bench.json") from None
 
 
-def predictor_metrics() -> dict[str, Any]:
-    """Table 2 rows per evaluation set from the head's sidecar (trained on train + dev)."""
-    info = read_info(default_head_path())
+def fingerprint_digest(fp: Mapping[str, str]) -> str:
+    """A short hash of a pool fingerprint (zoo pool_fingerprint: its drafts' bytes)."""
+    return hashlib.sha256(json.dumps(dict(fp), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pool_digest(pool: PoolConfig) -> str:
+    """What a head was trained for and what the runs used, in one comparable string."""
+    return fingerprint_digest(pool_fingerprint(pool))
+
+
+def _shown_path(path: Path) -> str:
+    """A path as a result may record it: relative to the checkout (never a machine's own
+    folders), else the file's name."""
+    try:
+        return str(Path(path).resolve().relative_to(PACKAGE_ROOT.resolve()))
+    except ValueError:
+        return Path(path).name
+
+
+def head_provenance(pool: PoolConfig, info: Mapping[str, Any]) -> dict[str, Any]:
+    """Which head the Table 2 is of, and whether its sidecar says it was trained for this
+    pool (None: the sidecar does not say)."""
+    theirs = info.get("pool_fingerprint")  # what `memspec predictor train` records
+    if isinstance(theirs, dict):
+        theirs = fingerprint_digest(theirs)
+    ours = pool_digest(pool)
+    return {"head": _shown_path(head_path_for(pool)), "head_pool_fingerprint": theirs,
+            "pool_fingerprint": ours, "head_for_this_pool": None if theirs is None
+            else theirs == ours}
+
+
+def predictor_metrics(pool: PoolConfig) -> dict[str, Any]:
+    """Table 2 rows per evaluation set from the sidecar of the head this pool ranks with
+    (procs/predictor/ranker.py `head_path_for`; trained on train + dev)."""
+    try:
+        info = read_info(head_path_for(pool))
+    except MemspecError as exc:
+        return {"note": f"no predictor figures: {exc}"}
+    prov = head_provenance(pool, info)
     ev = info.get("evaluation")
     if not isinstance(ev, dict):
-        return {"note": "the committed head predates train/dev/test evaluation; "
-                        "run `memspec predictor train`"}
+        return {**prov, "note": "the head predates train/dev/test evaluation; "
+                                "run `memspec predictor train`"}
     keep = ("prompt_only", "recent_only", "prompt_recent", "domain_rule", "majority",
             "runtime_head")
-    out: dict[str, Any] = {"trained_on": info.get("train_set")}
+    out: dict[str, Any] = {"trained_on": info.get("train_set"), **prov}
     for s in EVAL_SETS:
         rows = ev.get(s) or {}
         out[s] = {k: {"top1": rows[k].get("top1"), "top2": rows[k].get("top2"),
@@ -470,48 +576,96 @@ def predictor_metrics() -> dict[str, Any]:
 # --------------------------------------------------------------------------- real runs
 
 
+def _ratio_key(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def oracle_bound(runs: Mapping[str, Runs], strata: Mapping[str, str],
+                 policies: Sequence[str]) -> dict[str, Any]:
+    """Every online variant over oracle-dynamic, per clock ({"e2e": runs, "steady": ...}),
+    with CI95; `worst` is the ratio with the highest upper bound (an unknown bound counts
+    as the highest): oracle-dynamic is at or above them all when it is <= 1."""
+    pairs = {f"{_ratio_key(p)}_over_oracle_dynamic": (p, "oracle-dynamic")
+             for p in policies if p not in NOT_ONLINE}
+    out: dict[str, Any] = {}
+    for clock, by_policy in runs.items():
+        gm, ci = headline_ratios(by_policy, strata, pairs)
+
+        def upper(k: str, ci: dict[str, list[float]] = ci) -> float:
+            hi = ci[k][1]
+            return hi if hi == hi else math.inf
+
+        worst = max(gm, key=upper, default=None)
+        out[clock] = {"gmean": gm, "ci95": ci,
+                      "worst": None if worst is None else
+                      {"ratio": worst, "gmean": gm[worst], "ci95": ci[worst]}}
+    return out
+
+
+def sim_variant(name: str, cfg: SimConfig, ucb: Mapping[str, float]
+                ) -> tuple[str, SimConfig, float]:
+    """A bench variant as the simulator runs it: its policy, its gate, its UCB c."""
+    policy, gate = variant(name)
+    return (policy, cfg if gate is None else replace(cfg, gate=gate),
+            ucb.get(name, ucb.get(policy, 2.0)))
+
+
+def sim_beside(reqs: Sequence[SimRequest], real: Mapping[str, Any], policies: Sequence[str],
+               cost: CostModel, cfg: SimConfig, ucb: Mapping[str, float]) -> dict[str, Any]:
+    """The simulator on exactly the real runs' prompts, the same (steady) statistic; the
+    variants it cannot run are named with why."""
+    strata = {r.prompt_id: r.domain for r in reqs}
+    simulated = [p for p in policies if p not in NOT_SIMULATED]
+    sim_raw = {}
+    for p in simulated:
+        policy, c, u = sim_variant(p, cfg, ucb)
+        sim_raw[p] = run_sim(policy, reqs, cost, c, u)
+    sim_gm, _ = headline_ratios({p: per_prompt_runs([r.prompt_id for r in reqs], sim_raw[p])
+                                 for p in simulated}, strata, n=0)
+    gm = real["gmean"]
+    sim_steady = {p: aggregate(sim_raw[p])["steady"] for p in simulated}
+    return {"ratios": {k: {"real": gm[k], "sim": sim_gm.get(k),
+                           "rel_error": sim_gm[k] / gm[k] - 1 if gm.get(k) else None}
+                       for k in gm if k in sim_gm},
+            "policies": {p: {"real_steady": real["steady"][p], "sim_steady": sim_steady[p],
+                             "rel_error": sim_steady[p] / real["steady"][p] - 1
+                             if real["steady"][p] else None} for p in simulated},
+            "not_simulated": {p: NOT_SIMULATED[p] for p in policies if p in NOT_SIMULATED}}
+
+
 def real_section(reqs: Sequence[SimRequest], rows: Mapping[str, RealResult],
                  keys: Sequence[tuple[str, str, str]], cost: CostModel, cfg: SimConfig,
                  ucb: Mapping[str, float], trajs: Mapping[str, Mapping[str, Any]]
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(real figures, the simulator beside them) for one prompt set; `keys` are (cache
-    key, policy, prompt id) of its runs, `trajs` the traced greedy trajectories by id."""
+    key, variant, prompt id) of its runs, `trajs` the traced greedy trajectories by id.
+    Every headline ratio comes end to end (the headline) and steady, each with CI95."""
     strata = {r.prompt_id: r.domain for r in reqs}
     policies = list(dict.fromkeys(p for _, p, _ in keys))
     stats = {p: [rows[k].stats for k, pol, _ in keys if pol == p] for p in policies}
     ids = {p: [pid for _, pol, pid in keys if pol == p] for p in policies}
-    runs: Runs = {p: per_prompt_runs(ids[p], stats[p]) for p in policies}
-    gm, ci = headline_ratios(runs, strata)
-    gm_e2e, _ = headline_ratios({p: per_prompt_runs(ids[p], stats[p], "e2e")
-                                 for p in policies}, strata, n=0)
+    runs = {clock: {p: per_prompt_runs(ids[p], stats[p], clock) for p in policies}
+            for clock in ("e2e", "steady")}
+    gm_e2e, ci_e2e = headline_ratios(runs["e2e"], strata)
+    gm, ci = headline_ratios(runs["steady"], strata)
     mismatches = sum(1 for k, _p, pid in keys
                      if rows[k].token_ids != trajs[pid]["tokens"][:cfg.max_new_tokens or None])
+    agg = {p: aggregate(stats[p]) for p in policies}
     real: dict[str, Any] = {
         "prompts": len(reqs), "runs": len(keys),
         "repeats": max((rows[k].row.get("repeat", 0) for k, *_ in keys), default=0) + 1,
-        "gmean": gm, "ci95": ci, "gmean_e2e": gm_e2e,
-        "steady": {p: aggregate(stats[p])["steady"] for p in policies},
-        "e2e": {p: aggregate(stats[p])["e2e"] for p in policies},
-        "mean_acceptance_length": {p: aggregate(stats[p])["mean_acceptance_length"]
-                                   for p in policies},
+        "gmean_e2e": gm_e2e, "ci95_e2e": ci_e2e, "gmean": gm, "ci95": ci,
+        "oracle_bound": oracle_bound(runs, strata, policies),
+        "variants": {p: dict(zip(("policy", "gate"), variant(p))) for p in policies},
+        "e2e": {p: agg[p]["e2e"] for p in policies},
+        "steady": {p: agg[p]["steady"] for p in policies},
+        "mean_acceptance_length": {p: agg[p]["mean_acceptance_length"] for p in policies},
         "breakdown": {p: breakdown(stats[p]) for p in policies},
         "first_draft_token_s": {p: _median(first_draft_token_s(s) for s in stats[p])
                                 for p in policies if p != "target-only"},
         "token_mismatches": mismatches,
     }
-    # the simulator on exactly these prompts, the same statistic
-    sim_raw = {p: run_sim(p, reqs, cost, cfg, ucb.get(p, 2.0)) for p in policies}
-    sim_gm, _ = headline_ratios({p: per_prompt_runs([r.prompt_id for r in reqs], sim_raw[p])
-                                 for p in policies}, strata, n=0)
-    beside = {"ratios": {k: {"real": gm[k], "sim": sim_gm.get(k),
-                             "rel_error": sim_gm[k] / gm[k] - 1 if gm.get(k) else None}
-                         for k in gm if k in sim_gm},
-              "policies": {p: {"real_steady": real["steady"][p],
-                               "sim_steady": aggregate(sim_raw[p])["steady"],
-                               "rel_error": aggregate(sim_raw[p])["steady"]
-                               / real["steady"][p] - 1 if real["steady"][p] else None}
-                           for p in policies}}
-    return real, beside
+    return real, sim_beside(reqs, real, policies, cost, cfg, ucb)
 
 
 def first_per_domain(reqs: Sequence[SimRequest], n: int) -> list[SimRequest]:
@@ -536,15 +690,22 @@ def _interleave_sets(groups: Sequence[Sequence[dict]]) -> list[dict]:
 # --------------------------------------------------------------------------- the bench
 
 
+def calibrated_dir(home: Path, pool_path: str | None) -> Path:
+    """Where the cost model and the pinned pool of this pool, head, numerics and code live
+    (bench/realruns.py `run_fingerprint`): made for anything else, they are never read."""
+    return home / "calibrated" / run_fingerprint(pool_path)
+
+
 def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate: bool,
                 cost_model: Path | None, max_new: int) -> tuple[CostModel, str | None]:
-    """The cost model (cached per pool, or from a file, or measured) and the pool file the
-    real runs use (pinned edge-emulated bandwidth and load/iteration)."""
+    """The cost model (cached per pool and code, or from a file, or measured) and the
+    pool file the real runs use (pinned edge-emulated bandwidth and load/iteration)."""
     fp = pool_fingerprint(pool)
-    cost_path, pinned = home / "costmodel.json", home / "pool-pinned.toml"
+    keyed = calibrated_dir(home, pool_path)
+    cost_path, pinned = keyed / "costmodel.json", keyed / "pool-pinned.toml"
     if recalibrate:  # new costs, new bandwidth: earlier real runs no longer compare
-        for old in ("costmodel.json", "calibration.jsonl", "real.jsonl", "pool-pinned.toml"):
-            (home / old).unlink(missing_ok=True)
+        for old in (cost_path, pinned, home / "calibration.jsonl", home / "real.jsonl"):
+            old.unlink(missing_ok=True)
     real_pool = str(pinned) if pinned.is_file() else pool_path
     cost = read_cost_model(cost_model) if cost_model else None
     if cost is not None:
@@ -558,7 +719,7 @@ def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate
         train = prompt_set(pool, "train", 0)
         calib = [next(p for p in train if p["domain"] == d) for d in pool_domains(pool)]
         cost = calibrate(pool, real_pool, calib, max_new, home / "calibration.jsonl")
-        home.mkdir(parents=True, exist_ok=True)
+        keyed.mkdir(parents=True, exist_ok=True)
         cost_path.write_text(json.dumps({"fingerprint": fp, "storage": pool.storage,
                                          "numerics": runtime_key(pool),
                                          "cost": cost.to_json()}, indent=2))
@@ -571,6 +732,7 @@ def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate
 def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = False,
         sweeps: bool = True, cost_model: Path | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
+    prov = provenance()  # the code as the run starts: what its figures measure
     wall: dict[str, float] = {}
     pool = replace(load_pool(pool_path), max_new_tokens=max_new)
     home = memspec_home() / "bench"
@@ -598,6 +760,8 @@ def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = F
         sim[which], _ = sim_section(reqs, cost, cfg, best_c, pool.gamma, pool.general)
     wall["simulator"] = time.perf_counter() - t
     result: dict[str, Any] = {
+        "provenance": prov, "pool_fingerprint": pool_digest(pool),
+        "real_policies": list(REAL_POLICIES),
         "machine": machine_info(), "storage": pool.storage, "dtype": runtime_dtype(pool),
         "numerics": runtime_key(pool),
         "load_over_iteration": load_ratio, "K": pool.K, "N": pool.N, "gamma": pool.gamma,
@@ -617,7 +781,7 @@ def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = F
         t = time.perf_counter()
         result.update(real_runs(pool, real_pool, sets, sizes, cost, cfg, best_c, max_new, home))
         wall["real"] = time.perf_counter() - t
-    result["predictor"] = predictor_metrics()
+    result["predictor"] = predictor_metrics(pool)
     wall["total"] = time.perf_counter() - t0
     result["wall_s"] = {k: round(v, 1) for k, v in wall.items()}
     result["estimate_full_run"] = estimate(result, sizes)
@@ -700,13 +864,13 @@ def estimate(result: Mapping[str, Any], sizes: Sizes) -> dict[str, Any]:
 def render(result: dict[str, Any], plots: Path | None, results: Path | None,
            readme: Path | None) -> None:
     """Plots, RESULTS.md and the README's figures block, from a result alone."""
-    if plots:
-        for path in draw_all(result, plots):
-            _log(f"wrote {path}")
+    drawn = draw_all(result, plots) if plots else []
+    for path in drawn:
+        _log(f"wrote {path}")
     if results:
-        write_results(result, results, plots)
+        write_results(result, results, plots, drawn)
     if readme:
-        write_readme(result, readme, plots)
+        write_readme(result, readme, plots, drawn)
 
 
 def main_bench(args) -> int:

@@ -1,8 +1,8 @@
 """PNG figures of a `memspec bench` result; every one is drawn from the result JSON alone.
 
-Real three-process runs first (headline ratios with their 95% intervals and the
-simulator's value beside them, tokens/s per policy with target-only), then the
-simulator's per-domain view, the time breakdown, sweeps and UCB's c on dev.
+Real three-process runs first (headline ratios end to end with their 95% intervals,
+steady and the simulator's value beside them; tokens/s per policy with target-only), then
+the simulator's per-domain view, the wall-time split, sweeps and UCB's c on dev.
 """
 
 from __future__ import annotations
@@ -11,17 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from memspec.bench.plotting import pyplot
+from memspec.bench.stats import HEADLINE
 
-POLICY_ORDER = ("target-only", "general-static", "oracle-static", "mab-sync", "mab-async",
-                "prediction-only", "memspec", "oracle-dynamic")
-RATIO_LABELS = {
-    "memspec_over_mab_async": "memspec / mab-async",
-    "memspec_over_general_static": "memspec / general-static",
-    "memspec_over_oracle_dynamic": "memspec / oracle-dynamic",
-    "memspec_over_prediction_only": "memspec / prediction-only",
-    "memspec_over_target_only": "memspec / target-only",
-    "oracle_dynamic_over_oracle_static": "oracle-dynamic / oracle-static",
-}
+POLICY_ORDER = ("target-only", "lookup-only", "general-static", "general-static-ungated",
+                "oracle-static", "mab-sync", "mab-async", "mab-async-ungated",
+                "prediction-only", "memspec", "memspec-ungated", "oracle-dynamic")
+RATIO_LABELS = {k: f"{a} / {b}" for k, (a, b) in HEADLINE.items()}
+# the wall-time split (bench/evaluation.py SPLIT) as the figures and tables name its parts
+SPLIT_LABELS = {"pre": "pre", "prefill": "prefill", "draft": "draft", "catchup": "catch-up",
+                "verify": "verify", "target_gated": "target alone (gated)",
+                "target_fallback": "target alone (fallback)", "load_wait": "load wait",
+                "bind": "bind", "prediction": "prediction", "sched": "scheduling",
+                "other": "other"}
 
 
 def _plt():
@@ -39,33 +40,44 @@ def _tag(result: dict[str, Any]) -> str:
     return " [SMOKE RUN]" if result.get("smoke") else ""
 
 
+def _err(gm: dict[str, Any], ci: dict[str, Any], keys: list[str]) -> list[list[float]]:
+    """Error-bar lengths below and above each value (0 where the interval is unknown)."""
+    def side(k: str, i: int) -> float:
+        bound = (ci.get(k) or [None, None])[i]
+        return abs(bound - gm[k]) if isinstance(bound, (int, float)) and bound == bound else 0.0
+
+    return [[side(k, 0) for k in keys], [side(k, 1) for k in keys]]
+
+
 def real_ratios(result: dict[str, Any], out: Path) -> Path | None:
-    """Headline ratios per prompt set: real GMEAN with 95% CI, simulator value beside."""
+    """Headline ratios per prompt set: end-to-end GMEAN with 95% CI (bars), steady and the
+    simulator's steady value beside it (markers)."""
     real = result.get("real") or {}
     if not real:
         return None
     plt = _plt()
     sets = list(real)
-    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(sets), figsize=(6.5 * len(sets), 5), squeeze=False)
     for ax, which in zip(axes[0], sets):
-        gm, ci = real[which]["gmean"], real[which]["ci95"]
+        sec = real[which]
+        e2e, steady = sec.get("gmean_e2e") or {}, sec["gmean"]
         beside = (result.get("sim_vs_real") or {}).get(which, {}).get("ratios", {})
-        keys = [k for k in RATIO_LABELS if k in gm and gm[k] is not None]
+        keys = [k for k in RATIO_LABELS if e2e.get(k) is not None]
         ys = list(range(len(keys)))
-        vals = [gm[k] for k in keys]
-        lo = [gm[k] - (ci[k][0] if ci[k][0] is not None else gm[k]) for k in keys]
-        hi = [(ci[k][1] if ci[k][1] is not None else gm[k]) - gm[k] for k in keys]
-        ax.barh(ys, vals, xerr=[lo, hi], color="tab:blue", alpha=0.75, capsize=3,
-                label="real (GMEAN, 95% CI)")
-        sim = [beside.get(k, {}).get("sim") for k in keys]
-        ax.scatter([s for s in sim if s is not None],
-                   [y for y, s in zip(ys, sim) if s is not None], marker="D", color="tab:red",
-                   zorder=3, label="simulator, same prompts")
+        ax.barh(ys, [e2e[k] for k in keys], xerr=_err(e2e, sec.get("ci95_e2e") or {}, keys),
+                color="tab:blue", alpha=0.75, capsize=3, label="end to end (GMEAN, 95% CI)")
+        st = [(y, steady.get(k)) for y, k in zip(ys, keys) if steady.get(k) is not None]
+        ax.scatter([v for _, v in st], [y for y, _ in st], marker="o", color="black",
+                   zorder=3, label="steady")
+        sim = [(y, beside.get(k, {}).get("sim")) for y, k in zip(ys, keys)]
+        sim = [(y, v) for y, v in sim if v is not None]
+        ax.scatter([v for _, v in sim], [y for y, _ in sim], marker="D", color="tab:red",
+                   zorder=3, label="simulator (steady), same prompts")
         ax.axvline(1.0, color="grey", lw=0.8)
         ax.set_yticks(ys, [RATIO_LABELS[k] for k in keys], fontsize=8)
-        ax.set_title(f"{which}: {real[which]['prompts']} prompts x "
-                     f"{real[which]['repeats']} repeats{_tag(result)}", fontsize=9)
-        ax.set_xlabel("steady-state tokens/s ratio")
+        ax.set_title(f"{which}: {sec['prompts']} prompts x {sec['repeats']} repeats"
+                     f"{_tag(result)}", fontsize=9)
+        ax.set_xlabel("tokens/s ratio")
         ax.legend(fontsize=7, loc="best")
     return _save(fig, out / "real_ratios.png")
 
@@ -131,31 +143,27 @@ def sim_throughput(result: dict[str, Any], out: Path, key: str = "normalised_ste
 
 
 def breakdown(result: dict[str, Any], out: Path) -> Path | None:
-    """Where decode time goes, real runs (simulator when there are none)."""
+    """Where the wall time goes, real runs (simulator when there are none)."""
     src = result.get("real") or result.get("sim") or {}
     if not src:
         return None
     plt = _plt()
-    keys = (("desired", "desired"), ("fallback_resident", "fallback (other draft)"),
-            ("target_fallback", "target alone while loading"), ("load_wait", "load wait"),
-            ("prediction", "prediction"))
     bars: list[tuple[str, dict[str, float]]] = []
     for which, sec in src.items():
-        for p in ("general-static", "mab-async", "prediction-only", "memspec",
-                  "oracle-dynamic"):
+        for p in POLICY_ORDER:
             if p in sec["breakdown"]:
                 bars.append((f"{p}\n{which}", sec["breakdown"][p]))
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(bars)), 4))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(bars)), 4.5))
     bottom = [0.0] * len(bars)
-    for k, label in keys:
-        vals = [100 * b.get(f"{k}_frac", 0.0) for _, b in bars]
+    for k, label in SPLIT_LABELS.items():
+        vals = [100 * (b.get(f"{k}_frac") or 0.0) for _, b in bars]
         ax.bar([n for n, _ in bars], vals, bottom=bottom, label=label)
         bottom = [x + v for x, v in zip(bottom, vals)]
-    ax.set_ylabel("% of decode time")
-    ax.tick_params(axis="x", labelsize=7)
-    ax.set_title(f"Time breakdown ({'real runs' if result.get('real') else 'simulator'})"
+    ax.set_ylabel("% of wall time (request start to last token)")
+    ax.tick_params(axis="x", labelsize=6, rotation=90)
+    ax.set_title(f"Wall-time split ({'real runs' if result.get('real') else 'simulator'})"
                  f"{_tag(result)}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2)
     return _save(fig, out / "breakdown.png")
 
 

@@ -3,10 +3,16 @@
 Every request goes through a cold-start supervisor (slots emptied before each request, as
 the paper measures) with `trace=True`, so one run feeds the cost model's fit, the headline
 ratios and the simulator's comparison. Results are appended to a JSONL file keyed by
-(policy, prompt id, max_new_tokens, ucb_c, repeat); a rerun only does what is missing.
+(variant, prompt id, max_new_tokens, ucb_c, gate, repeat); a rerun only does what is
+missing.
 :func:`interleaved` orders a benchmark's requests so that every prompt's policies run back
 to back, in an order rotated per prompt and repeat: slow drifts of the machine (other
 jobs, thermal state) then fall on every policy alike instead of on one policy's block.
+
+A request's `policy` is a bench variant's name: a drafting policy under its own name runs
+with the speculation gate on, `<policy>-ungated` with it off (:func:`variant`), so that
+every baseline is measured with the tool memspec has and without it; the name and the gate
+are in the cache key, so runs of two variants never stand in for each other.
 """
 
 from __future__ import annotations
@@ -30,11 +36,24 @@ from memspec.common.messages import Done, Error, Submit
 from memspec.common.metrics import Summary, as_json
 from memspec.common.paths import DEFAULT_POOL
 from memspec.launch.supervisor import Supervisor
+from memspec.procs.decoder.policies import GATED
+
+UNGATED = "-ungated"
+
+
+def variant(name: str) -> tuple[str, bool | None]:
+    """(the policy the decoder runs, its gate) for a bench variant's name: `X-ungated`
+    runs drafting policy X with the gate off, a drafting policy's own name with it on
+    (explicitly: a pool that turns it off changes no figure's meaning), any other policy
+    with no gate (None)."""
+    if name.endswith(UNGATED) and name[:-len(UNGATED)] in GATED:
+        return name[:-len(UNGATED)], False
+    return name, (True if name in GATED else None)
 
 
 @dataclass(frozen=True)
 class RealRequest:
-    policy: str
+    policy: str  # a bench variant's name (see `variant`)
     prompt_id: str
     domain: str
     prompt: str
@@ -45,19 +64,25 @@ class RealRequest:
     @property
     def key(self) -> str:
         base = f"{self.policy}|{self.prompt_id}|{self.max_new_tokens}|{self.ucb_c}"
+        gate = variant(self.policy)[1]
+        if gate is not None:
+            base += f"|gate={'on' if gate else 'off'}"
         return base if not self.repeat else f"{base}|r{self.repeat}"
 
 
 def interleaved(prompts: Sequence[dict], policies: Sequence[str], max_new_tokens: int,
                 repeats: int, ucb: dict[str, float] | None = None) -> list[RealRequest]:
-    """Every (repeat, prompt): all policies back to back, rotated by prompt and repeat."""
+    """Every (repeat, prompt): all policies back to back, rotated by prompt and repeat;
+    an ungated variant takes its policy's UCB c."""
+    ucb = ucb or {}
     out = []
     for rep in range(repeats):
         for i, p in enumerate(prompts):
             k = (i + rep * max(1, len(policies) // 2)) % len(policies)
             for pol in [*policies[k:], *policies[:k]]:
+                c = ucb.get(pol, ucb.get(variant(pol)[0]))
                 out.append(RealRequest(pol, p["id"], p["domain"], p["prompt"],
-                                       max_new_tokens, (ucb or {}).get(pol), rep))
+                                       max_new_tokens, c, rep))
     return out
 
 
@@ -82,14 +107,18 @@ class RealResult:
 
 def run_fingerprint(pool_path: str | None) -> str:
     """What a cached real run depends on beyond its request: the pool's drafts and knobs,
-    the target's numerics (dtype and CPU kernel path) and the runtime's code. A run made
-    with anything else is measured again, never mixed into new figures."""
+    the predictor head it ranks with, the target's numerics (dtype and CPU kernel path) and
+    the runtime's code. A run made with anything else is measured again, never mixed into
+    new figures."""
     from memspec.common.config import load_pool
     from memspec.procs.decoder.tablefiles import pool_fingerprint, runtime_key
+    from memspec.procs.predictor.ranker import head_path_for
 
     pool = load_pool(pool_path)
     h = hashlib.sha256(json.dumps(pool_fingerprint(pool), sort_keys=True).encode())
     h.update(Path(pool.source).read_bytes())
+    head = head_path_for(pool)  # a retrained head ranks differently: new runs
+    h.update(head.read_bytes() if head.is_file() else f"no head at {head.name}".encode())
     h.update(runtime_key(pool).encode())
     root = Path(__file__).resolve().parent.parent
     for sub in ("procs", "common", "launch"):
@@ -115,8 +144,10 @@ def read_results(path: Path, fingerprint: str | None = None) -> dict[str, RealRe
 
 
 def _one(sup: Supervisor, req: RealRequest) -> Done:
-    msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=req.prompt, policy=req.policy,
-                         max_new_tokens=req.max_new_tokens, trace=True, ucb_c=req.ucb_c))
+    policy, gate = variant(req.policy)
+    msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=req.prompt, policy=policy,
+                         max_new_tokens=req.max_new_tokens, trace=True, ucb_c=req.ucb_c,
+                         gate=gate))
     if not isinstance(msg, Done):
         reason = msg.message if isinstance(msg, Error) else "no reply"
         raise MemspecError(f"real run {req.key} failed: {reason}",
@@ -144,7 +175,8 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
                     info = sup.procs["decoder"].info
                     row = {"key": r.key, "policy": r.policy, "id": r.prompt_id,
                            "domain": r.domain, "max_new_tokens": r.max_new_tokens,
-                           "ucb_c": r.ucb_c, "repeat": r.repeat, "token_ids": msg.token_ids,
+                           "ucb_c": r.ucb_c, "gate": variant(r.policy)[1],
+                           "repeat": r.repeat, "token_ids": msg.token_ids,
                            "stats": as_json(msg.stats), "fingerprint": fp,
                            "bandwidth_bytes_s": getattr(info, "bandwidth_bytes_s", None)}
                     f.write(json.dumps(row) + "\n")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from memspec.bench.figures import POLICY_ORDER, RATIO_LABELS
+from memspec.bench.figures import POLICY_ORDER, RATIO_LABELS, SPLIT_LABELS
 
 README_BEGIN = "<!-- memspec bench: begin -->"
 README_END = "<!-- memspec bench: end -->"
@@ -43,50 +43,138 @@ def _margin(a: float | None, b: float | None) -> float | None:
 
 
 Getter = Callable[[dict[str, Any]], Any]
-# (label, value, op, bound): issue #10's must-hold list, then issue #11's bench figures
-MUST_HOLD: tuple[tuple[str, Getter, str, float], ...] = (
-    ("prompt sets disjoint by source (train/dev/test/mixed)",
-     lambda r: 1.0 if _get(r, ("split", "disjoint")) else 0.0, "==", 1.0),
-    ("mixed: oracle-dynamic / oracle-static (real)",
-     lambda r: _num(r, "real", "mixed", "gmean", "oracle_dynamic_over_oracle_static"),
-     ">=", 1.10),
-    ("mixed: predictor prompt+recent top-1 minus prompt-only top-1",
-     lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
-                       _num(r, "predictor", "mixed", "prompt_only", "top1")), ">", 0.0),
-    ("mixed: predictor prompt+recent top-1 minus the domain rule's",
-     lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
-                       _num(r, "predictor", "mixed", "domain_rule", "top1")), ">", 0.0),
-    ("test: memspec / oracle-dynamic (real)",
-     lambda r: _num(r, "real", "test", "gmean", "memspec_over_oracle_dynamic"), ">=", 0.95),
-    ("mixed: memspec / oracle-dynamic (real)",
-     lambda r: _num(r, "real", "mixed", "gmean", "memspec_over_oracle_dynamic"), ">=", 0.95),
-    ("test: memspec fallback incl. target alone while loading (real)",
-     lambda r: _num(r, "real", "test", "breakdown", "memspec", "fallback_frac"), "<", 0.055),
-    ("mixed: memspec fallback incl. target alone while loading (real)",
-     lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "fallback_frac"), "<", 0.055),
-    ("test: memspec prediction on the critical path (real)",
-     lambda r: _num(r, "real", "test", "breakdown", "memspec", "prediction_frac"), "<", 0.039),
-    ("mixed: memspec prediction on the critical path (real)",
-     lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "prediction_frac"), "<", 0.039),
-    ("every headline ratio: |simulator / real - 1|",
-     lambda r: _num(r, "sim_vs_real", "max_rel_error"), "<=", 0.03),
-    ("#11 test: memspec / target-only (real)",
-     lambda r: _num(r, "real", "test", "gmean", "memspec_over_target_only"), ">=", 1.5),
-    ("#11 test: memspec / general-static (real)",
-     lambda r: _num(r, "real", "test", "gmean", "memspec_over_general_static"), ">=", 1.3),
-    ("#11 test: memspec / mab-async (real)",
-     lambda r: _num(r, "real", "test", "gmean", "memspec_over_mab_async"), ">=", 1.25),
+
+
+class Bound(NamedTuple):
+    """A must-hold row: `get` reads the value; a statistic with a 95% interval (`ci`) is
+    met only when the interval's far end clears the bound (a point estimate a hair over
+    it is not evidence), and one whose interval is missing is not met."""
+
+    label: str
+    get: Getter
+    op: str
+    bound: float
+    ci: Getter | None = None
+
+
+class Check(NamedTuple):
+    label: str
+    value: float | None
+    op: str
+    bound: float
+    ok: bool
+    ci: list[float] | None = None
+    note: str = ""  # why it is not met when the value alone would say it is ("no CI")
+
+
+OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b, "==": lambda a, b: a == b}
+
+
+def _ratio(label: str, which: str, key: str, op: str, bound: float,
+           clock: str = "steady") -> Bound:
+    """A headline ratio of the real runs on one set, with its interval."""
+    g, c = ("gmean_e2e", "ci95_e2e") if clock == "e2e" else ("gmean", "ci95")
+    return Bound(label, lambda r: _num(r, "real", which, g, key), op, bound,
+                 lambda r: _get(r, ("real", which, c, key)))
+
+
+def _oracle_row(which: str) -> Bound:
+    """oracle-dynamic at or above every online variant end to end: the ratio (variant /
+    oracle-dynamic) with the highest CI95 upper end must stay <= 1."""
+    path = ("real", which, "oracle_bound", "e2e", "worst")
+    return Bound(f"{which}: oracle-dynamic >= every online policy (real, end to end; the "
+                 f"worst policy / oracle-dynamic)",
+                 lambda r: _num(r, *path, "gmean"), "<=", 1.0,
+                 lambda r: _get(r, (*path, "ci95")))
+
+
+def _split_gap(r: dict[str, Any], which: str) -> float | None:
+    """The worst run's gap between its measured time parts and its wall time, over every
+    policy of a set (None: no real runs, or a result from before the split)."""
+    rows = (_get(r, ("real", which, "breakdown")) or {}).values()
+    gaps = [b.get("parts_gap_max") for b in rows if isinstance(b, dict)]
+    gaps = [g for g in gaps if isinstance(g, (int, float))]
+    return max(gaps) if gaps and len(gaps) == len(rows) else None
+
+
+def _head_for_pool(r: dict[str, Any]) -> float | None:
+    same = _get(r, ("predictor", "head_for_this_pool"))
+    return None if same is None else float(bool(same))
+
+
+# issue #10's must-hold list, issue #11's bench figures, then issue #22's
+MUST_HOLD: tuple[Bound, ...] = (
+    Bound("prompt sets disjoint by source (train/dev/test/mixed)",
+          lambda r: 1.0 if _get(r, ("split", "disjoint")) else 0.0, "==", 1.0),
+    _ratio("mixed: oracle-dynamic / oracle-static (real, steady)", "mixed",
+           "oracle_dynamic_over_oracle_static", ">=", 1.10),
+    Bound("mixed: predictor prompt+recent top-1 minus prompt-only top-1",
+          lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
+                            _num(r, "predictor", "mixed", "prompt_only", "top1")), ">", 0.0),
+    Bound("mixed: predictor prompt+recent top-1 minus the domain rule's",
+          lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
+                            _num(r, "predictor", "mixed", "domain_rule", "top1")), ">", 0.0),
+    _ratio("test: memspec / oracle-dynamic (real, steady)", "test",
+           "memspec_over_oracle_dynamic", ">=", 0.95),
+    _ratio("mixed: memspec / oracle-dynamic (real, steady)", "mixed",
+           "memspec_over_oracle_dynamic", ">=", 0.95),
+    Bound("test: memspec fallback incl. target alone while loading, share of decode (real)",
+          lambda r: _num(r, "real", "test", "breakdown", "memspec", "fallback_of_decode"),
+          "<", 0.055),
+    Bound("mixed: memspec fallback incl. target alone while loading, share of decode (real)",
+          lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "fallback_of_decode"),
+          "<", 0.055),
+    Bound("test: memspec prediction on the critical path, share of decode (real)",
+          lambda r: _num(r, "real", "test", "breakdown", "memspec", "prediction_of_decode"),
+          "<", 0.039),
+    Bound("mixed: memspec prediction on the critical path, share of decode (real)",
+          lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "prediction_of_decode"),
+          "<", 0.039),
+    Bound("every headline ratio: |simulator / real - 1| (steady)",
+          lambda r: _num(r, "sim_vs_real", "max_rel_error"), "<=", 0.03),
+    _ratio("#11 test: memspec / target-only (real, steady)", "test",
+           "memspec_over_target_only", ">=", 1.5),
+    _ratio("#11 test: memspec / general-static (real, steady)", "test",
+           "memspec_over_general_static", ">=", 1.3),
+    _ratio("#11 test: memspec / mab-async (real, steady)", "test",
+           "memspec_over_mab_async", ">=", 1.25),
+    _oracle_row("test"),
+    _oracle_row("mixed"),
+    Bound("test: time split parts add up to the wall time (worst run, every policy)",
+          lambda r: _split_gap(r, "test"), "<=", 0.02),
+    Bound("mixed: time split parts add up to the wall time (worst run, every policy)",
+          lambda r: _split_gap(r, "mixed"), "<=", 0.02),
+    Bound("mixed: predictor prompt+recent top-1 minus recent-only top-1",
+          lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
+                            _num(r, "predictor", "mixed", "recent_only", "top1")), ">=", 0.0),
+    Bound("predictor Table 2 is of a head trained for the runs' pool",
+          _head_for_pool, "==", 1.0),
 )
 
 
-def checks(result: dict[str, Any]) -> list[tuple[str, float | None, str, float, bool]]:
-    out = []
-    for label, get, op, bound in MUST_HOLD:
-        v = get(result)
-        ok = v is not None and {">=": v >= bound, ">": v > bound, "<": v < bound,
-                                "<=": v <= bound, "==": v == bound}[op]
-        out.append((label, v, op, bound, bool(ok)))
-    return out
+def _interval(ci: Any) -> list[float] | None:
+    ok = isinstance(ci, (list, tuple)) and len(ci) == 2 and all(
+        isinstance(x, (int, float)) and x == x for x in ci)
+    return [float(ci[0]), float(ci[1])] if ok else None
+
+
+def check(row: Bound, result: dict[str, Any]) -> Check:
+    v = row.get(result)
+    if v is None:
+        return Check(row.label, None, row.op, row.bound, False, None, "no value")
+    if row.ci is None:
+        return Check(row.label, v, row.op, row.bound, OPS[row.op](v, row.bound))
+    ci = _interval(row.ci(result))
+    if ci is None:
+        return Check(row.label, v, row.op, row.bound, False, None, "no CI")
+    end = ci[0] if row.op in (">=", ">") else ci[1]
+    return Check(row.label, v, row.op, row.bound, OPS[row.op](end, row.bound), ci)
+
+
+def checks(result: dict[str, Any]) -> list[Check]:
+    return [check(row, result) for row in MUST_HOLD]
 
 
 def _f(v: Any, fmt: str = "{:.3f}") -> str:
@@ -116,31 +204,46 @@ def _domain_table(norm: dict[str, dict[str, float]]) -> list[str]:
 
 
 def headline_lines(r: dict[str, Any]) -> list[str]:
-    """The real-run ratios with intervals and the simulator beside them, per set."""
+    """The real-run ratios per set: end to end first (the headline), steady beside it, each
+    with its interval, then the simulator's steady value."""
     real, svr = r.get("real") or {}, r.get("sim_vs_real") or {}
     if not real:
         return ["No real runs in this result (`--real-per-domain 0`)."]
     sets = list(real)
-    head = "| ratio | " + " | ".join(f"{s} real GMEAN [95% CI] | {s} simulator"
-                                     for s in sets) + " |"
-    lines = [head, "|---" * (1 + 2 * len(sets)) + "|"]
+    head = "| ratio | " + " | ".join(f"{s} end to end [95% CI] | {s} steady [95% CI] | "
+                                     f"{s} simulator (steady)" for s in sets) + " |"
+    lines = [head, "|---" * (1 + 3 * len(sets)) + "|"]
     for k, label in RATIO_LABELS.items():
+        if not any(k in (real[s].get("gmean_e2e") or real[s]["gmean"]) for s in sets):
+            continue
         cells = []
         for s in sets:
-            gm, ci = real[s]["gmean"].get(k), real[s]["ci95"].get(k)
+            sec = real[s]
             sim = (svr.get(s) or {}).get("ratios", {}).get(k, {})
             err = sim.get("rel_error")
-            cells.append(f"{_f(gm)} {_ci(ci)} | {_f(sim.get('sim'))}"
+            cells.append(f"{_f((sec.get('gmean_e2e') or {}).get(k))} "
+                         f"{_ci((sec.get('ci95_e2e') or {}).get(k))} | "
+                         f"{_f(sec['gmean'].get(k))} {_ci(sec['ci95'].get(k))} | "
+                         f"{_f(sim.get('sim'))}"
                          + (f" ({100 * err:+.1f}%)" if isinstance(err, (int, float)) else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
+def check_line(c: Check) -> str:
+    """One must-hold verdict for the terminal."""
+    ci = f" {_ci(c.ci)}" if c.ci else ""
+    why = f"; {c.note}" if c.note else ""
+    return (f"  [{'ok' if c.ok else 'MISS'}] {c.label}: {_f(c.value, '{:.4f}')}{ci} "
+            f"(must be {c.op} {c.bound}{'' if not c.ci else ', its CI95 too'}{why})")
+
+
 def summary_text(r: dict[str, Any]) -> str:
     lines = [f"memspec bench{' [SMOKE RUN]' if r.get('smoke') else ''}: K={r['K']} N={r['N']} "
              f"gamma={r['gamma']} {r['max_new_tokens']} tokens, target {r.get('dtype', '?')}, "
-             f"{r['storage']} (load/iteration {r['load_over_iteration']:.2f})"]
-    lines += ["real runs (steady-state tokens/s ratios, GMEAN over prompts):"]
+             f"{r['storage']} (load/iteration {r['load_over_iteration']:.2f})"
+             + provenance_text(r)]
+    lines += ["real runs (tokens/s ratios, GMEAN over prompts: end to end, steady beside):"]
     lines += headline_lines(r)
     cold = r.get("cold_decoder")
     if cold:
@@ -149,9 +252,7 @@ def summary_text(r: dict[str, Any]) -> str:
                      f"({cold['prompts']} test prompts x {cold['repeats']}): GMEAN "
                      f"{_f(m['gmean'])}, worst {_f(m['min'])}; tokens identical: "
                      f"{cold['identical_tokens']}")
-    for label, v, op, bound, ok in checks(r):
-        lines.append(f"  [{'ok' if ok else 'MISS'}] {label}: {_f(v, '{:.4f}')} "
-                     f"(must be {op} {bound})")
+    lines += [check_line(c) for c in checks(r)]
     est = r.get("estimate_full_run")
     if est:
         lines.append(f"full run (default sizes) would take ~{est['total_min']} min "
@@ -159,6 +260,18 @@ def summary_text(r: dict[str, Any]) -> str:
                      f"~{est['simulator_min']} min, sweeps ~{est['sweeps_min']} min); "
                      f"{est['note']}")
     return "\n".join(lines)
+
+
+def provenance_text(r: dict[str, Any]) -> str:
+    """"; commit abc1234 (clean)" or with uncommitted changes; "" for older results."""
+    prov = r.get("provenance") or {}
+    if not prov:
+        return ""
+    if not prov.get("commit"):
+        return "; code not identified (no git checkout)"
+    state = ("clean tree" if prov.get("clean") else
+             f"uncommitted changes in {prov.get('dirty_files')} paths")
+    return f"; commit {prov['commit'][:12]} ({state})"
 
 
 def predictor_lines(r: dict[str, Any]) -> list[str]:
@@ -176,7 +289,10 @@ def predictor_lines(r: dict[str, Any]) -> list[str]:
         ref = f"{100 * paper[0]:.1f}% / {100 * paper[1]:.1f}%" if paper else "-"
         lines.append(f"| {k.replace('_', ' ')} | {cells} | {ref} |")
     n = {s: (pred[s].get("prompt_recent") or {}).get("n") for s in sets}
-    lines += ["", f"Trained on {pred.get('trained_on', '?')}; scheduling points measured: "
+    same = {True: "yes", False: "**no**", None: "its sidecar does not say"}[
+        pred.get("head_for_this_pool")]
+    lines += ["", f"Head {pred.get('head', '?')} (trained for the runs' pool: {same}). "
+              f"Trained on {pred.get('trained_on', '?')}; scheduling points measured: "
               + ", ".join(f"{s} {n[s]}" for s in sets) + ". The domain rule ranks the "
               "prompt's own domain draft first (mixed: its listed domains in order), then "
               "the general draft; the majority rule ranks drafts by training-label frequency."]
@@ -187,15 +303,17 @@ def ablation_lines(r: dict[str, Any]) -> list[str]:
     """memspec vs prediction-only, in numbers from the result."""
     out = []
     for s, sec in (r.get("real") or {}).items():
-        g = sec["gmean"].get("memspec_over_prediction_only")
-        ci = sec["ci95"].get("memspec_over_prediction_only")
+        k = "memspec_over_prediction_only"
         bm, bp = sec["breakdown"].get("memspec", {}), sec["breakdown"].get("prediction-only", {})
         tm = (sec.get("first_draft_token_s") or {})
         out.append(
-            f"- {s} (real): memspec / prediction-only {_f(g)} {_ci(ci)}; fallback incl. target "
-            f"alone {_pct(bm.get('fallback_frac'))} vs {_pct(bp.get('fallback_frac'))}, "
-            f"prediction {_pct(bm.get('prediction_frac'))} vs "
-            f"{_pct(bp.get('prediction_frac'))}, catch-up {_pct(bm.get('catchup_frac'))} vs "
+            f"- {s} (real): memspec / prediction-only end to end "
+            f"{_f((sec.get('gmean_e2e') or {}).get(k))} {_ci((sec.get('ci95_e2e') or {}).get(k))}"
+            f", steady {_f(sec['gmean'].get(k))} {_ci(sec['ci95'].get(k))}; fallback incl. "
+            f"target alone (of decode) {_pct(bm.get('fallback_of_decode'))} vs "
+            f"{_pct(bp.get('fallback_of_decode'))}, prediction (of decode) "
+            f"{_pct(bm.get('prediction_of_decode'))} vs {_pct(bp.get('prediction_of_decode'))}"
+            f", catch-up (of wall time) {_pct(bm.get('catchup_frac'))} vs "
             f"{_pct(bp.get('catchup_frac'))}; mean acceptance length "
             f"{_f(sec['mean_acceptance_length'].get('memspec'))} vs "
             f"{_f(sec['mean_acceptance_length'].get('prediction-only'))}; first draft token "
@@ -209,7 +327,45 @@ def ablation_lines(r: dict[str, Any]) -> list[str]:
     return out
 
 
-def write_results(r: dict[str, Any], path: Path, plots: Path | None) -> None:
+def must_hold_lines(r: dict[str, Any]) -> list[str]:
+    L = ["A bound on a ratio with a 95% interval is met only when the whole interval clears "
+         "it (the lower end for >=, the upper end for <=); without an interval it is not met.",
+         "", "| check | value | 95% CI | bound | |", "|---|---|---|---|---|"]
+    for c in checks(r):
+        verdict = "met" if c.ok else "**not met**" + (f" ({c.note})" if c.note else "")
+        L.append(f"| {c.label} | {_f(c.value, '{:.4f}')} | {_ci(c.ci) if c.ci else '-'} | "
+                 f"{c.op} {c.bound} | {verdict} |")
+    return L
+
+
+def split_table(sec: dict[str, Any]) -> list[str]:
+    """Per policy: throughput, and its wall time split into parts that add up to it."""
+    head = ["policy", "e2e tok/s", "steady tok/s", "mean acc. length", "first draft token",
+            *SPLIT_LABELS.values(), "parts vs wall, worst run"]
+    L = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for p in _pols(sec["steady"]):
+        b = sec["breakdown"][p]
+        cells = [p, _f(sec["e2e"][p], "{:.2f}"), _f(sec["steady"][p], "{:.2f}"),
+                 _f(sec["mean_acceptance_length"][p]),
+                 _f(sec["first_draft_token_s"].get(p), "{:.3f} s"),
+                 *(_pct(b.get(f"{k}_frac")) for k in SPLIT_LABELS),
+                 _pct(b.get("parts_gap_max"))]
+        L.append("| " + " | ".join(cells) + " |")
+    return L
+
+
+def figure_names(plots: Path | None, drawn: Sequence[Path], names: Sequence[str]
+                 ) -> list[str]:
+    """Of `names`, the figures this run drew into `plots` (never a stale file left there)."""
+    if plots is None:
+        return []
+    here = {Path(p).stem for p in drawn if Path(p).parent.resolve() == plots.resolve()}
+    return [n for n in names if n in here]
+
+
+def write_results(r: dict[str, Any], path: Path, plots: Path | None,
+                  drawn: Sequence[Path] = ()) -> None:
+    """docs/RESULTS.md; figures are linked only when this run drew them (`drawn`)."""
     m = r.get("machine", {})
     sp = r.get("split", {})
     used = sp.get("used", {})
@@ -236,32 +392,28 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None) -> None:
           f"- used: simulator {used.get('sim_per_domain')} test prompts per domain and "
           f"{used.get('sim_mixed')} mixed; real runs {used.get('real_per_domain')} test "
           f"prompts per domain and {used.get('real_mixed')} mixed, {used.get('repeats')} "
-          f"repeats, policies interleaved per prompt", ""]
-    L += ["## Must hold", "", "| check | value | bound | |", "|---|---|---|---|"]
-    for label, v, op, bound, ok in checks(r):
-        L.append(f"| {label} | {_f(v, '{:.4f}')} | {op} {bound} | "
-                 f"{'met' if ok else '**not met**'} |")
+          f"repeats, policies interleaved per prompt"]
+    if r.get("provenance"):
+        L.append(f"- code:{provenance_text(r)[1:]}")
+    L += ["", "## Must hold", ""] + must_hold_lines(r)
     L += ["", "## Headline: real three-process runs", "",
-          "GMEAN over prompts of per-prompt steady-state tokens/s ratios (each policy pooled "
-          "over its repeats), 95% bootstrap interval over prompts; the simulator's value of "
-          "the same statistic on the same prompts beside it (its error in brackets).", ""]
+          "GMEAN over prompts of per-prompt tokens/s ratios (each policy pooled over its "
+          "repeats): end to end (request start to last token, prefill, binds and scheduling "
+          "included) first, steady (decode time only) beside it, each with a 95% bootstrap "
+          "interval over prompts; the simulator's value of the steady statistic on the same "
+          "prompts last (its error in brackets). A drafting policy under its own name runs "
+          "with the speculation gate, `-ungated` without it; lookup-only runs the context "
+          "lookup alone (no draft; real runs only).", ""]
     L += headline_lines(r)
     for s, sec in (r.get("real") or {}).items():
         L += ["", f"### {s}: {sec['prompts']} prompts, {sec['repeats']} repeats, "
               f"{sec['runs']} runs, token mismatches vs the traced greedy target: "
               f"{sec['token_mismatches']}", "",
-              "| policy | tok/s | e2e tok/s | mean acc. length | first draft token | desired "
-              "| fallback (incl. target alone) | target alone | load wait | prediction | "
-              "catch-up |", "|---" * 11 + "|"]
-        for p in _pols(sec["steady"]):
-            b = sec["breakdown"][p]
-            L.append(f"| {p} | {_f(sec['steady'][p], '{:.2f}')} | "
-                     f"{_f(sec['e2e'][p], '{:.2f}')} | "
-                     f"{_f(sec['mean_acceptance_length'][p])} | "
-                     f"{_f(sec['first_draft_token_s'].get(p), '{:.3f} s')} | "
-                     f"{_pct(b.get('desired_frac'))} | {_pct(b.get('fallback_frac'))} | "
-                     f"{_pct(b.get('target_fallback_frac'))} | {_pct(b.get('load_wait_frac'))}"
-                     f" | {_pct(b.get('prediction_frac'))} | {_pct(b.get('catchup_frac'))} |")
+              "Shares of each policy's wall time; the parts add up to it (`other` is what no "
+              "clock measured; the last column is the worst run's gap between its measured "
+              "parts and its wall time). Target alone is split by why it ran: gated (by "
+              "choice: target-only, a closed gate) or fallback (nothing preferred resident).",
+              ""] + split_table(sec)
     abl = ablation_lines(r)
     if abl:
         L += ["", "## memspec vs prediction-only", ""] + abl
@@ -329,37 +481,38 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None) -> None:
     if est:
         L += ["", f"Full run at the default sizes: ~{est['total_min']} min "
               f"({est['real_requests']} real requests ~{est['real_min']} min); {est['note']}."]
-    if plots:
+    names = figure_names(plots, drawn, FIGURES)
+    if plots and names:
         rel = os.path.relpath(plots, path.parent)
-        names = [n for n in FIGURES if (plots / f"{n}.png").is_file()]
-        if names:
-            L += ["", "## Figures", ""] + [f"![{n}]({rel}/{n}.png)" for n in names]
+        L += ["", "## Figures", ""] + [f"![{n}]({rel}/{n}.png)" for n in names]
     L.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(L))
 
 
-def readme_block(r: dict[str, Any], readme: Path, plots: Path | None) -> str:
-    """The README's figures: headline table and plots, between the bench markers."""
+def readme_block(r: dict[str, Any], readme: Path, plots: Path | None,
+                 drawn: Sequence[Path] = ()) -> str:
+    """The README's figures: headline table (end to end first, steady beside) and the
+    plots this run drew, between the bench markers."""
     L = [README_BEGIN,
          "Regenerated by `memspec bench ... --readme README.md` from docs/bench.json"
          + (" (**SMOKE RUN**: fewer prompts or repeats than the full run; docs/RESULTS.md "
             "gives the sizes)." if r.get("smoke") else "."),
          ""]
+    L += ["GMEAN over prompts of per-prompt tokens/s ratios, end to end (request start to "
+          "last token) then steady, with 95% intervals; docs/RESULTS.md has the rest.", ""]
     L += headline_lines(r)
-    if plots:
-        rel = os.path.relpath(plots, readme.parent)
-        for n in ("real_ratios", "real_throughput"):
-            if (plots / f"{n}.png").is_file():
-                L += ["", f"![{n}]({rel}/{n}.png)"]
+    for n in figure_names(plots, drawn, ("real_ratios", "real_throughput")):
+        L += ["", f"![{n}]({os.path.relpath(plots, readme.parent)}/{n}.png)"]
     L.append(README_END)
     return "\n".join(L)
 
 
-def write_readme(r: dict[str, Any], readme: Path, plots: Path | None) -> None:
+def write_readme(r: dict[str, Any], readme: Path, plots: Path | None,
+                 drawn: Sequence[Path] = ()) -> None:
     """Replace the block between the bench markers (append one when there is none)."""
     text = readme.read_text() if readme.is_file() else ""
-    block = readme_block(r, readme, plots)
+    block = readme_block(r, readme, plots, drawn)
     pattern = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _m: block, text)

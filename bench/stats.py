@@ -2,8 +2,8 @@
 
 One statistic for the real runs and for the simulator's value beside them, so the two are
 compared like for like: for every prompt, each policy's tokens/s pooled over its repeats
-(total tokens over total decode time), the ratio of two policies on that prompt, then the
-geometric mean over prompts. The 95% interval is a two-level bootstrap: prompts resampled
+(total tokens over total seconds: decode time for steady, the whole request for end to
+end), the ratio of two policies on that prompt, then the geometric mean over prompts. The 95% interval is a two-level bootstrap: prompts resampled
 with replacement within each domain (every resample keeps the domain mix), and each
 chosen prompt's repeats resampled per policy (the machine's run-to-run noise), then the
 2.5/97.5 percentiles of the GMEAN.
@@ -17,12 +17,19 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 BOOTSTRAP = 2000
-HEADLINE = {  # the issue's ratios: numerator, denominator
-    "memspec_over_mab_async": ("memspec", "mab-async"),
+# the issues' ratios: numerator, denominator (bench variants, bench/realruns.py `variant`:
+# a drafting policy's own name runs gated, `-ungated` without the gate)
+HEADLINE = {
     "memspec_over_general_static": ("memspec", "general-static"),
-    "memspec_over_oracle_dynamic": ("memspec", "oracle-dynamic"),
+    "memspec_over_oracle_static": ("memspec", "oracle-static"),
+    "memspec_over_mab_async": ("memspec", "mab-async"),
     "memspec_over_prediction_only": ("memspec", "prediction-only"),
+    "memspec_over_general_static_ungated": ("memspec", "general-static-ungated"),
+    "memspec_over_mab_async_ungated": ("memspec", "mab-async-ungated"),
+    "memspec_over_memspec_ungated": ("memspec", "memspec-ungated"),
+    "memspec_over_lookup_only": ("memspec", "lookup-only"),
     "memspec_over_target_only": ("memspec", "target-only"),
+    "memspec_over_oracle_dynamic": ("memspec", "oracle-dynamic"),
     "oracle_dynamic_over_oracle_static": ("oracle-dynamic", "oracle-static"),
 }
 
@@ -54,13 +61,16 @@ def headline_ratios(runs: Runs, strata: Mapping[str, str],
         return gm, ci
     rng = random.Random(seed)
     samples: dict[str, list[float]] = {k: [] for k in pairs}
+    groups: dict[str, list[list[str]]] = {}
+    for k in pairs:
+        by: dict[str, list[str]] = defaultdict(list)
+        for p in ids[k]:
+            by[strata.get(p, "")].append(p)
+        groups[k] = list(by.values())
     for _ in range(n):
         for k, (a, b) in pairs.items():
-            by: dict[str, list[str]] = defaultdict(list)
-            for p in ids[k]:
-                by[strata.get(p, "")].append(p)
             total, count = 0.0, 0
-            for group in by.values():
+            for group in groups[k]:
                 for _ in group:
                     p = group[rng.randrange(len(group))]
                     ra, rb = runs[a][p], runs[b][p]

@@ -131,7 +131,7 @@ def check_stops(stops: Sequence[str]) -> None:
 
 def check_request(req: Submit) -> None:
     """Every field of a request, cheapest first, before it is queued or tokenised: id,
-    policy, length, sizes, roles, sampling, stop strings, ucb_c."""
+    policy, length, sizes, roles, sampling, stop strings, gate, ucb_c."""
     check_req_id(req.req_id)
     if req.policy and req.policy not in POLICIES:
         raise LimitError("policy", f"unknown policy {shown(req.policy)}",
@@ -148,6 +148,7 @@ def check_request(req: Submit) -> None:
     check_sampling(req.temperature, req.top_p, req.seed, req.top_k, req.min_p)
     check_stops(req.stop)
     check_resume(req)
+    check_gate(req)
     if req.ucb_c is not None:
         if not math.isfinite(req.ucb_c):
             raise LimitError("ucb_c", f"ucb_c = {req.ucb_c!r} is not a finite number",
@@ -155,6 +156,14 @@ def check_request(req: Submit) -> None:
         if req.ucb_c < 0:
             raise LimitError("ucb_c", f"ucb_c {req.ucb_c} is negative",
                              "use 0 or more (default 2.0)")
+
+
+def check_gate(req: Submit) -> None:
+    """`Submit.gate` as the codec checks it on the wire, for a Submit that never crossed
+    one (the Python API's local runtime, an in-process `Supervisor.submit`)."""
+    if req.gate is not None and not isinstance(req.gate, bool):
+        raise LimitError("gate", f"gate {shown(req.gate)} is not True, False or None",
+                         "pass gate=True or False (None: the pool's spec_gate)")
 
 
 def check_resume(req: Submit) -> None:

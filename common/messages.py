@@ -211,6 +211,9 @@ class Submit(Message):
     # generated after them) and the characters of text it already has (the rest is owed)
     resume_ids: list[int] = []
     resume_chars: int = 0
+    # the speculation gate for this request (None: the pool's spec_gate); last, so that a
+    # frame from a client that predates it decodes unchanged
+    gate: bool | None = None
 
 
 class Queued(Message):

@@ -11,8 +11,9 @@ that ticks it is the only one that touches it; calls from any thread go through
 `Runtime("tcp://127.0.0.1:5555")` connects to a running `memspec up` instead, over its
 ZeroMQ endpoint. Either way a prompt is a string (one user turn, as `memspec generate`) or
 a chat (a list of {"role", "content"} dicts rendered by the target's template), options
-are `max_new_tokens`, `policy`, `temperature`, `top_p`, `top_k`, `min_p`, `seed` and `stop`,
-and an error is a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
+are `max_new_tokens`, `policy`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`
+and `gate` (the speculation gate on or off for this request; None: the pool's), and an
+error is a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class Result:
 
 def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-            stop: str | list[str] | None = None, top_k: int = 0, min_p: float = 0.0
-            ) -> Submit:
+            stop: str | list[str] | None = None, top_k: int = 0, min_p: float = 0.0,
+            gate: bool | None = None) -> Submit:
     """The request, checked here against the limits every front door shares
     (common/limits.py): a bad one raises before anything is sent, local or remote."""
     if isinstance(prompt, str):
@@ -90,7 +91,7 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     req = Submit(req_id=secrets.token_hex(8), prompt=text, max_new_tokens=max_new_tokens,
                  policy=policy, temperature=temperature, top_p=top_p, seed=seed,
-                 messages=turns, stop=stops, top_k=top_k, min_p=min_p)
+                 messages=turns, stop=stops, top_k=top_k, min_p=min_p, gate=gate)
     check_request(req)
     return req
 
@@ -286,7 +287,9 @@ class Runtime:
 
     def generate(self, prompt: Prompt, **opts: Any) -> Result:
         """Decode `prompt` to the end; options: max_new_tokens, policy, temperature, top_p,
-        top_k, min_p, seed, stop (a string or a list)."""
+        top_k, min_p, seed, stop (a string or a list), gate (True / False: the speculation
+        gate on or off for this request, e.g. to compare a policy with and without it;
+        None: the pool's spec_gate)."""
         _, replies = self._replies(prompt, opts)
         for msg in replies:
             if isinstance(msg, Done):

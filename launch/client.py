@@ -148,6 +148,8 @@ def _request(endpoint: str, msg: Message, on_msg: Callable[[Message], bool],
 
 def submit(endpoint: str | None, prompt: str, on_tokens: Callable[[Tokens], None] | None = None,
            timeouts: Timeouts = Timeouts(), **kw) -> Done:
+    """One request to the server at `endpoint`; `kw` are Submit's fields (policy,
+    max_new_tokens, sampling, stop, gate: the speculation gate for this request)."""
     endpoint = endpoint or default_endpoint(create=False)
     req = Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw)
     check_request(req)  # the server's own limits, before anything is sent

@@ -10,12 +10,15 @@ import random
 from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace as replace_struct
 
 from memspec.bench.evaluation import (
     POLICIES,
     REAL_POLICIES,
+    SPLIT,
     Sizes,
     aggregate,
+    breakdown,
     estimate,
     evaluate_policies,
     first_draft_token_s,
@@ -23,14 +26,24 @@ from memspec.bench.evaluation import (
     headroom,
     max_rel_error,
     optimum_by_domain,
+    parts_gap,
     ratios,
     real_section,
     sim_section,
+    sim_variant,
     split_info,
     sweep,
+    wall_split,
 )
-from memspec.bench.realruns import RealRequest, RealResult, interleaved, pinned_pool
-from memspec.bench.report import README_BEGIN, README_END, checks, write_readme, write_results
+from memspec.bench.realruns import RealRequest, RealResult, interleaved, pinned_pool, variant
+from memspec.bench.report import (
+    README_BEGIN,
+    README_END,
+    checks,
+    summary_text,
+    write_readme,
+    write_results,
+)
 from memspec.bench.stats import HEADLINE, headline_ratios
 from memspec.common.config import load_pool
 from memspec.common.metrics import as_json
@@ -92,7 +105,8 @@ def test_policies_aggregate_and_normalise():
     assert h["memspec_over_optimum"] <= 1.0 and h["oracle_dynamic_over_optimum"] <= 1.0
     a = aggregate(raw["memspec"])
     assert a["tokens"] == sum(r.length for r in reqs)
-    assert 0 <= a["fallback_frac"] < 1 and a["prediction_frac"] > 0
+    assert 0 <= a["fallback_of_decode"] < 1 and a["prediction_frac"] > 0
+    assert sum(a[f"{k}_frac"] for k in SPLIT) == pytest.approx(1.0)
     room = headroom(reqs, 4, "general")
     assert all(v["oracle_static"] >= v["general"] for v in room.values())
     # the cold start: every draft policy loads while the prompt prefills, so its first
@@ -122,6 +136,8 @@ def test_gmean_and_two_level_bootstrap_interval():
 def test_interleaving_rotates_policies_per_prompt_and_repeat():
     prompts = [{"id": f"p{i}", "domain": "x", "prompt": "?"} for i in range(3)]
     reqs = interleaved(prompts, REAL_POLICIES, 16, 2, {"mab-async": 0.5})
+    # an ungated variant runs its policy with the gate off and takes its UCB c
+    assert {r.ucb_c for r in reqs if r.policy == "mab-async-ungated"} == {0.5}
     assert len(reqs) == 3 * len(REAL_POLICIES) * 2 and len({r.key for r in reqs}) == len(reqs)
     P = len(REAL_POLICIES)
     blocks = [reqs[i:i + P] for i in range(0, len(reqs), P)]
@@ -133,94 +149,210 @@ def test_interleaving_rotates_policies_per_prompt_and_repeat():
         RealRequest("memspec", "p", "x", "?", 16, repeat=1).key
 
 
-def _fake_real(reqs: list[SimRequest], repeats: int = 2):
+def test_variants_name_their_policy_and_gate_and_never_share_a_cache_key():
+    assert variant("memspec") == ("memspec", True)
+    assert variant("memspec-ungated") == ("memspec", False)
+    assert variant("general-static-ungated") == ("general-static", False)
+    assert variant("target-only") == ("target-only", None)
+    assert variant("lookup-only") == ("lookup-only", None)
+    assert variant("oracle-dynamic") == ("oracle-dynamic", None)  # it plans the target itself
+    keys = {RealRequest(v, "p", "x", "?", 16).key for v in REAL_POLICIES}
+    assert len(keys) == len(REAL_POLICIES)
+    assert "gate=off" in RealRequest("mab-async-ungated", "p", "x", "?", 16).key
+    assert "gate=on" in RealRequest("mab-async", "p", "x", "?", 16).key
+    policy, cfg, c = sim_variant("mab-async-ungated", CFG, {"mab-async": 0.5})
+    assert (policy, cfg.gate, c) == ("mab-async", False, 0.5)
+
+
+def _fake_real(reqs: list[SimRequest], repeats: int = 2, mismatch: str = ""):
     """Traced simulated runs standing in for real ones (slower iterations, as if measured
-    under load), keyed like run_real's cache."""
+    under load), keyed like run_real's cache; lookup-only, which the simulator cannot run,
+    stands in as target-only. The run keyed `mismatch` gets a wrong last token."""
     slow = replace(COST, spec_s={d: 0.095 for d in DRAFTS})
     rows, keys = {}, []
     for rep in range(repeats):
         for r in reqs:
             for pol in REAL_POLICIES:
                 q = RealRequest(pol, r.prompt_id, r.domain, "", 64, None, rep)
-                summary = simulate_traced(pol, r, slow, CFG)
-                rows[q.key] = RealResult({"key": q.key, "repeat": rep,
-                                          "token_ids": list(range(r.length))}, summary)
+                policy, cfg, c = sim_variant(pol, CFG, {})
+                policy = "target-only" if policy == "lookup-only" else policy
+                summary = simulate_traced(policy, r, slow, cfg, c)
+                tokens = list(range(r.length))
+                if q.key == mismatch:
+                    tokens[-1] += 1
+                rows[q.key] = RealResult({"key": q.key, "repeat": rep, "token_ids": tokens},
+                                         summary)
                 keys.append((q.key, pol, r.prompt_id))
     return rows, keys
 
 
-def test_bench_json_structure_report_and_figures(tmp_path):
+MISMATCH = RealRequest("general-static", "general-0", "general", "", 64).key
+
+
+@pytest.fixture(scope="module")
+def result():
+    """A bench result as `memspec bench --json` writes it, from simulated stand-ins; one
+    test run (MISMATCH) decoded a wrong token."""
     sets = {"test": requests(1), "mixed": mixed_requests()}
     sim, real, beside = {}, {}, {}
     for which, reqs in sets.items():
         sim[which], _ = sim_section(reqs, COST, CFG, {}, 4, "general", with_optimum=False)
-        rows, keys = _fake_real(reqs)
+        rows, keys = _fake_real(reqs, mismatch=MISMATCH)
         trajs = {r.prompt_id: {"tokens": list(range(r.length))} for r in reqs}
         real[which], beside[which] = real_section(reqs, rows, keys, COST, CFG, {}, trajs)
     beside["max_rel_error"] = max_rel_error(beside)
     sizes = Sizes(sim_per_domain=1, sim_mixed=3, dev_per_domain=1, real_per_domain=1,
                   real_mixed=3, repeats=2, sweep_per_domain=1)
     rows = sweep({}, [("N", n, sets["test"], replace(CFG, N=n), COST) for n in (2, 8)])
-    result = {"machine": {"cpu": "test"}, "storage": "edge-emulated", "dtype": "int4",
-              "K": 2, "N": 4, "gamma": 4, "max_new_tokens": 64, "load_over_iteration": 2.7,
-              "drafts": list(DRAFTS), "draft_kinds": ["model"], "split": split_info(sizes),
-              "smoke": sizes.smaller_than_full(), "cost_model": COST.to_json(),
-              "ucb_c_sweep": {"mab-async": {"0.5": 1.0, "2.0": 1.1}},
-              "ucb_c_best": {"mab-async": 2.0}, "ucb_c_tuned_on": "dev (5 prompts)",
-              "sim": sim, "real": real, "sim_vs_real": beside, "sweeps": rows,
-              "predictor": {"trained_on": "train,dev", **{s: {
-                  k: {"top1": 0.5, "top2": 0.8, "n": 10}
-                  for k in ("prompt_only", "recent_only", "prompt_recent", "domain_rule",
-                            "majority")} for s in ("test", "mixed")}},
-              "wall_s": {"simulator": 2.0, "sweeps": 1.0, "calibration": 5.0},
-              "real_request_s": 1.5}
-    result["estimate_full_run"] = estimate(result, sizes)
-    result = json.loads(json.dumps(as_json(result)))  # what the JSON file holds
+    out = {"machine": {"cpu": "test"}, "storage": "edge-emulated", "dtype": "int4",
+           "K": 2, "N": 4, "gamma": 4, "max_new_tokens": 64, "load_over_iteration": 2.7,
+           "drafts": list(DRAFTS), "draft_kinds": ["model"], "split": split_info(sizes),
+           "smoke": sizes.smaller_than_full(), "cost_model": COST.to_json(),
+           "ucb_c_sweep": {"mab-async": {"0.5": 1.0, "2.0": 1.1}},
+           "ucb_c_best": {"mab-async": 2.0}, "ucb_c_tuned_on": "dev (5 prompts)",
+           "provenance": {"commit": "0123456789abcdef", "clean": False, "dirty_files": 2},
+           "sim": sim, "real": real, "sim_vs_real": beside, "sweeps": rows,
+           "predictor": {"trained_on": "train,dev", "head": "predictor/head.safetensors",
+                         "head_for_this_pool": True, **{s: {
+                             k: {"top1": 0.5, "top2": 0.8, "n": 10}
+                             for k in ("prompt_only", "recent_only", "prompt_recent",
+                                       "domain_rule", "majority")} for s in ("test", "mixed")}},
+           "wall_s": {"simulator": 2.0, "sweeps": 1.0, "calibration": 5.0},
+           "real_request_s": 1.5}
+    out["estimate_full_run"] = estimate(out, sizes)
+    return json.loads(json.dumps(as_json(out)))  # what the JSON file holds
 
-    # the issue's must-hold keys
+
+def test_bench_json_holds_the_issues_must_hold_keys(result):
     assert result["split"]["kind"] == "source-disjoint" and result["split"]["disjoint"]
     assert set(result["split"]["counts"]) == {"train", "dev", "test", "mixed"}
     for which in ("test", "mixed"):
         sec = result["real"][which]
-        assert set(sec["gmean"]) == set(HEADLINE) == set(sec["ci95"])
-        for k in HEADLINE:
-            lo, hi = sec["ci95"][k]
-            assert lo <= sec["gmean"][k] <= hi
-        mem = sec["breakdown"]["memspec"]
-        assert mem["fallback_frac"] == pytest.approx(
-            mem["fallback_resident_frac"] + mem["target_fallback_frac"])
-        assert "prediction_frac" in mem and sec["token_mismatches"] == 0
+        # end to end and steady, each ratio with its interval
+        for gm, ci in (("gmean_e2e", "ci95_e2e"), ("gmean", "ci95")):
+            assert set(sec[gm]) == set(HEADLINE) == set(sec[ci])
+            for k in HEADLINE:
+                lo, hi = sec[ci][k]
+                assert lo <= sec[gm][k] <= hi
+        assert sec["gmean_e2e"] != sec["gmean"]  # two clocks, two statistics
+        assert sec["variants"]["memspec-ungated"] == {"policy": "memspec", "gate": False}
+        bound = sec["oracle_bound"]["e2e"]
+        assert "memspec_over_oracle_dynamic" in bound["gmean"]
+        assert "target_only_over_oracle_dynamic" not in bound["gmean"]
+        assert bound["worst"]["ci95"][1] == max(v[1] for v in bound["ci95"].values())
+        for pol, b in sec["breakdown"].items():
+            assert sum(b[f"{k}_frac"] for k in SPLIT) == pytest.approx(1.0), pol
+            assert 0 <= b["parts_gap_max"] <= 0.02, pol
         assert sec["first_draft_token_s"]["memspec"] > 0
-        assert set(result["sim_vs_real"][which]["ratios"]) == set(HEADLINE)
+        # the simulator cannot run lookup-only: every other ratio beside the real one
+        svr = result["sim_vs_real"][which]
+        assert set(svr["ratios"]) == set(HEADLINE) - {"memspec_over_lookup_only"}
+        assert set(svr["not_simulated"]) == {"lookup-only"}
+        assert "lookup-only" in result["sim"][which]["not_simulated"]
         for row in ("prompt_only", "recent_only", "prompt_recent", "domain_rule"):
             assert set(result["predictor"][which][row]) >= {"top1", "top2"}
         assert result["sim"][which]["oracle_checks"]["ok"]
+    # the one run built with a wrong token is counted, on its set only
+    assert result["real"]["test"]["token_mismatches"] == 1
+    assert result["real"]["mixed"]["token_mismatches"] == 0
     assert 0 < result["sim_vs_real"]["max_rel_error"] < 0.2  # slower "real" iterations
     # mixed answers switch domains: a plan that loads ahead beats the best single draft
     assert result["real"]["mixed"]["gmean"]["oracle_dynamic_over_oracle_static"] > 1.0
     assert result["smoke"] and result["estimate_full_run"]["real_requests"] == \
         (5 * 10 + 30) * len(REAL_POLICIES) * 2
 
+
+def test_report_readme_and_figures_link_only_what_this_run_drew(result, tmp_path):
     from memspec.bench.figures import draw_all
 
-    paths = draw_all(result, tmp_path / "plots")
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "sweeps.png").write_bytes(b"a stale plot of another pool")
+    no_sweeps = {k: v for k, v in result.items() if k != "sweeps"}
+    paths = draw_all(no_sweeps, plots)
     names = {p.stem for p in paths}
-    assert {"real_ratios", "real_throughput", "sim_vs_real", "breakdown", "sweeps",
-            "ucb_c", "sim_throughput_steady"} <= names
+    assert {"real_ratios", "real_throughput", "sim_vs_real", "breakdown", "ucb_c",
+            "sim_throughput_steady"} <= names and "sweeps" not in names
     assert all(p.stat().st_size > 1000 for p in paths)
-    write_results(result, tmp_path / "RESULTS.md", tmp_path / "plots")
+    write_results(no_sweeps, tmp_path / "RESULTS.md", plots, paths)
     text = (tmp_path / "RESULTS.md").read_text()
     assert "SMOKE RUN" in text and "## Must hold" in text
     assert "![real_ratios](plots/real_ratios.png)" in text and "target-only" in text
-    got = {label: ok for label, _v, _op, _b, ok in checks(result)}
-    assert got["prompt sets disjoint by source (train/dev/test/mixed)"] is True
+    assert "sweeps.png" not in text  # on disk, but not this run's
+    assert "target alone (gated) | target alone (fallback)" in text
+    assert "commit 0123456789ab (uncommitted changes in 2 paths)" in text
+    write_results(no_sweeps, tmp_path / "R2.md", plots)  # nothing drawn: nothing linked
+    assert "](plots/" not in (tmp_path / "R2.md").read_text()
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{README_BEGIN}\nold\n{README_END}\nafter\n")
-    write_readme(result, readme, tmp_path / "plots")
+    write_readme(result, readme, plots, paths)
     body = readme.read_text()
     assert "old" not in body and "before" in body and "after" in body
-    assert body.count(README_BEGIN) == 1 and "memspec / mab-async" in body
+    assert body.count(README_BEGIN) == 1 and "memspec / mab-async-ungated" in body
+    assert "| test end to end [95% CI] | test steady [95% CI] |" in body  # e2e first
     assert "![real_ratios](plots/real_ratios.png)" in body
+    text = summary_text(result)
+    assert "mixed end to end [95% CI] | mixed steady [95% CI]" in text
+    assert "[ok] prompt sets disjoint" in text and "its CI95 too" in text
+
+
+def _with(result: dict, path: tuple[str, ...], value) -> dict:
+    out = json.loads(json.dumps(result))
+    cur = out
+    for k in path[:-1]:
+        cur = cur[k]
+    cur[path[-1]] = value
+    return out
+
+
+def test_a_bound_is_met_only_when_its_interval_clears_it(result):
+    label = "#11 test: memspec / mab-async (real, steady)"
+    key = ("real", "test")
+
+    def verdict(r: dict):
+        return next(c for c in checks(r) if c.label == label)
+
+    r = _with(_with(result, (*key, "gmean", "memspec_over_mab_async"), 1.2575),
+              (*key, "ci95", "memspec_over_mab_async"), [1.210, 1.308])
+    c = verdict(r)
+    assert c.value > 1.25 and not c.ok  # the point clears 1.25, the interval does not
+    c = verdict(_with(r, (*key, "ci95", "memspec_over_mab_async"), [1.26, 1.31]))
+    assert c.ok and c.ci == [1.26, 1.31]
+    c = verdict(_with(r, (*key, "ci95", "memspec_over_mab_async"), [None, None]))
+    assert not c.ok and c.note == "no CI"
+    # oracle-dynamic above every online policy: the worst upper bound must stay <= 1
+    oracle = "test: oracle-dynamic >= every online policy (real, end to end; the worst " \
+             "policy / oracle-dynamic)"
+    worst = ("real", "test", "oracle_bound", "e2e", "worst")
+    low = _with(result, worst, {"ratio": "x", "gmean": 0.9, "ci95": [0.85, 0.99]})
+    high = _with(result, worst, {"ratio": "x", "gmean": 0.97, "ci95": [0.9, 1.02]})
+    assert next(c for c in checks(low) if c.label == oracle).ok
+    assert not next(c for c in checks(high) if c.label == oracle).ok
+    got = {c.label: c.ok for c in checks(result)}
+    assert got["prompt sets disjoint by source (train/dev/test/mixed)"] is True
+    assert got["test: time split parts add up to the wall time (worst run, every policy)"]
+    assert got["predictor Table 2 is of a head trained for the runs' pool"]
+    assert not got["mixed: predictor prompt+recent top-1 minus the domain rule's"]  # 0.5 - 0.5
+
+
+def test_wall_split_adds_up_and_a_part_no_clock_measured_is_caught():
+    """Real summaries (the decoder's Done.stats, here from the loop under the simulator):
+    the split's parts add up to the wall time within 2%; a run whose time went
+    unmeasured (booked as `other`) shows as a gap."""
+    r = requests(1)[1]
+    runs = [simulate_traced(p, r, COST, CFG) for p in ("target-only", "general-static",
+                                                       "memspec", "oracle-dynamic")]
+    for s in runs:
+        parts = wall_split(s)
+        assert sum(parts.values()) == pytest.approx(s.time.e2e)
+        assert parts_gap(s) <= 0.02 and all(v >= -1e-9 for v in parts.values())
+    assert wall_split(runs[0])["target_gated"] > 0  # target-only: the target alone by choice
+    lost = runs[2].time.e2e * 0.05  # the wall clock ran on, no part's clock did
+    t = replace_struct(runs[2].time, e2e=runs[2].time.e2e + lost,
+                       other=runs[2].time.other + lost)
+    bad = replace_struct(runs[2], time=t)
+    assert parts_gap(bad) == pytest.approx(0.05 / 1.05)
+    assert breakdown([*runs, bad])["parts_gap_max"] == pytest.approx(0.05 / 1.05)
 
 
 def test_pinned_pool_keeps_every_path(tmp_path):

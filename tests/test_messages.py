@@ -9,6 +9,8 @@ from hostile import hostile_frames
 from msgspec.msgpack import encode as packb
 
 from memspec.bench.messages import measure, samples
+from memspec.common.errors import RequestError
+from memspec.common.limits import check_gate
 from memspec.common.messages import (
     CLIENT_REQUESTS,
     CONTROL,
@@ -115,3 +117,34 @@ def test_the_message_benchmark_runs():
     got = measure(budget_s=0.002)
     assert set(got) == set(samples()) and all(v["us"] > 0 and v["bytes"] > 0
                                                for v in got.values())
+
+
+def test_a_per_request_gate_is_optional_typed_and_old_frames_still_decode():
+    """Submit.gate (None: the pool's spec_gate) is the last field: a frame from a client
+    that predates it decodes with the pool's gate, one that sets it round-trips, and
+    anything but a bool or nil is refused by the codec (and by check_gate for a Submit
+    that never crossed a socket)."""
+    old = frame("Submit", "r", "hi", 8, "memspec", 0.0, 1.0, None, False, None, [], [], 0,
+                0.0, [], 0)
+    assert CLIENT_REQUESTS.decode(old).gate is None
+    for gate in (True, False):
+        msg = Submit("r", "hi", policy="mab-async", gate=gate)
+        assert CLIENT_REQUESTS.decode(encode(msg)) == msg
+        assert DECODER_REQUESTS.decode(encode(msg)).gate is gate
+    assert encode(Submit("r", "hi")) == encode(Submit("r", "hi", gate=None))  # omitted
+    with pytest.raises(ProtocolError, match=r"invalid Submit.*\$\[16\]"):
+        CLIENT_REQUESTS.decode(frame("Submit", "r", "hi", 8, "memspec", 0.0, 1.0, None,
+                                     False, None, [], [], 0, 0.0, [], 0, "yes"))
+    for bad in ("yes", 1):
+        with pytest.raises(RequestError, match="gate .* is not True, False or None"):
+            check_gate(Submit("r", "hi", gate=bad))
+    check_gate(Submit("r", "hi", gate=False))
+
+
+@pytest.mark.parametrize("gate", ["yes", 1])
+def test_the_python_api_refuses_a_gate_that_is_not_a_bool_before_sending(gate):
+    from memspec.launch.api import _submit
+
+    with pytest.raises(RequestError, match="gate .* is not True, False or None"):
+        _submit("hi", gate=gate)
+    assert _submit("hi", gate=False).gate is False and _submit("hi").gate is None

@@ -337,6 +337,26 @@ def test_decoding_continues_while_loads_are_in_flight(sup):
     assert inside, "the decoder stopped while a draft was loading"
 
 
+def test_a_request_sets_the_gate_and_the_bench_split_adds_up(sup, reference):
+    """Submit.gate per request (the bench's ungated baselines): the same greedy tokens
+    with the gate off, on and the pool's; ungated, memspec never runs the target alone by
+    choice. The bench's wall-time split of these real runs adds up to their wall time."""
+    from memspec.bench.evaluation import SPLIT, SPLIT_GAP, breakdown, parts_gap
+
+    runs = []
+    for d, prompt in first_prompts().items():
+        done = {g: run(sup, prompt, "memspec", gate=g) for g in (False, True, None)}
+        for g, m in done.items():
+            assert isinstance(m, Done) and m.token_ids == reference[d], (d, g)
+            assert parts_gap(m.stats) <= SPLIT_GAP, (d, g, m.stats.time)
+            runs.append(m.stats)
+        assert done[False].stats.time.target_alone == 0, (d, done[False].stats.time)
+    b = breakdown(runs)
+    print("memspec wall-time split:", {k: round(v, 4) for k, v in b.items() if v})
+    assert sum(b[f"{k}_frac"] for k in SPLIT) == pytest.approx(1.0)
+    assert b["parts_gap_max"] <= SPLIT_GAP
+
+
 def test_memspec_spends_less_time_in_fallback_than_mab_async(sup):
     frac = {}
     for policy in ("memspec", "mab-async"):

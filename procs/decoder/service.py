@@ -411,8 +411,9 @@ class DecoderService:
                              lambda: len(self.current.session.generated) if self.current else 0,
                              self.K, costs, len(ids))
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
+        gate = self.pool.spec_gate if req.gate is None else req.gate
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
-                             gate=self.pool.spec_gate, gate_costs=self.gate_costs)
+                             gate=gate, gate_costs=self.gate_costs)
 
         def stream(new: list[int]) -> None:
             """The first tokens and, with stop strings, every commit go out at once (time to
