@@ -177,9 +177,30 @@ def interleaved(rows: list[dict], policies: tuple[str, ...], repeats: int, run_o
 
 
 def ratio_summary(runs: list[dict[str, Any]], a: str, b: str) -> dict[str, Any]:
-    """Per prompt `a` over `b` end to end, their geometric mean and the worst prompt."""
+    """Per prompt `a` over `b` end to end, their geometric mean and the worst prompt; the
+    same from paired repeats (each repeat's `a` over the `b` run beside it, the median per
+    prompt: the VM's speed drifts over minutes, and a pair shares its minute); and the
+    geometric mean's 95% interval (bench/stats.py: prompts within domains and repeats
+    resampled)."""
     ratios = [r[a]["e2e_tok_s"] / r[b]["e2e_tok_s"] for r in runs if r[b]["e2e_tok_s"] > 0]
-    return {"gmean": gmean(ratios), "min": min(ratios, default=0.0), "per_prompt": ratios}
+    paired = [statistics.median(x / y for x, y in zip(r[a]["repeats_e2e_tok_s"],
+                                                      r[b]["repeats_e2e_tok_s"]) if y > 0)
+              for r in runs if r[b]["e2e_tok_s"] > 0]
+    return {"gmean": gmean(ratios), "min": min(ratios, default=0.0), "per_prompt": ratios,
+            "ci95": interval(runs, a, b), "paired_gmean": gmean(paired),
+            "paired_min": min(paired, default=0.0), "paired_per_prompt": paired}
+
+
+def interval(runs: list[dict[str, Any]], a: str, b: str) -> list[float]:
+    """The 95% interval of the geometric mean of `a` over `b` end to end."""
+    from memspec.bench.stats import headline_ratios
+
+    def repeats(row: dict[str, Any]) -> list[tuple[float, float]]:
+        return [(row["tokens"], row["tokens"] / v) for v in row["repeats_e2e_tok_s"] if v > 0]
+
+    data = {p: {r["id"]: repeats(r[p]) for r in runs} for p in (a, b)}
+    _, ci = headline_ratios(data, {r["id"]: r["domain"] for r in runs}, {"r": (a, b)})
+    return ci.get("r", [float("nan"), float("nan")])
 
 
 def first_requests(rows: list[dict], pool: str | None, max_new: int, repeats: int = 1
@@ -255,23 +276,21 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     def ratios(a: str, b: str, key: str = "e2e_tok_s") -> list[float]:
         return [r[a][key] / r[b][key] for r in runs if r[b][key] > 0]
 
-    mem = ratios("memspec", "target-only")
     pays = [r for r in runs if r["general-static"]["e2e_tok_s"] > r["target-only"]["e2e_tok_s"]]
     split = [r["memspec"]["time"] for r in runs]
     decode = sum(t["decode"] for t in split)
     return {
-        "memspec_over_target_only_e2e": {"gmean": gmean(mem), "min": min(mem, default=0.0),
-                                         "per_prompt": mem},
+        "memspec_over_target_only_e2e": ratio_summary(runs, "memspec", "target-only"),
         "memspec_over_target_only_steady": gmean(ratios("memspec", "target-only",
                                                         "steady_tok_s")),
         "general_static_over_target_only_e2e": gmean(ratios("general-static", "target-only")),
         "where_general_static_pays": {
             "prompts": len(pays),
             "memspec_over_general_static_e2e": gmean(
-                [r["memspec"]["e2e_tok_s"] / r["general-static"]["e2e_tok_s"] for r in pays])},
-        "pipeline_over_in_process_target_only_e2e": {
-            "gmean": gmean(ratios("target-only", "in-process")),
-            "min": min(ratios("target-only", "in-process"), default=0.0)},
+                [r["memspec"]["e2e_tok_s"] / r["general-static"]["e2e_tok_s"] for r in pays]),
+            "paired": ratio_summary(pays, "memspec", "general-static") if pays else None},
+        "pipeline_over_in_process_target_only_e2e": ratio_summary(runs, "target-only",
+                                                                  "in-process"),
         "identical_tokens": all(r[p]["ids"] == r["target-only"]["ids"]
                                 for r in runs for p in ("memspec", "general-static")),
         "time_split_max_other_share": max((abs(t["other"]) / t["e2e"] for r in runs
@@ -294,14 +313,17 @@ def _print(res: dict[str, Any]) -> None:
         if not s:
             continue
         m = s["memspec_over_target_only_e2e"]
-        print(f"{phase}: memspec / target-only e2e gmean {m['gmean']:.3f} (min {m['min']:.3f}), "
+        print(f"{phase}: memspec / target-only e2e gmean {m['gmean']:.3f} "
+              f"[{m['ci95'][0]:.3f}, {m['ci95'][1]:.3f}] (min {m['min']:.3f}; paired repeats: "
+              f"{m['paired_gmean']:.3f}, min {m['paired_min']:.3f}), "
               f"steady {s['memspec_over_target_only_steady']:.3f}; general-static / target-only "
               f"{s['general_static_over_target_only_e2e']:.3f}; where general-static pays "
               f"({s['where_general_static_pays']['prompts']} prompts) memspec / it "
               f"{s['where_general_static_pays']['memspec_over_general_static_e2e']:.3f}")
         p = s["pipeline_over_in_process_target_only_e2e"]
         print(f"{phase}: pipeline / in-process target-only e2e gmean {p['gmean']:.3f} "
-              f"(min {p['min']:.3f}); identical tokens {s['identical_tokens']}; time split "
+              f"[{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}] (min {p['min']:.3f}; paired "
+              f"{p['paired_gmean']:.3f}, min {p['paired_min']:.3f}); identical tokens {s['identical_tokens']}; time split "
               f"unaccounted <= {100 * s['time_split_max_other_share']:.2f}%; predictor "
               f"{100 * s['memspec_predictor_share_of_decode']:.2f}% of memspec's decode time, "
               f"{s['memspec_snapshots_per_request']:.1f} snapshots a request")

@@ -21,6 +21,7 @@ else:  # Python 3.10 (JetPack 6, Ubuntu 22.04): the same parser, as a package
 
 from memspec.common.errors import ConfigError, RequestError
 from memspec.common.paths import DEFAULT_POOL, TARGET_DIRNAME, default_target_dir, expand_path
+from memspec.common.tuned import knob
 
 POLICIES = (
     "target-only",
@@ -74,9 +75,9 @@ class PoolConfig:
     memory_budget_mb: float | None = None
     load_iter_ratio: float = 2.7
     bandwidth_mb_s: float | None = None
-    ucb_c: float = 2.0
+    ucb_c: float = knob("pool.ucb_c")  # `memspec bench tune` (tuned.json)
     spec_gate: bool = True  # memspec / prediction-only run the target alone when no draft pays
-    lookup: int = 2  # greedy: a context suffix of >= this many tokens seen before proposes
+    lookup: int = knob("pool.lookup")  # greedy: a context suffix of >= this many tokens seen before proposes
     # what followed it, in place of the draft's guess (procs/decoder/lookup.py); 0: off
     predictor_head: Path | None = None
     K_from_budget: bool = False  # K was not given: derive it from memory_budget_mb
@@ -200,9 +201,9 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
         memory_budget_mb=_float_field(raw, "memory_budget_mb", None),
         load_iter_ratio=_float_field(raw, "load_iter_ratio", 2.7) or 2.7,
         bandwidth_mb_s=_float_field(raw, "bandwidth_mb_s", None),
-        ucb_c=_float_field(raw, "ucb_c", 2.0) or 2.0,
+        ucb_c=_float_field(raw, "ucb_c", knob("pool.ucb_c")) or knob("pool.ucb_c"),
         spec_gate=_bool_field(raw, "spec_gate", True),
-        lookup=_int_field(raw, "lookup", 2, 0),
+        lookup=_int_field(raw, "lookup", knob("pool.lookup"), 0),
         predictor_head=expand_path(head, base) if isinstance(head, str) else None,
         K_from_budget="K" not in raw and "memory_budget_mb" in raw,
         source=source,

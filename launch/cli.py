@@ -267,6 +267,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_gate(args)
+    if args.what == "tune":
+        from memspec.bench.tune import main_bench_tune
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_tune(args)
     if args.what == "floor":
         from memspec.bench.floor import main_bench_floor
 
@@ -415,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
                    choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http",
-                            "floor", "faults", "gate"],
+                            "floor", "faults", "gate", "tune"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
@@ -446,14 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cost-model", default=None,
                    help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
                         "instead of measuring it; reproduces a committed run's figures; gate: "
-                        "the cost model it replays")
+                        "the cost model it replays; tune: the same")
     b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
     b.add_argument("--readme", default=None, help="eval: rewrite the figures block of this README")
     b.add_argument("--from-json", default=None,
                    help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
     b.add_argument("--per-domain", type=int, default=4,
                    help="floor: dev prompts per domain (beside the README's prompt); gate: "
-                        "traced dev prompts per domain")
+                        "traced dev prompts per domain; tune: the same")
+    b.add_argument("--only", default=None,
+                   help="tune: comma-separated sections to re-run (gate, ranking, ucb_c, "
+                        "chunked_wait, lookup, prefill_chunk); the rest kept from tuned.json")
     b.add_argument("--no-warm", action="store_true", help="floor: fresh processes only")
     b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
     b.add_argument("--target", default=None,

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from tinymodels import TINY_VOCAB, make_tiny, save_model
 
 from memspec.common.errors import RequestError
-from memspec.procs.decoder.engine import PREFILL_CHUNK, SpecEngine
+from memspec.procs.decoder import engine as engine_module
+from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import build_target, load_causal_lm
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
 
@@ -111,16 +112,18 @@ def _prompt_rows(cache, n: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "int4-torch"])
-def test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype):
+def test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype, monkeypatch):
     """A caller waiting on the first ranking gets `between` calls during the prefill; the
     native forward chunks (every PREFILL_CHUNK tokens while asked) and its cache rows
     (head features included) and output stay bit-identical, so when a ranking lands never
     changes a token. A runner that cannot promise that prefills in one piece."""
+    chunk = 32  # whatever the tuned chunk is: several chunks within the tiny context
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", chunk)
     eng = engine_with(tiny_dir, ["small"], dtype=dtype)
     eng.use_features([0, 1])  # what a head draft reads
     native = type(eng.target).__name__ == "NativeLM"
     assert getattr(eng.target, "exact_chunks", False) == native
-    prompt = [1 + (i * 7) % 90 for i in range(3 * PREFILL_CHUNK + 5)]
+    prompt = [1 + (i * 7) % 90 for i in range(3 * chunk + 5)]
     n = len(prompt) - 1
     ref = eng.generate(prompt, 24, select=lambda s: "small")[0]
     plain = eng.start(prompt, 24)  # the engine reuses one target cache: copy, then poison

@@ -25,6 +25,7 @@ import torch
 
 from memspec.common.errors import ModelError, RequestError
 from memspec.common.metrics import IterationRecord, RunStats
+from memspec.common.tuned import knob
 from memspec.procs.decoder.acceptance import (
     SamplingParams,
     greedy_accept,
@@ -42,7 +43,7 @@ Between = Callable[[], bool]  # called between prefill chunks; False: the rest i
 DEFAULT_MAX_CONTEXT = 2048
 # Prefill piece while a caller waits on something (the first ranking): on a CPU ~45 ms of
 # one core, the predictor's round trip; one more pass over the weights costs ~2% of a prefill
-PREFILL_CHUNK = 32
+PREFILL_CHUNK = knob("engine.PREFILL_CHUNK")  # `memspec bench tune` (tuned.json)
 
 
 def prefill_pieces(n: int, chunk: int, between: Between | None) -> Iterator[tuple[int, int]]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from memspec.common.metrics import IterationRecord
+from memspec.common.tuned import knob
 from memspec.procs.decoder.cache_manager import CacheActions
 
 Line = tuple[float, float]  # seconds = a + b * context tokens
@@ -104,25 +105,25 @@ class _RecentMedian:
 
 
 class SpecGate:
-    # ALPHA .. STOP_INSIDE: chosen on dev by `memspec bench gate` (docs/gate_sweep.json):
-    # over iterations that cost 1.7-3.1 target steps, the setting that gains the most while
-    # no iteration cost's geometric mean falls below 0.975 and no prompt below 0.92 (a
-    # one-iteration look closed the gate on drafts that pay on average: acceptance swings
-    # 0-4 from one iteration to the next)
-    ALPHA = 0.1  # tokens per iteration: weight of one iteration once warmed up
-    PROBE_SHARE = 0.02  # the probes' worst-case extra cost, as a share of decode time
-    FIRST_LOOK = 4  # single iterations a draft gets, free, before its record decides...
-    NEAR_MISS = 0.5  # ... each after the first while its record is this close to break-even
-    STOP_INSIDE = 10**6  # a running draft whose record has fewer iterations than this
-    # stops at the first iteration after which it no longer pays, not at its interval's end
-    # (the sweep weighed 0, 8 and always: always)
+    # Every constant here is chosen on dev by `memspec bench tune` (tuned.json names the
+    # grid and the dev figure): over iterations that cost 1.7-3.1 target steps, the setting
+    # that gains the most while no cost's geometric mean falls below 0.975 and no prompt
+    # below 0.92 (a one-iteration look closed the gate on drafts that pay on average:
+    # acceptance swings 0-4 from one iteration to the next).
+    ALPHA = knob("gate.ALPHA")  # tokens per iteration: weight of one iteration, warmed up
+    PROBE_SHARE = knob("gate.PROBE_SHARE")  # probes' worst-case extra cost / decode time
+    FIRST_LOOK = knob("gate.FIRST_LOOK")  # single iterations a draft gets, free, before its
+    NEAR_MISS = knob("gate.NEAR_MISS")  # record decides, each after the first while that
+    # record is within NEAR_MISS of break-even
+    STOP_INSIDE = knob("gate.STOP_INSIDE")  # a running draft whose record has fewer
+    # iterations than this stops at the first iteration after which it no longer pays, not
+    # at its interval's end (the sweep weighed 0, 8 and always: always)
     # A ranking is worth asking for only with this many tokens still to come: what it sets
     # off (the predictor's encoding with the decoder on one core, the load of the draft it
     # ranks first, that draft's first look over the context) costs ~6.5 target steps on a
-    # 2-core CPU (measured: 20-30 ms encoding, ~10 ms of loader checks, a 7-15 ms catch-up,
-    # at ~5.5 ms a step), and the pool's domain heads accept ~2% more than the general head
-    # on their own domains (zoo eval: 1.01-1.03x), i.e. save ~0.02 steps a token.
-    RANK_HORIZON = 320
+    # 2-core CPU, and the pool's domain heads accept ~2% more than the general head on
+    # their own domains; on dev a horizon under the request's length loses 6% (tuned.json)
+    RANK_HORIZON = knob("gate.RANK_HORIZON")
 
     def __init__(self, costs: GateCosts | None) -> None:
         self.costs = costs

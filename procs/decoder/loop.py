@@ -49,18 +49,19 @@ from memspec.common.metrics import (
     Summary,
     Trace,
 )
+from memspec.common.tuned import knob
 from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.policies import Decision, Policy, SchedView
 from memspec.procs.decoder.residency import Slot, SlotState, SlotTable
 
 INITIAL_RANKING_TIMEOUT_S = 2.0  # a predictor that does not answer must not stall requests
 RANKING_POLL_S = 0.05
-CHUNKED_WAIT_S = 0.5  # prefill in chunks this long at most while awaiting the first ranking
+CHUNKED_WAIT_S = knob("loop.CHUNKED_WAIT_S")  # prefill in chunks this long at most while awaiting the first ranking
 RESIDENCY_POLL_S = 0.02
 # the predictor's encoding time per request, as a share of its decode time: snapshots beyond
 # the prompt's go out only while the rankings so far stay within it (the paper's predictor
 # costs 3.9%; on a CPU it shares the decoder's cores)
-PREDICTOR_SHARE = 0.04
+PREDICTOR_SHARE = knob("loop.PREDICTOR_SHARE")  # `memspec bench tune` (tuned.json)
 SNAPSHOT_STALE_S = 0.5  # a snapshot not answered by then: the predictor is not working on it
 Overhead = Literal["sched", "inner", "post"]
 

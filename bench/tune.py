@@ -1,0 +1,460 @@
+"""`memspec bench tune`: every knob the runtime uses, chosen on dev by one committed sweep.
+
+Writes tuned.json (read by the runtime through common/tuned.py): per knob its value, the
+grid it was chosen from, and the dev figure that chose it. Test prompts are never read.
+
+- **gate** (ALPHA, FIRST_LOOK, NEAR_MISS, STOP_INSIDE, PROBE_SHARE): `bench gate`'s sweep
+  (bench/gate_sweep.py), on a grid that brackets each value it chose before;
+- **ranking** (RANK_HORIZON, PREDICTOR_SHARE): when memspec asks the predictor again, and
+  how much of a request's decode time its encoding may take; replayed with the predictor's
+  own rankings at every position (sim/scores.py);
+- **ucb_c** for the MAB policies (one value in the pool, for both), on a grid that brackets
+  its optimum (a best value at an edge widens the grid once);
+- **lookup** (the context lookup's minimum suffix; 0: off): each value re-traces dev (the
+  lookup changes what every draft proposes), in a scratch artefact folder;
+- **CHUNKED_WAIT_S**: how long a prefill goes on in chunks awaiting the first ranking,
+  simulated with the measured predictor and with one ten times slower;
+- **PREFILL_CHUNK**: the prefill piece while a ranking is awaited, timed for real in
+  process: the smallest piece costing at most `CHUNK_COST` over one whole prefill.
+
+The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
+model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
+so ties keep the current value. Every simulated choice must also keep memspec at or above
+the floors `bench gate` uses (GMEAN_FLOOR, FLOOR) against target-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from memspec.bench.gate_sweep import FLOOR, GMEAN_FLOOR, SPEC_SCALES, gate_constants, gmean, sweep
+from memspec.bench.plotting import save_outputs
+from memspec.bench.provenance import provenance
+from memspec.common.config import PoolConfig, load_pool
+from memspec.common.errors import ConfigError
+from memspec.common.paths import DEFAULT_POOL, HOME_ENV, PACKAGE_ROOT, memspec_home
+from memspec.common.tuned import TUNED_FILE
+from memspec.procs.decoder import engine as engine_mod
+from memspec.procs.decoder import loop as loop_mod
+from memspec.sim.costmodel import CostModel
+from memspec.sim.simulate import SimRequest, simulate
+
+GATE_GRID: dict[str, tuple[Any, ...]] = {
+    "ALPHA": (0.05, 0.1, 0.2, 0.3),
+    "FIRST_LOOK": (2, 4, 8),
+    "NEAR_MISS": (0.25, 0.5, 0.75),
+    "STOP_INSIDE": (0, 8, 10**6),  # 0: never, 10**6: always (a choice, not a range)
+    "PROBE_SHARE": (0.01, 0.02),  # capped: the probes may cost at most 2% of a request
+}
+RANK_HORIZON = (0, 32, 64, 128, 320, 10**6)  # 10**6: never ask again
+PREDICTOR_SHARE = (0.01, 0.02, 0.04, 0.08)
+UCB_C = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)  # ~greedy at the bottom
+LOOKUP = (0, 1, 2, 3, 4)
+CHUNKED_WAIT_S = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
+PREDICTOR_SLOWER = (1.0, 10.0)  # the measured predictor, and one ten times slower
+PREFILL_CHUNK = (16, 32, 64, 128)
+CHUNK_COST = 1.03  # a chunked prefill may cost this much of one whole prefill (median)
+CHUNK_REPEATS = 3
+
+
+def _log(msg: str) -> None:
+    print(f"[bench tune] {msg}", file=sys.stderr, flush=True)
+
+
+def _scaled(cost: CostModel, f: float) -> CostModel:
+    return replace(cost, spec_s={d: s * f for d, s in cost.spec_s.items()})
+
+
+def _rate(policy: str, req: SimRequest, cost: CostModel, cfg, general: str,  # noqa: ANN001
+          ucb_c: float = 2.0) -> float:
+    s = simulate(policy, req, cost, cfg, ucb_c, resident=(general,)).report()
+    return s.generated_tokens / s.time.e2e if s.time.e2e > 0 else 0.0
+
+
+def _over_target(policy: str, reqs: Sequence[SimRequest], cost: CostModel, cfg,  # noqa: ANN001
+                 general: str, ucb_c: float = 2.0) -> dict[str, float]:
+    """`policy` over target-only end to end at every spec scale: the geometric mean over
+    the scales (what a choice is ranked by), the worst scale's mean and the worst prompt."""
+    means, worst = [], 1e9
+    for f in SPEC_SCALES:
+        c = _scaled(cost, f)
+        r = [_rate(policy, q, c, cfg, general, ucb_c) / _rate("target-only", q, c, cfg, general)
+             for q in reqs]
+        means.append(gmean(r))
+        worst = min(worst, min(r))
+    return {"over_scales": gmean(means), "worst_gmean": min(means), "worst_prompt": worst}
+
+
+def _safe(row: Mapping[str, Any]) -> bool:
+    return row["worst_gmean"] >= GMEAN_FLOOR and row["worst_prompt"] >= FLOOR
+
+
+def choose(rows: Sequence[dict[str, Any]], current: Any, key: str = "over_scales",
+           safe: Callable[[Mapping[str, Any]], bool] = _safe) -> dict[str, Any]:
+    """The safe row that scores most (ties: the current value), else the best of all."""
+    pool = [r for r in rows if safe(r)] or list(rows)
+    top = max(r[key] for r in pool)
+    tied = [r for r in pool if r[key] >= top - 1e-12]
+    return next((r for r in tied if r["value"] == current), tied[0])
+
+
+@contextlib.contextmanager
+def module_value(module, name: str, value: Any) -> Iterator[None]:  # noqa: ANN001
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def tune_gate(reqs, cost, cfg, general) -> dict[str, Any]:  # noqa: ANN001
+    res = sweep(reqs, cost, cfg, general, grid=GATE_GRID, progress=_log)
+    best = res["best"]
+    return {"grid": res["grid"], "chosen": best["setting"],
+            "figure": {k: best[k] for k in ("over_scales", "worst_gmean", "worst_prompt")},
+            "current": None if res["current"] is None else
+            {k: res["current"][k] for k in ("setting", "over_scales", "worst_gmean",
+                                            "worst_prompt")},
+            "settings": len(res["table"])}
+
+
+def tune_ranking(reqs, cost, cfg, general) -> dict[str, Any]:  # noqa: ANN001
+    from memspec.procs.decoder.gate import SpecGate
+
+    rows = []
+    for h in RANK_HORIZON:
+        for share in PREDICTOR_SHARE:
+            with gate_constants({"RANK_HORIZON": h}), \
+                    module_value(loop_mod, "PREDICTOR_SHARE", share):
+                rows.append({"value": (h, share), **_over_target("memspec", reqs, cost, cfg,
+                                                                   general)})
+    best = choose(rows, (SpecGate.RANK_HORIZON, loop_mod.PREDICTOR_SHARE))
+    return {"grid": {"RANK_HORIZON": list(RANK_HORIZON),
+                     "PREDICTOR_SHARE": list(PREDICTOR_SHARE)},
+            "rows": rows, "chosen": best["value"], "figure": best}
+
+
+def tune_ucb(reqs, cost, cfg, general, current: float) -> dict[str, Any]:  # noqa: ANN001
+    grid = list(UCB_C)
+
+    def row(c: float) -> dict[str, Any]:
+        per = {p: _over_target(p, reqs, cost, cfg, general, c) for p in ("mab-sync", "mab-async")}
+        return {"value": c, "over_scales": gmean([v["over_scales"] for v in per.values()]),
+                "by_policy": per}
+
+    rows = [row(c) for c in grid]
+    for _ in range(2):  # an optimum at the top edge widens the grid that way
+        if max(rows, key=lambda r: r["over_scales"])["value"] != grid[-1]:
+            break
+        grid.append(grid[-1] * 3)
+        rows.append(row(grid[-1]))
+    # among equals the largest c: as much exploration as costs nothing on dev (below some
+    # c the bandits are greedy, and every smaller c scores the same)
+    best = choose(rows[::-1], current, safe=lambda r: True)
+    edge = best["value"] in (grid[0], grid[-1])
+    return {"grid": grid, "rows": rows, "chosen": best["value"], "figure": best,
+            "bracketed": not edge}
+
+
+def tune_chunked_wait(reqs, cost, cfg, general) -> dict[str, Any]:  # noqa: ANN001
+    rows = []
+    for w in CHUNKED_WAIT_S:
+        by = {}
+        for slow in PREDICTOR_SLOWER:
+            c = replace(cost, predict_s=cost.predict_s * slow)
+            with module_value(loop_mod, "CHUNKED_WAIT_S", w):
+                by[str(slow)] = _over_target("memspec", reqs, c, cfg, general)
+        rows.append({"value": w, "over_scales": gmean([v["over_scales"] for v in by.values()]),
+                     "worst_gmean": min(v["worst_gmean"] for v in by.values()),
+                     "worst_prompt": min(v["worst_prompt"] for v in by.values()),
+                     "by_predictor_speed": by})
+    best = choose(rows, loop_mod.CHUNKED_WAIT_S)
+    return {"grid": list(CHUNKED_WAIT_S), "predictor_slower": list(PREDICTOR_SLOWER),
+            "rows": rows, "chosen": best["value"], "figure": best}
+
+
+def _scratch_home(root: Path) -> Path:
+    """An artefact folder sharing every built artefact but the traces (a lookup setting's
+    traces must not replace the pool's); its files are copies, so a trace writing one
+    leaves the real one alone."""
+    home = root / "home"
+    home.mkdir()
+    for entry in memspec_home().iterdir():
+        if entry.name == "traces":
+            continue
+        if entry.is_dir():
+            (home / entry.name).symlink_to(entry)
+        else:
+            shutil.copy2(entry, home / entry.name)
+    return home
+
+
+@contextlib.contextmanager
+def home_env(home: Path | None) -> Iterator[None]:
+    """$MEMSPEC_HOME set to `home` for the duration (None: unchanged)."""
+    old = os.environ.get(HOME_ENV)
+    if home is not None:
+        os.environ[HOME_ENV] = str(home)
+    try:
+        yield
+    finally:
+        if home is not None:
+            if old is None:
+                os.environ.pop(HOME_ENV, None)
+            else:
+                os.environ[HOME_ENV] = old
+
+
+def _pool_with_lookup(pool_file: Path, lookup: int, folder: Path) -> Path:
+    """The pool file with `lookup` set, its relative paths made absolute."""
+    import re
+
+    base = pool_file.resolve().parent
+    text = pool_file.read_text()
+    text = re.sub(r'(?m)^lookup\s*=.*$', f"lookup = {lookup}", text)
+    if not re.search(r"(?m)^lookup\s*=", text):
+        text = text.replace("[pool]", f"[pool]\nlookup = {lookup}", 1)
+    text = re.sub(r'(?m)^(path\s*=\s*")(?![/$])', lambda m: m.group(1) + str(base) + "/", text)
+    out = folder / f"lookup{lookup}.toml"
+    out.write_text(text)
+    return out
+
+
+def tune_lookup(pool_file: Path, per_domain: int, cost: CostModel, max_new: int,
+                current: int) -> dict[str, Any]:
+    from memspec.bench.evaluation import sim_config, traced_requests
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="memspec-tune-") as tmp:
+        home = _scratch_home(Path(tmp))
+        for n in LOOKUP:
+            t0 = time.perf_counter()
+            path = _pool_with_lookup(pool_file, n, Path(tmp))
+            env = dict(os.environ, **{HOME_ENV: str(home)})
+            if n != current:  # the current setting's dev traces are the pool's own
+                shutil.rmtree(home / "traces", ignore_errors=True)
+                cmd = [sys.executable, "-m", "memspec", "trace", "--pool", str(path), "--sets",
+                       f"dev:{per_domain}", "--check-per-domain", "0"]
+                done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True)
+                if done.returncode:
+                    raise ConfigError(f"tracing dev with lookup = {n} failed: "
+                                      f"{done.stderr.strip().splitlines()[-1:]}",
+                                      "run `memspec trace --sets dev:4` alone to see why")
+            with home_env(home if n != current else None):
+                pool = load_pool(str(path))
+                reqs = traced_requests(pool, "dev", per_domain, scores=False)
+            cfg = sim_config(pool, cost, max_new_tokens=max_new)
+            row = {"value": n}
+            for policy in ("memspec", "general-static"):
+                row[policy] = _over_target(policy, reqs, cost, cfg, pool.general)
+            row.update({k: row["memspec"][k] for k in ("over_scales", "worst_gmean",
+                                                       "worst_prompt")})
+            rows.append(row)
+            _log(f"lookup {n}: memspec / target-only {row['over_scales']:.3f}, general-static "
+                 f"{row['general-static']['over_scales']:.3f} ({time.perf_counter() - t0:.0f} s)")
+    best = choose(rows, current)
+    return {"grid": list(LOOKUP), "rows": rows, "chosen": best["value"], "figure": best}
+
+
+def tune_prefill_chunk(pool: PoolConfig, prompts: Sequence[str]) -> dict[str, Any]:
+    """Chunked against whole prefills of the same prompts, interleaved per prompt (the
+    VM's speed drifts over minutes); per chunk the median of per-prompt ratios."""
+    import torch
+
+    from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.inprocess import build_local
+    from memspec.procs.decoder.models import encode_prompt
+    from memspec.procs.decoder.threads import decoder_threads
+
+    torch.set_num_threads(decoder_threads()[0])
+    rt = build_local(pool, with_drafts=False)
+    ids = [encode_prompt(rt.tokenizer, p) for p in prompts]
+
+    def prefill(tokens: list[int], chunk: int) -> float:
+        with module_value(engine_mod, "PREFILL_CHUNK", chunk or 10**9):
+            t0 = time.perf_counter()
+            rt.engine.start(tokens, 1, SamplingParams(), None, (lambda: True) if chunk else None)
+            return time.perf_counter() - t0
+
+    for t in ids[:2]:
+        prefill(t, 0)  # warm-up
+    ratios: dict[int, list[float]] = {c: [] for c in PREFILL_CHUNK}
+    for rep in range(CHUNK_REPEATS):
+        for t in ids:
+            order = (0, *PREFILL_CHUNK) if rep % 2 == 0 else (*reversed(PREFILL_CHUNK), 0)
+            got = {c: prefill(t, c) for c in order}
+            for c in PREFILL_CHUNK:
+                ratios[c].append(got[c] / got[0])
+        _log(f"prefill chunk: repeat {rep + 1}/{CHUNK_REPEATS}")
+    rows = [{"value": c, "over_whole": statistics.median(ratios[c])} for c in PREFILL_CHUNK]
+    ok = [r for r in rows if r["over_whole"] <= CHUNK_COST]
+    best = min(ok, key=lambda r: r["value"]) if ok else min(rows, key=lambda r: r["over_whole"])
+    lens = sorted(len(t) for t in ids)
+    return {"grid": list(PREFILL_CHUNK), "rows": rows, "chosen": best["value"], "figure": best,
+            "rule": f"smallest chunk with median prefill time <= {CHUNK_COST} x one piece",
+            "prompt_tokens_median": lens[len(lens) // 2]}
+
+
+# --------------------------------------------------------------------------- the file
+
+
+def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """tuned.json's knobs: value, grid, and the dev figure that chose it."""
+    out: dict[str, dict[str, Any]] = {}
+    g = res["gate"]
+    fig = g["figure"]
+    for k, v in g["chosen"].items():
+        out[f"gate.{k}"] = {"value": v, "grid": g["grid"][k], "chosen_by": "gate",
+                            "dev": f"memspec / target-only e2e {fig['over_scales']:.3f} over "
+                                   f"the scales (worst mean {fig['worst_gmean']:.3f}, worst "
+                                   f"prompt {fig['worst_prompt']:.3f})"}
+    r = res["ranking"]
+    for i, k in enumerate(("gate.RANK_HORIZON", "loop.PREDICTOR_SHARE")):
+        name = k.split(".")[1]
+        out[k] = {"value": r["chosen"][i], "grid": r["grid"][name], "chosen_by": "ranking",
+                  "dev": f"memspec / target-only e2e {r['figure']['over_scales']:.3f} "
+                         f"(worst prompt {r['figure']['worst_prompt']:.3f})"}
+    w = res["chunked_wait"]
+    out["loop.CHUNKED_WAIT_S"] = {
+        "value": w["chosen"], "grid": w["grid"], "chosen_by": "chunked_wait",
+        "dev": f"memspec / target-only e2e {w['figure']['over_scales']:.3f} over predictor "
+               f"speeds x{w['predictor_slower']}"}
+    p = res["prefill_chunk"]
+    out["engine.PREFILL_CHUNK"] = {
+        "value": p["chosen"], "grid": p["grid"], "chosen_by": "prefill_chunk",
+        "dev": f"chunked / whole prefill {p['figure']['over_whole']:.3f} (median of dev "
+               f"prompts; {p['rule']})"}
+    u = res["ucb_c"]
+    out["pool.ucb_c"] = {"value": u["chosen"], "grid": u["grid"], "chosen_by": "ucb_c",
+                         "bracketed": u["bracketed"],
+                         "dev": f"MAB policies / target-only e2e "
+                                f"{u['figure']['over_scales']:.3f} (gmean of both)"}
+    lk = res["lookup"]
+    out["pool.lookup"] = {
+        "value": lk["chosen"], "grid": lk["grid"], "chosen_by": "lookup",
+        "dev": f"memspec / target-only e2e {lk['figure']['over_scales']:.3f}, general-static "
+               f"{lk['figure']['general-static']['over_scales']:.3f}"}
+    return out
+
+
+def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
+        only: Sequence[str] | None = None, previous: Mapping[str, Any] | None = None
+        ) -> dict[str, Any]:
+    from memspec.bench.evaluation import read_cost_model, set_prompts, sim_config, traced_requests
+
+    pool = load_pool(str(pool_file))
+    cost = read_cost_model(Path(cost_path))
+    cfg = sim_config(pool, cost, max_new_tokens=max_new)
+    res: dict[str, Any] = dict((previous or {}).get("sections", {}))
+    want = set(only or ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk"))
+    t0 = time.perf_counter()
+    plain = scored = None
+    if want & {"gate", "ucb_c", "lookup"}:
+        plain = traced_requests(pool, "dev", per_domain, scores=False)
+    if want & {"ranking", "chunked_wait"}:
+        scored = traced_requests(pool, "dev", per_domain, scores=True)
+    if "gate" in want:
+        res["gate"] = tune_gate(plain, cost, cfg, pool.general)
+    with gate_constants(res["gate"]["chosen"]) if "gate" in res else contextlib.nullcontext():
+        if "ranking" in want:
+            res["ranking"] = tune_ranking(scored, cost, cfg, pool.general)
+            _log(f"ranking: {res['ranking']['chosen']}")
+        if "chunked_wait" in want:
+            res["chunked_wait"] = tune_chunked_wait(scored, cost, cfg, pool.general)
+            _log(f"chunked wait: {res['chunked_wait']['chosen']}")
+        if "ucb_c" in want:
+            res["ucb_c"] = tune_ucb(plain, cost, cfg, pool.general, pool.ucb_c)
+            _log(f"ucb c: {res['ucb_c']['chosen']}")
+        if "lookup" in want:
+            res["lookup"] = tune_lookup(pool_file, per_domain, cost, max_new, pool.lookup)
+    if "prefill_chunk" in want:
+        texts = [p["prompt"] for p in set_prompts(pool, "dev", per_domain)]
+        res["prefill_chunk"] = tune_prefill_chunk(pool, texts)
+        _log(f"prefill chunk: {res['prefill_chunk']['chosen']}")
+    missing = {"gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk"} - set(res)
+    if missing:
+        raise ConfigError(f"no earlier tune holds {', '.join(sorted(missing))}",
+                          "run `memspec bench tune` without --only once")
+    return {"split": "dev", "prompts": len(plain or scored or []) or None,
+            "per_domain": per_domain, "max_new_tokens": max_new, "cost_model": cost_path,
+            "pool": str(pool_file.resolve().relative_to(PACKAGE_ROOT))
+            if pool_file.resolve().is_relative_to(PACKAGE_ROOT) else str(pool_file),
+            "spec_scales": list(SPEC_SCALES), "floors": [GMEAN_FLOOR, FLOOR],
+            "seconds": round(time.perf_counter() - t0, 1),
+            "knobs": knobs_from(res), "sections": res}
+
+
+def _print(res: Mapping[str, Any]) -> None:
+    print(f"knobs chosen on dev ({res['per_domain']} prompts per domain, "
+          f"{res['max_new_tokens']} tokens; cost model {res['cost_model']}):")
+    for name, k in res["knobs"].items():
+        print(f"  {name} = {k['value']}  (grid {k['grid']}; {k['dev']})")
+
+
+def _plot(res: Mapping[str, Any], folder: Path) -> Path:
+    from memspec.bench.plotting import pyplot
+
+    plt = pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    s = res["sections"]
+    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
+    ax = axes[0]
+    for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
+        rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
+        ax.plot([str(r["value"][0]) for r in rows], [r["over_scales"] for r in rows], "o-",
+                label=f"predictor share {share}")
+    ax.set_title("RANK_HORIZON (tokens)")
+    ax.legend(fontsize=6)
+    for ax, key, title in ((axes[1], "ucb_c", "UCB c (MAB policies)"),
+                           (axes[2], "lookup", "lookup (min suffix; 0 off)"),
+                           (axes[3], "chunked_wait", "CHUNKED_WAIT_S")):
+        rows = s[key]["rows"]
+        ax.plot([str(r["value"]) for r in rows], [r["over_scales"] for r in rows], "o-")
+        ax.set_title(title)
+    ax = axes[4]
+    rows = s["prefill_chunk"]["rows"]
+    ax.bar([str(r["value"]) for r in rows], [r["over_whole"] for r in rows])
+    ax.axhline(CHUNK_COST, color="r", ls="--", lw=0.8)
+    ax.set_ylim(0.9, max(1.1, *(r["over_whole"] for r in rows)))
+    ax.set_title("PREFILL_CHUNK: chunked / whole")
+    for ax in axes[:4]:
+        ax.axhline(1.0, color="k", lw=0.6)
+    axes[0].set_ylabel("over target-only, e2e (simulated, dev)")
+    fig.tight_layout()
+    out = folder / "tune.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main_bench_tune(args) -> int:  # noqa: ANN001
+    if not args.cost_model:
+        raise ConfigError("bench tune replays a measured cost model",
+                          "pass --cost-model docs/bench.json (a `memspec bench --json` output)")
+    pool_file = Path(args.pool) if args.pool else DEFAULT_POOL
+    only = [s.strip() for s in args.only.split(",")] if getattr(args, "only", None) else None
+    previous = json.loads(TUNED_FILE.read_text()) if only and TUNED_FILE.is_file() else None
+    res = run(pool_file, args.cost_model, args.per_domain, args.max_new_tokens, only, previous)
+    res["provenance"] = provenance()
+    TUNED_FILE.write_text(json.dumps(res, indent=1) + "\n")
+    _print(res)
+    print(f"wrote {TUNED_FILE.name}")
+    save_outputs(res, args, _plot)
+    return 0

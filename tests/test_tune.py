@@ -1,0 +1,86 @@
+"""`memspec bench tune` and tuned.json: every knob the runtime uses names the dev sweep that
+chose it, and the runtime runs the values the file holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memspec.bench import tune
+from memspec.common.config import load_pool
+from memspec.common.errors import ConfigError
+from memspec.common.paths import DEFAULT_POOL
+from memspec.common.tuned import TUNED_FILE, knob, tuned_knobs
+from memspec.procs.decoder import engine, loop
+from memspec.procs.decoder.gate import SpecGate
+
+RUNTIME = {  # knob -> the value the runtime runs
+    "gate.ALPHA": lambda: SpecGate.ALPHA,
+    "gate.FIRST_LOOK": lambda: SpecGate.FIRST_LOOK,
+    "gate.NEAR_MISS": lambda: SpecGate.NEAR_MISS,
+    "gate.STOP_INSIDE": lambda: SpecGate.STOP_INSIDE,
+    "gate.PROBE_SHARE": lambda: SpecGate.PROBE_SHARE,
+    "gate.RANK_HORIZON": lambda: SpecGate.RANK_HORIZON,
+    "loop.PREDICTOR_SHARE": lambda: loop.PREDICTOR_SHARE,
+    "loop.CHUNKED_WAIT_S": lambda: loop.CHUNKED_WAIT_S,
+    "engine.PREFILL_CHUNK": lambda: engine.PREFILL_CHUNK,
+    "pool.ucb_c": lambda: load_pool(str(DEFAULT_POOL)).ucb_c,
+    "pool.lookup": lambda: load_pool(str(DEFAULT_POOL)).lookup,
+}
+
+
+def test_every_knob_was_chosen_on_dev_from_its_grid():
+    data = json.loads(TUNED_FILE.read_text())
+    assert data["split"] == "dev"
+    assert set(data["knobs"]) == set(RUNTIME)
+    for name, k in data["knobs"].items():
+        assert k["value"] in k["grid"], name
+        assert k["dev"] and k["chosen_by"] in data["sections"], name
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIME))
+def test_the_runtime_runs_the_tuned_value(name):
+    assert RUNTIME[name]() == knob(name)
+
+
+def test_a_missing_or_broken_tuned_file_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "tuned.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read the tuned knobs"):
+        tuned_knobs(bad)
+    bad.write_text(json.dumps({"knobs": {"gate.ALPHA": {"grid": [0.1]}}}))
+    with pytest.raises(ConfigError, match="without a value"):
+        tuned_knobs(bad)
+    with pytest.raises(ConfigError, match="no knob 'gate.NOPE'"):
+        knob("gate.NOPE")
+
+
+def _row(value, score, worst=1.0):
+    return {"value": value, "over_scales": score, "worst_gmean": worst, "worst_prompt": worst}
+
+
+def test_choose_keeps_the_bounds_then_the_score_then_the_current_value():
+    rows = [_row(1, 1.30, worst=0.80), _row(2, 1.10), _row(3, 1.10), _row(4, 1.05)]
+    assert tune.choose(rows, current=9)["value"] == 2  # 1 scores most but breaks the floor
+    assert tune.choose(rows, current=3)["value"] == 3  # a tie keeps what runs today
+    assert tune.choose([_row(1, 1.3, 0.5)], current=1)["value"] == 1  # nothing safe: the best
+
+
+def test_ucb_grid_widens_when_the_best_c_is_at_its_top(monkeypatch):
+    # the score peaks at c = 10: the grid must grow past 3.0 until a larger c scores less
+    monkeypatch.setattr(tune, "_over_target", lambda p, reqs, cost, cfg, general, c=2.0: {
+        "over_scales": 1.0 - abs(c - 10.0) / 100, "worst_gmean": 1.0, "worst_prompt": 1.0})
+    res = tune.tune_ucb([], None, None, "general", current=2.0)
+    assert res["grid"][-2:] == [9.0, 27.0]
+    assert res["chosen"] == 9.0 and res["bracketed"]
+
+
+def test_pool_with_lookup_rewrites_only_the_lookup_and_relative_paths(tmp_path):
+    out = tune._pool_with_lookup(DEFAULT_POOL, 3, tmp_path)
+    pool = load_pool(str(out))
+    default = load_pool(str(DEFAULT_POOL))
+    assert pool.lookup == 3
+    assert [d.path for d in pool.drafts] == [d.path for d in default.drafts]
+    assert (pool.K, pool.gamma, pool.N, pool.general) == (default.K, default.gamma, default.N,
+                                                          default.general)
