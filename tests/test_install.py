@@ -65,6 +65,7 @@ def test_pip_install_runs_from_anywhere_and_writes_only_the_users_cache(tmp_path
                      60).stdout.strip())
     pkg = site / "memspec"
     assert (pkg / "pool.toml").is_file() and not (pkg / "pyproject.toml").exists()
+    assert (pkg / "tuned.json").is_file()  # the knobs the runtime reads
     _read_only(pkg)
     before = _tree(venv)
 
