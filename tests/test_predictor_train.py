@@ -7,11 +7,19 @@ import torch
 
 from memspec.procs.predictor.encoder import recent_text
 from memspec.zoo.train_predictor import (
+    JOIN,
     Data,
     EmbeddingCache,
     Example,
+    ExampleSet,
     TrainConfig,
     build_examples,
+    build_workspace,
+    candidates,
+    cfg_name,
+    choose_config,
+    composite_examples,
+    composite_partners,
     domain_rule,
     fit_head,
     main,
@@ -171,3 +179,119 @@ def test_missing_tables_is_one_line_error(tmp_path, monkeypatch, capsys):
     fix = "memspec trace" if has_target else "config.json"
     assert len(err) == 1 and fix in err[0]
     assert not (tmp_path / "out").exists()
+
+
+# --- composites and the choice of views ---------------------------------------------------
+def test_composite_partners_are_of_another_domain_and_stable():
+    domains = {f"{d}{i}": d for d in ("code", "math", "law") for i in range(4)}
+    got = composite_partners(domains, seed=0)
+    assert set(got) == set(domains)
+    assert all(domains[p] != domains[q] for p, q in got.items())
+    assert composite_partners(domains, seed=0) == got  # seeded
+    assert composite_partners({**domains, "zz9": "law"}, seed=0)["code0"] == got["code0"]
+    assert composite_partners({"a": "code", "b": "code"}, seed=0) == {}  # one domain: none
+
+
+def test_composite_examples_keep_labels_and_join_prompts_in_both_orders():
+    got = _build()  # trajectories a (code) and c (math): each the other's partner
+    pr = got.modes["prompt_recent"]
+    comp = composite_examples(pr, got.domains, seed=0)
+    prompt = {e.prompt_id: e.prompt for e in pr}
+    own = {"a": prompt["a"] + JOIN + prompt["c"], "c": prompt["c"] + JOIN + prompt["a"]}
+    other = {"a": own["c"], "c": own["a"]}
+    # every point under its own prompt first; with recent text also under the other first
+    assert [(e.prompt_id, e.label, e.recent) for e in comp if e.prompt == own[e.prompt_id]] \
+        == [(e.prompt_id, e.label, e.recent) for e in pr]
+    assert [(e.prompt_id, e.label, e.recent) for e in comp if e.prompt == other[e.prompt_id]] \
+        == [(e.prompt_id, e.label, e.recent) for e in pr if e.recent]
+    assert len(comp) == len(pr) + sum(1 for e in pr if e.recent)
+    assert composite_examples(got.modes["recent_only"], got.domains) == []  # no prompt
+
+
+def test_candidates_offer_views_with_both_inputs_only_and_no_joint_composites():
+    base = TrainConfig()
+    names = lambda cs: {(c.views, c.augment) for c in cs}  # noqa: E731
+    both = candidates("prompt_recent", base, ["plain"], [0], ["joint", "split"],
+                      ["none", "composite"])
+    assert names(both) == {("joint", "none"), ("split", "none"), ("split", "composite")}
+    assert names(candidates("prompt_only", base, ["plain"], [0], ["joint", "split"],
+                            ["none", "composite"])) == {("joint", "none"), ("joint", "composite")}
+    assert names(candidates("recent_only", base, ["plain"], [0], ["split"], ["composite"])) \
+        == {("joint", "none")}
+
+
+class TextEncoder:
+    """Prompt and recent words -> fixed random directions: a head can read both."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, torch.Tensor] = {}
+
+    def _vec(self, text: str) -> torch.Tensor:
+        v = torch.zeros(384)
+        for w in text.split():
+            if w not in self.vocab:
+                g = torch.Generator().manual_seed(len(self.vocab))
+                self.vocab[w] = torch.randn(384, generator=g)
+            v += self.vocab[w]
+        return v
+
+    def embed(self, prompts, recents):
+        rows = [self._vec(p) + 0.3 * self._vec(r) for p, r in zip(prompts, recents)]
+        return torch.nn.functional.normalize(torch.stack(rows) + 1e-3, dim=-1)
+
+
+def _toy_set(prefix: str, n: int) -> tuple[dict, dict]:
+    """n prompts per domain; the label is the domain of the recent words (always the
+    prompt's own here, as in one-domain sets)."""
+    examples, domains = [], {}
+    for d, dom in enumerate(("code", "math", "law")):
+        for i in range(n):
+            pid = f"{prefix}-{dom}-{i}"
+            domains[pid] = dom
+            prompt = f"task{d} {prefix}{i} please"
+            examples.append(Example(pid, d, prompt, ""))
+            for j in range(3):
+                examples.append(Example(pid, d, prompt, f"{dom}word{j} {dom}word{i % 3}"))
+    return examples, domains
+
+
+def test_choice_on_dev_scores_composites_and_split_views_read_recent_text(tmp_path):
+    """On one-domain data the prompt alone decides; only dev composites (two-domain prompts)
+    show whether a head reads the recent text. Candidates are scored on both, the best mean
+    is chosen, and a split head reads composites far better than a joint one."""
+    sets = {}
+    for w, n in (("train", 12), ("dev", 6)):
+        ex, dom = _toy_set(w, n)
+        es = ExampleSet()
+        es.modes["prompt_recent"], es.domains = ex, dom
+        sets[w] = es
+    grid = candidates("prompt_recent", TrainConfig(steps=150), ["plain"], [0],
+                      ["joint", "split"], ["none", "composite"])
+    ws = build_workspace(sets, ["train", "dev"], {"prompt_recent": grid}, 0,
+                         EmbeddingCache(tmp_path), TextEncoder)
+    best, scores = choose_config(["code", "math", "law"], ws, "prompt_recent", grid, ["train"])
+    assert scores[cfg_name(best)]["score"] == max(v["score"] for v in scores.values())
+    assert best.views == "split"
+    split, joint = scores["split/composite/plain/0/150"], scores["joint/none/plain/0/150"]
+    assert split["dev_composite"] > joint["dev_composite"] + 0.1
+    assert split["score"] == round((split["dev"] + split["dev_composite"]) / 2, 4)
+
+
+def test_an_early_stop_scored_in_a_run_is_the_head_a_shorter_run_ends_with():
+    """Dev scores every early stop of one run (STEP_GRID): it must be the same head a run of
+    that many steps trains, or the chosen steps would not reproduce."""
+    centers = torch.nn.functional.normalize(
+        torch.randn(len(NAMES), 384, generator=torch.Generator().manual_seed(4)), dim=-1)
+    data = _blobs(120, 5, centers)
+    seen = {}
+
+    def probe(head, step):
+        seen[step] = head(data.x, data.flags).detach().clone()
+        assert not head.training
+
+    for hidden in (0, 16):  # dropout in the MLP: its draws must not shift either
+        seen.clear()
+        fit_head(NAMES, data, TrainConfig(steps=100, hidden=hidden), probe=probe)
+        assert sorted(seen) == [25, 50, 100]
+        short, _ = fit_head(NAMES, data, TrainConfig(steps=50, hidden=hidden))
+        assert torch.allclose(short(data.x, data.flags), seen[50])

@@ -14,6 +14,17 @@ the engine's, in the runtime's target precision (`memspec trace`). Beside the he
 general draft) and the majority rule. The runtime head (what the predictor process loads)
 sees what the runtime sends: the prompt alone at p = 0 and prompt + recent text later.
 
+How prompt and recent text are combined is a choice made on dev like the others: one joint
+embedding of ``prompt [SEP] recent`` or the two embedded apart (``split`` views, see
+procs/predictor/head.py), each with or without *composite* examples: a trajectory's points
+again under a prompt that joins its own prompt with another domain's (its own first; the
+other first too once there is recent text), so the head learns that a prompt naming two
+domains does not say which one the answer is in now, the recent text does. Composites are
+built inside each split (train with train, dev with dev); the dev score is the mean top-1
+over dev's points as they are and under dev composites, since the runtime serves both.
+Inputs are chosen first, then loss and width, each with its early stop (STEP_GRID) on dev.
+The sidecar records the pool's fingerprint; the predictor refuses a head trained for another.
+
     memspec predictor train [--pool P] [--out DIR] [--json]
 
 Without ``--pool`` the head goes to the committed ``predictor/``; with ``--pool P`` it goes
@@ -26,10 +37,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -50,10 +62,11 @@ from memspec.procs.predictor.encoder import (
     Encoder,
     recent_text,
 )
-from memspec.procs.predictor.head import RankHead, save_head
+from memspec.procs.predictor.head import VIEWS, RankHead, save_head, split_input
 from memspec.zoo.tablestore import (
     TraceTables,
     load_pool_tables,
+    pool_fingerprint,
     trajectories_path,
     trajectory_rows,
 )
@@ -66,6 +79,9 @@ MODES = ("prompt_only", "recent_only", "prompt_recent")
 PAPER = {"prompt_only": (0.319, 0.558), "recent_only": (0.571, 0.793),
          "prompt_recent": (0.716, 0.957)}
 LOSSES = ("plain", "balanced")
+AUGMENTS = ("none", "composite")
+STEP_GRID = (25, 50, 100, 200, 400, 800)  # early stops scored on dev (up to --steps)
+JOIN = "\n\n"  # between the two prompts of a composite
 
 
 def log(msg: str) -> None:
@@ -155,6 +171,39 @@ def build_examples(trajectories: Mapping[str, dict], prompts: Mapping[str, str],
     return out
 
 
+def composite_partners(domains: Mapping[str, str], seed: int) -> dict[str, str]:
+    """Each prompt id -> a prompt id of another domain from the same set (seeded, stable
+    under adding prompts of other ids); none when the set has one domain."""
+    by_domain: dict[str, list[str]] = {}
+    for pid in sorted(domains):
+        by_domain.setdefault(domains[pid], []).append(pid)
+    out = {}
+    for pid in sorted(domains):
+        others = sorted(d for d in by_domain if d != domains[pid])
+        if others:
+            rng = random.Random(f"{seed}:{pid}")
+            out[pid] = rng.choice(by_domain[rng.choice(others)])
+    return out
+
+
+def composite_examples(examples: Sequence[Example], domains: Mapping[str, str],
+                       seed: int = 0) -> list[Example]:
+    """The examples again under two-domain prompts: ``own JOIN other`` at every point (the
+    answer starts with its own part), ``other JOIN own`` where there is recent text (the
+    answer is in its second part). Labels and recent text stay the trajectory's own."""
+    prompts = {e.prompt_id: e.prompt for e in examples}
+    partners = composite_partners({pid: domains[pid] for pid in prompts}, seed)
+    out = []
+    for e in examples:
+        other = prompts.get(partners.get(e.prompt_id, ""))
+        if not e.prompt or other is None:
+            continue
+        out.append(replace(e, prompt=e.prompt + JOIN + other))
+        if e.recent:
+            out.append(replace(e, prompt=other + JOIN + e.prompt))
+    return out
+
+
 # --------------------------------------------------------------------------- embeddings
 
 
@@ -224,6 +273,28 @@ class EmbeddingCache:
         self.keys_file.write_text(json.dumps(keys))
 
 
+def view_examples(examples: Sequence[Example], views: str) -> list[Example]:
+    """The encoder inputs a head of these views reads for ``examples``."""
+    if views == "joint":
+        return list(examples)
+    return [*(replace(e, recent="") for e in examples),
+            *(replace(e, prompt="") for e in examples if e.recent)]
+
+
+def head_inputs(cache: EmbeddingCache, examples: Sequence[Example], views: str) -> torch.Tensor:
+    """What a head of these views reads, from cached embeddings, exactly as
+    ``Ranker.head_input`` builds it at run time."""
+    if views == "joint":
+        return cache.embed(None, examples)
+    has = [bool(e.recent) for e in examples]
+    prompt_emb = cache.embed(None, [replace(e, recent="") for e in examples])
+    recent_emb = torch.zeros_like(prompt_emb)
+    rows = [i for i, h in enumerate(has) if h]
+    if rows:
+        recent_emb[rows] = cache.embed(None, [replace(examples[i], prompt="") for i in rows])
+    return split_input(prompt_emb, recent_emb, has)
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -235,6 +306,10 @@ class Data:
     flags: torch.Tensor
     y: torch.Tensor
     ids: tuple[str, ...]
+
+    @classmethod
+    def build(cls, cache: EmbeddingCache, examples: Sequence[Example], views: str) -> Data:
+        return cls.of(examples, head_inputs(cache, examples, views))
 
     @classmethod
     def of(cls, examples: Sequence[Example], emb: torch.Tensor) -> Data:
@@ -251,6 +326,8 @@ class Data:
 class TrainConfig:
     loss: str = "plain"  # "plain" or "balanced" (class-weighted) cross-entropy
     hidden: int = 0
+    views: str = "joint"  # "joint" or "split" (procs/predictor/head.py)
+    augment: str = "none"  # "none" or "composite" (composite_examples)
     steps: int = 400
     lr: float = 0.02
     weight_decay: float = 0.01
@@ -259,9 +336,11 @@ class TrainConfig:
 
 def train(head: RankHead, x: torch.Tensor, flags: torch.Tensor, y: torch.Tensor,
           steps: int, lr: float, weight_decay: float, balanced: bool = True,
-          tag: str = "") -> float:
+          tag: str = "", probe: Callable[[int], None] | None = None) -> float:
     """Full-batch AdamW (no sampling: the result depends on the seed only through the
-    initial weights and dropout); returns the final loss."""
+    initial weights and dropout); returns the final loss. ``probe(step)`` runs, in eval
+    mode, after each step in STEP_GRID: the head then is exactly the one a run of that many
+    steps ends with, so one run scores every early stop."""
     weight = None
     if balanced:
         counts = torch.bincount(y, minlength=len(head.names)).clamp_min(1).float()
@@ -277,17 +356,23 @@ def train(head: RankHead, x: torch.Tensor, flags: torch.Tensor, y: torch.Tensor,
         opt.step()
         if tag and (step + 1) % max(1, steps // 2) == 0:
             log(f"{tag}: step {step + 1}/{steps} loss {loss.item():.4f}")
+        if probe is not None and step + 1 in STEP_GRID:
+            head.eval()
+            probe(step + 1)
+            head.train()
     head.eval()
     return float(loss.item())
 
 
-def fit_head(names: Sequence[str], data: Data, cfg: TrainConfig, tag: str = ""
-             ) -> tuple[RankHead, float]:
+def fit_head(names: Sequence[str], data: Data, cfg: TrainConfig, tag: str = "",
+             probe: Callable[[RankHead, int], None] | None = None) -> tuple[RankHead, float]:
     torch.manual_seed(cfg.seed)
-    head = RankHead(names, embed_dim=data.x.shape[-1], hidden=cfg.hidden,
-                    dropout=0.1 if cfg.hidden else 0.0)
+    width = 2 if cfg.views == "split" else 1
+    head = RankHead(names, embed_dim=data.x.shape[-1] // width, hidden=cfg.hidden,
+                    dropout=0.1 if cfg.hidden else 0.0, views=cfg.views)
     loss = train(head, data.x, data.flags, data.y, cfg.steps, cfg.lr, cfg.weight_decay,
-                 balanced=cfg.loss == "balanced", tag=tag)
+                 balanced=cfg.loss == "balanced", tag=tag,
+                 probe=None if probe is None else lambda step: probe(head, step))
     return head, loss
 
 
@@ -308,7 +393,8 @@ def majority_baseline(names: Sequence[str], y_train: torch.Tensor, data: Data
     out = {"top1": None, "top2": None}
     if len(data.y):
         out = _ranked(torch.tensor(order).expand(len(data.y), -1), data.y, names)
-    return {"top1": out["top1"], "top2": out["top2"], "ranking": [names[i] for i in order]}
+    return {"top1": out["top1"], "top2": out["top2"], "n": int(len(data.y)),
+            "ranking": [names[i] for i in order]}
 
 
 def domain_rule(examples: Sequence[Example], domains: Mapping[str, str | Sequence[str]],
@@ -370,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: the better on dev (trained on the train set)")
     ap.add_argument("--hidden", default="auto",
                     help="MLP width (0: linear head); auto: the best of 0 and 256 on dev")
+    ap.add_argument("--views", choices=["auto", *VIEWS], default="auto",
+                    help="how the runtime head combines prompt and recent text: one joint "
+                         "embedding or two apart (split); auto: the better on dev")
+    ap.add_argument("--augment", choices=["auto", *AUGMENTS], default="auto",
+                    help="composite: also train on two-domain prompts built within the split; "
+                         "auto: the better on dev")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -458,22 +550,175 @@ def _concat(parts: Sequence[Data]) -> Data:
                 torch.cat([d.y for d in parts]), tuple(i for d in parts for i in d.ids))
 
 
-def choose_config(names: Sequence[str], train: Data, dev: Data, base: TrainConfig,
-                  losses: Sequence[str], widths: Sequence[int], tag: str
-                  ) -> tuple[TrainConfig, dict[str, float]]:
-    """The (loss, width) with the best dev top-1, trained on the train set only."""
-    scores: dict[str, float] = {}
-    best, best_score = base, -1.0
-    for loss in losses:
-        for width in widths:
-            cfg = replace(base, loss=loss, hidden=width)
-            head, _ = fit_head(names, train, cfg)
-            score = topk_metrics(head, dev)["top1"] or 0.0
-            scores[f"{loss}/{width}"] = score
-            if score > best_score + 1e-9:
-                best, best_score = cfg, score
-    log(f"{tag}: dev top-1 {scores}; using {best.loss} loss, width {best.hidden}")
+JOINT_ROW = "prompt_recent_joint"  # the old combination, for comparison (never loaded)
+
+
+def row_mode(row: str) -> str:
+    """The input mode a Table 2 row's head reads."""
+    return "prompt_recent" if row == JOINT_ROW else row
+
+
+def cfg_name(cfg: TrainConfig) -> str:
+    return f"{cfg.views}/{cfg.augment}/{cfg.loss}/{cfg.hidden}/{cfg.steps}"
+
+
+@dataclass
+class Workspace:
+    """Every set's examples, the fit sets' and dev's composites, and the embedding cache."""
+
+    cache: EmbeddingCache
+    sets: dict[str, ExampleSet]
+    composites: dict[tuple[str, str], list[Example]]  # (set, mode) -> composite examples
+
+    def examples(self, which: str, mode: str, augment: str = "none",
+                 natural: bool = True) -> list[Example]:
+        extra = self.composites.get((which, mode), []) if augment == "composite" else []
+        return [*(self.sets[which].modes[mode] if natural else ()), *extra]
+
+    def data(self, sets: Iterable[str], mode: str, cfg: TrainConfig,
+             natural: bool = True) -> Data:
+        ex = [e for w in sets for e in self.examples(w, mode, cfg.augment, natural)]
+        return Data.build(self.cache, ex, cfg.views)
+
+
+def candidates(mode: str, base: TrainConfig, losses: Sequence[str], widths: Sequence[int],
+               views: Sequence[str], augments: Sequence[str]) -> list[TrainConfig]:
+    """The grid one mode chooses from: views only matter with both inputs, composites only
+    with a prompt, and with both inputs only split ones (a joint composite re-encodes every
+    point's long input twice more; split ones add two prompt embeddings per trajectory)."""
+    views = views if mode == "prompt_recent" else ("joint",)
+    augments = augments if mode != "recent_only" else ("none",)
+    return [replace(base, views=v, augment=a, loss=loss, hidden=w)
+            for v in views for a in augments for loss in losses for w in widths
+            if not (mode == "prompt_recent" and v == "joint" and a == "composite")]
+
+
+def dev_score(head: RankHead, ws: Workspace, mode: str, cfg: TrainConfig) -> dict[str, float]:
+    """Top-1 on dev as it is and, where the mode has a prompt, under dev composites; the
+    score is their mean (the runtime serves one-domain and cross-domain answers alike)."""
+    natural = ws.data(["dev"], mode, replace(cfg, augment="none"))
+    got = {"dev": topk_metrics(head, natural)["top1"] or 0.0}
+    if ws.composites.get(("dev", mode)):
+        comp = ws.data(["dev"], mode, replace(cfg, augment="composite"), natural=False)
+        got["dev_composite"] = topk_metrics(head, comp)["top1"] or 0.0
+    got["score"] = round(sum(got.values()) / len(got), 4)
+    return got
+
+
+def choose_config(names: Sequence[str], ws: Workspace, mode: str, grid: Sequence[TrainConfig],
+                  choose_on: Sequence[str]) -> tuple[TrainConfig, dict[str, dict[str, float]]]:
+    """The candidate and early stop (STEP_GRID up to its steps) with the best dev score,
+    each trained on ``choose_on`` (train) only; ties go to the earlier (simpler, shorter)."""
+    scores: dict[str, dict[str, float]] = {}
+    best, best_score = grid[0], -1.0
+    for cfg in grid:
+        stops = [replace(cfg, steps=s) for s in STEP_GRID if s < cfg.steps] + [cfg]
+
+        def probe(head: RankHead, step: int, stops=stops) -> None:
+            for stop in stops:
+                if stop.steps == step:
+                    scores[cfg_name(stop)] = dev_score(head, ws, mode, stop)
+
+        head, _ = fit_head(names, ws.data(choose_on, mode, cfg), cfg, probe=probe)
+        if cfg_name(cfg) not in scores:  # --steps outside STEP_GRID
+            scores[cfg_name(cfg)] = dev_score(head, ws, mode, cfg)
+        for stop in stops:
+            got = scores[cfg_name(stop)]
+            if got["score"] > best_score + 1e-9:
+                best, best_score = stop, got["score"]
+    log(f"{mode}: dev scores " + ", ".join(f"{k} {v['score']}" for k, v in scores.items())
+        + f"; using {cfg_name(best)}")
     return best, scores
+
+
+def choose_staged(names: Sequence[str], ws: Workspace, row: str, base: TrainConfig,
+                  grid: Mapping[str, Sequence], choose_on: Sequence[str]
+                  ) -> tuple[TrainConfig, dict[str, dict[str, float]]]:
+    """Inputs first (views, composites) with the first loss and width, then loss and width
+    for the chosen inputs: each MLP is fitted once per row, not once per input choice."""
+    mode = row_mode(row)
+    first = {**grid, "losses": grid["losses"][:1], "widths": grid["widths"][:1]}
+    if row == JOINT_ROW:
+        first = {**first, "views": ("joint",), "augments": ("none",)}
+    inputs, scores = choose_config(names, ws, mode, candidates(mode, base, **first), choose_on)
+    second = {**grid, "views": (inputs.views,), "augments": (inputs.augment,)}
+    best, more = choose_config(names, ws, mode, candidates(mode, base, **second), choose_on)
+    return best, {**scores, **more}
+
+
+def _grid_args(args: argparse.Namespace) -> dict[str, Sequence]:
+    return {"losses": LOSSES if args.loss == "auto" else (args.loss,),
+            "widths": (0, 256) if args.hidden == "auto" else (int(args.hidden),),
+            "views": VIEWS if args.views == "auto" else (args.views,),
+            "augments": AUGMENTS if args.augment == "auto" else (args.augment,)}
+
+
+def _load_sets(args: argparse.Namespace, pool, names: Sequence[str], fit_sets: Sequence[str],
+               eval_sets: Sequence[str]) -> dict[str, ExampleSet]:
+    T = args.T if args.T is not None else pool.T
+    interval = args.interval or pool.N
+    every = {w: args.train_every if w == "train" else args.every
+             for w in dict.fromkeys([*fit_sets, "dev", *eval_sets])}
+    raw = {w: _read_set(pool, w, names) for w in every}  # first: the likeliest to be missing
+    tokenizer = load_tokenizer(pool.target)
+    prompts = prompt_texts()
+    return {w: _examples(w, *raw[w], names, prompts, tokenizer, T, interval, every[w])
+            for w in every}
+
+
+def build_workspace(sets: dict[str, ExampleSet], fit_sets: Sequence[str],
+                    grids: Mapping[str, Sequence[TrainConfig]], seed: int,
+                    cache: EmbeddingCache, make_encoder: Callable[[], object] = Encoder
+                    ) -> Workspace:
+    """Composites of the fit sets and dev, then every input any candidate reads, embedded."""
+    comp = {(w, m): composite_examples(sets[w].modes[m], sets[w].domains, seed)
+            for w in dict.fromkeys([*fit_sets, "dev"]) for m in MODES if m != "recent_only"}
+    ws = Workspace(cache, sets, comp)
+    needed = []
+    for row, grid in grids.items():
+        mode = row_mode(row)
+        for cfg in {(c.views, c.augment): c for c in grid}.values():
+            for w in sets:
+                needed += view_examples(ws.examples(w, mode, cfg.augment), cfg.views)
+            # every candidate is scored on dev composites too (dev_score)
+            needed += view_examples(ws.examples("dev", mode, "composite", natural=False),
+                                    cfg.views)
+    todo = ws.cache.missing(needed)
+    log(f"{len(todo)} of {len(set(map(ws.cache.key, needed)))} distinct inputs to embed "
+        f"({len(ws.cache.table)} cached)")
+    ws.cache.embed(make_encoder() if todo else None, todo)
+    return ws
+
+
+def _evaluate(names: Sequence[str], ws: Workspace, heads: Mapping[str, RankHead],
+              chosen: Mapping[str, TrainConfig], fit_sets: Sequence[str],
+              eval_sets: Sequence[str], pool) -> dict[str, dict[str, object]]:
+    """Table 2 per eval set: the three input modes, the runtime head (what the process
+    loads: prompt alone at p = 0, prompt + recent later), the old joint combination and
+    the two rules."""
+    y_fit = ws.data(fit_sets, "prompt_recent", TrainConfig()).y
+    majority = majority_baseline(names, y_fit, ws.data(eval_sets[:1], "prompt_recent",
+                                                       TrainConfig()))
+    fallback = [names.index(pool.general)] + [names.index(n) for n in majority["ranking"]]
+    draft_index = {d.domain: i for i, d in enumerate(pool.drafts)}
+    domains = _prompt_domains()
+    as_is = {r: replace(c, augment="none") for r, c in chosen.items()}  # no composites
+    out: dict[str, dict[str, object]] = {}
+    for w in eval_sets:
+        ev: dict[str, object] = {r: topk_metrics(heads[r], ws.data([w], row_mode(r), as_is[r]))
+                                 for r in heads}
+        pr = ws.data([w], "prompt_recent", as_is["prompt_recent"])
+        runtime = heads["prompt_recent"]
+        ev["runtime_head"] = {**ev["prompt_recent"],
+                              "at_start": topk_metrics(runtime, pr.subset(pr.flags == 0)),
+                              "with_recent": topk_metrics(runtime, pr.subset(pr.flags == 1))}
+        ev["domain_rule"] = domain_rule(ws.sets[w].modes["prompt_recent"], domains,
+                                        draft_index, fallback)
+        ev["majority"] = majority_baseline(names, y_fit, pr)
+        for k in (*heads, "domain_rule", "majority"):
+            log(f"{w} {k}: top-1 {ev[k]['top1']} top-2 {ev[k]['top2']}")
+        out[w] = ev
+    return out
 
 
 def _run(args: argparse.Namespace) -> dict[str, object]:
@@ -485,77 +730,59 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
     if len(names) < 2:
         raise ConfigError("the pool has fewer than two drafts: nothing to rank",
                           "add drafts to pool.toml")
-    T = args.T if args.T is not None else pool.T
-    interval = args.interval or pool.N
     fit_sets = [w for w in args.train_set.split(",") if w]
     if "test" in fit_sets or "mixed" in fit_sets:
         raise ConfigError("the predictor must not train on test or mixed prompts",
                           "use --train-set train,dev")
     eval_sets = [w for w in args.eval_sets.split(",") if w]
-    every = {w: args.train_every if w == "train" else args.every
-             for w in dict.fromkeys([*fit_sets, "dev", *eval_sets])}
-    raw = {w: _read_set(pool, w, names) for w in every}  # first: the likeliest to be missing
-    tokenizer = load_tokenizer(pool.target)
-    prompts = prompt_texts()
-    sets = {w: _examples(w, *raw[w], names, prompts, tokenizer, T, interval, every[w])
-            for w in every}
-
-    cache = EmbeddingCache(memspec_home() / "predictor_cache")
-    every_example = [e for s in sets.values() for m in MODES for e in s.modes[m]]
-    todo = cache.missing(every_example)
-    log(f"{len(todo)} of {len(set(map(cache.key, every_example)))} distinct inputs to embed "
-        f"({len(cache.table)} cached)")
-    encoder = Encoder() if todo else None
-    cache.embed(encoder, todo)
-    data = {(w, m): Data.of(s.modes[m], cache.embed(None, s.modes[m]))
-            for w, s in sets.items() for m in MODES}
-    t_embed = time.perf_counter() - t0
-
+    if not eval_sets:
+        raise ConfigError("no evaluation set", "use --eval-sets test,mixed")
+    sets = _load_sets(args, pool, names, fit_sets, eval_sets)
     base = TrainConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
                        seed=args.seed)
-    losses = LOSSES if args.loss == "auto" else (args.loss,)
-    widths = (0, 256) if args.hidden == "auto" else (int(args.hidden),)
-    choose_on = [w for w in fit_sets if w != "dev"] or fit_sets[:1]
-    draft_index = {d.domain: i for i, d in enumerate(pool.drafts)}
-    domains = _prompt_domains()
-    chosen, dev_scores, heads, final = {}, {}, {}, {}
-    evaluation: dict[str, dict[str, object]] = {w: {} for w in eval_sets}
-    for mode in MODES:
-        train_only = _concat([data[(w, mode)] for w in choose_on])
-        chosen[mode], dev_scores[mode] = choose_config(
-            names, train_only, data[("dev", mode)], base, losses, widths, mode)
-        fit = _concat([data[(w, mode)] for w in fit_sets])
-        heads[mode], final[mode] = fit_head(names, fit, chosen[mode], mode)
-        for w in eval_sets:
-            evaluation[w][mode] = topk_metrics(heads[mode], data[(w, mode)])
-    # The runtime sends the prompt alone at p = 0 and prompt + recent later: exactly the
-    # prompt_recent examples (flag = has recent text), so that head is the runtime head.
-    y_fit = _concat([data[(w, "prompt_recent")] for w in fit_sets]).y
-    majority = majority_baseline(names, y_fit, data[(eval_sets[0], "prompt_recent")]) \
-        if eval_sets else {"ranking": names}
-    fallback = [names.index(pool.general)] + [names.index(n) for n in majority["ranking"]]
-    runtime = heads["prompt_recent"]
-    for w in eval_sets:
-        ev, pr = evaluation[w], data[(w, "prompt_recent")]
-        ev["runtime_head"] = {**ev["prompt_recent"],
-                              "at_start": topk_metrics(runtime, pr.subset(pr.flags == 0)),
-                              "with_recent": topk_metrics(runtime, pr.subset(pr.flags == 1))}
-        ev["domain_rule"] = domain_rule(sets[w].modes["prompt_recent"], domains, draft_index,
-                                        fallback)
-        ev["majority"] = majority_baseline(names, y_fit, pr)
-        for k in (*MODES, "domain_rule", "majority"):
-            a = ev[k]
-            log(f"{w} {k}: top-1 {a['top1']} top-2 {a['top2']}")
+    grid = _grid_args(args)
+    grids = {m: candidates(m, base, **grid) for m in MODES}
+    grids[JOINT_ROW] = candidates("prompt_only", base, grid["losses"], grid["widths"],
+                                  ("joint",), ("none",))
+    ws = build_workspace(sets, fit_sets, grids, args.seed,
+                         EmbeddingCache(memspec_home() / "predictor_cache"))
+    t_embed = time.perf_counter() - t0
 
-    info = {
+    choose_on = [w for w in fit_sets if w != "dev"] or fit_sets[:1]
+    chosen, dev_scores, heads, final = {}, {}, {}, {}
+    for row in grids:
+        mode = row_mode(row)
+        chosen[row], dev_scores[row] = choose_staged(names, ws, row, base, grid, choose_on)
+        heads[row], final[row] = fit_head(names, ws.data(fit_sets, mode, chosen[row]),
+                                          chosen[row], row)
+    evaluation = _evaluate(names, ws, heads, chosen, fit_sets, eval_sets, pool)
+    info = _info(args, pool, sets, names, fit_sets, eval_sets, chosen, dev_scores, final,
+                 evaluation)
+    side = save_head(heads["prompt_recent"], args.head_file, info)  # same seed, same files
+    wall = {"embed": round(t_embed, 1), "total": round(time.perf_counter() - t0, 1)}
+    log(f"wrote {args.head_file} and {side} ({wall['total']} s)")
+    return {**info, "wall_s": wall}
+
+
+def _info(args: argparse.Namespace, pool, sets: Mapping[str, ExampleSet], names: Sequence[str],
+          fit_sets: Sequence[str], eval_sets: Sequence[str], chosen: Mapping[str, TrainConfig],
+          dev_scores: Mapping, final: Mapping[str, float], evaluation: Mapping) -> dict:
+    """The sidecar's training record: data, choices with their dev scores, Table 2."""
+    return {
         "trainer": TRAINER, "labels": LABELS, "encoder": ENCODER_NAME,
-        "max_pieces": MAX_PIECES, "T": T, "N": interval, "gamma": pool.gamma,
-        "train_set": ",".join(fit_sets), "chosen_on": "dev", "eval_sets": eval_sets,
-        "every": every,
+        "pool": str(pool.source or DEFAULT_POOL), "pool_fingerprint": pool_fingerprint(pool),
+        "max_pieces": MAX_PIECES, "T": args.T if args.T is not None else pool.T,
+        "N": args.interval or pool.N, "gamma": pool.gamma,
+        "train_set": ",".join(fit_sets), "chosen_on": "dev (mean top-1: as is, composites); inputs, then loss and width",
+        "eval_sets": list(eval_sets),
+        "every": {w: args.train_every if w == "train" else args.every for w in sets},
         "runtime_inputs": "prompt only at p=0 (flag 0), prompt + last T tokens at p>0 (flag 1)",
+        "composites": "own prompt + another domain's (both orders once there is recent text), "
+                      "within each split; seeded",
         "seed": args.seed, "steps": args.steps, "lr": args.lr,
         "weight_decay": args.weight_decay,
-        "config": {m: {"loss": c.loss, "hidden": c.hidden} for m, c in chosen.items()},
+        "config": {m: {"views": c.views, "augment": c.augment, "loss": c.loss,
+                       "hidden": c.hidden, "steps": c.steps} for m, c in chosen.items()},
         "dev_top1": dev_scores,
         "final_loss": {m: round(v, 5) for m, v in final.items()},
         "data": {w: s.counts() for w, s in sets.items()},
@@ -563,10 +790,6 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
         "evaluation": evaluation,
         "paper": {m: {"top1": a, "top2": b} for m, (a, b) in PAPER.items()},
     }
-    side = save_head(runtime, args.head_file, info)  # same seed, same files
-    wall = {"embed": round(t_embed, 1), "total": round(time.perf_counter() - t0, 1)}
-    log(f"wrote {args.head_file} and {side} ({wall['total']} s)")
-    return {**info, "wall_s": wall}
 
 
 def _pct(v: object) -> str:
@@ -578,7 +801,9 @@ def format_table(info: Mapping) -> str:
     lines = []
     for w, rows in ev.items():
         lines.append(f"{w:<13} {'top-1':>5} {'top-2':>5} {'n':>6}   {'paper 1/2':>11}")
-        for k in (*MODES, "runtime_head", "domain_rule", "majority"):
+        for k in (*MODES, JOINT_ROW, "runtime_head", "domain_rule", "majority"):
+            if k not in rows:
+                continue
             a, p = rows[k], paper.get(k)
             ref = f"{_pct(p['top1'])} {_pct(p['top2'])}" if p else ""
             lines.append(f"{k:<13} {_pct(a['top1'])} {_pct(a['top2'])} "

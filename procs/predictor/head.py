@@ -1,15 +1,23 @@
-"""Ranking head: encoder embedding (+ a has-recent flag) -> one score per draft.
+"""Ranking head: encoder embedding(s) (+ a has-recent flag) -> one score per draft.
 
-Saved as ``head.safetensors`` (weights; draft names and dims also in its metadata) next to
-``head.json`` (names, dims, training info, accuracy), both small enough to commit. Loading
-checks both files against the pool's drafts so a head trained for another pool, or a
-corrupt file, fails at start with one line instead of ranking the wrong drafts.
+Saved as ``head.safetensors`` (weights; draft names, dims and views also in its metadata)
+next to ``head.json`` (names, dims, training info, accuracy, the pool's fingerprint), both
+small enough to commit. Loading checks both files against the pool's drafts and, when the
+sidecar records one, the pool's fingerprint (sha256 of every draft's weights): a head trained
+for another pool, even one whose drafts share the names, or a corrupt file, fails with one
+line instead of ranking the wrong drafts.
+
+Two input views: ``joint`` embeds ``prompt [SEP] recent`` once (the prompt has most of the
+pieces, so the mean-pooled vector follows it: on mixed answers the old head ranked like the
+prompt alone); ``split`` embeds the prompt and the recent text apart and sets them side by
+side (zeros for no recent text), so the head weighs each on its own. The trainer picks one
+on dev (zoo/train_predictor.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,25 +32,35 @@ from memspec.procs.predictor import DEFAULT_HEAD
 FORMAT = "memspec-predictor-head/1"
 N_FLAGS = 2  # one-hot [prompt only, prompt + recent]: the two inputs look different
 RETRAIN = "retrain it: memspec predictor train"
+VIEWS = ("joint", "split")
 
 
 class RankHead(nn.Module):
-    """Linear (hidden=0) or one-hidden-layer MLP over ``[embedding ; flags]``."""
+    """Linear (hidden=0) or one-hidden-layer MLP over ``[embedding(s) ; flags]``."""
 
     def __init__(self, names: Sequence[str], embed_dim: int = 384, hidden: int = 0,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, views: str = "joint") -> None:
         super().__init__()
         if not names or len(set(names)) != len(names):
             raise ValueError("a head needs distinct draft names")
+        if views not in VIEWS:
+            raise ValueError(f"unknown head views {views!r}")
         self.names = list(names)
         self.embed_dim = embed_dim
         self.hidden = hidden
-        d_in = embed_dim + N_FLAGS
+        self.views = views
+        self.fingerprint: dict[str, str] | None = None  # the pool it was trained for, if known
+        d_in = embed_dim * self.width + N_FLAGS
         if hidden:
             self.net = nn.Sequential(nn.Dropout(dropout), nn.Linear(d_in, hidden), nn.GELU(),
                                      nn.Dropout(dropout), nn.Linear(hidden, len(names)))
         else:
             self.net = nn.Sequential(nn.Dropout(dropout), nn.Linear(d_in, len(names)))
+
+    @property
+    def width(self) -> int:
+        """Embeddings per input: 1 (joint) or 2 (prompt, recent)."""
+        return 2 if self.views == "split" else 1
 
     @staticmethod
     def features(emb: torch.Tensor, has_recent: torch.Tensor | Sequence[bool]) -> torch.Tensor:
@@ -51,6 +69,10 @@ class RankHead(nn.Module):
 
     def forward(self, emb: torch.Tensor, has_recent: torch.Tensor | Sequence[bool]) -> torch.Tensor:
         """Logits, one column per draft in ``self.names`` order."""
+        if emb.shape[-1] != self.embed_dim * self.width:
+            raise ModelError(f"a {self.views}-view head reads {self.embed_dim * self.width}-d "
+                             f"inputs, got {emb.shape[-1]}-d",
+                             "build them with memspec.procs.predictor.head.split_input")
         return self.net(self.features(emb, has_recent))
 
     def probs(self, emb: torch.Tensor, has_recent: Sequence[bool]) -> torch.Tensor:
@@ -70,6 +92,14 @@ class RankHead(nn.Module):
         return self
 
 
+def split_input(prompt_emb: torch.Tensor, recent_emb: torch.Tensor,
+                has_recent: torch.Tensor | Sequence[bool]) -> torch.Tensor:
+    """A split-view head's input: ``[prompt ; recent]``, recent zeroed where there is none
+    (the recent-only embedding of an empty text is not "no text")."""
+    keep = torch.as_tensor(has_recent, dtype=torch.bool).reshape(-1, 1)
+    return torch.cat([prompt_emb, recent_emb * keep.to(recent_emb.dtype)], dim=-1)
+
+
 def sidecar(path: Path) -> Path:
     return Path(path).with_suffix(".json")
 
@@ -79,10 +109,11 @@ def save_head(head: RankHead, path: Path, info: dict[str, Any] | None = None) ->
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "names": json.dumps(head.names),
-            "embed_dim": str(head.embed_dim), "hidden": str(head.hidden)}
+            "embed_dim": str(head.embed_dim), "hidden": str(head.hidden), "views": head.views}
     _write_safetensors({k: v.detach().float() for k, v in head.state_dict().items()}, meta, path)
     doc = {"format": FORMAT, "drafts": head.names, "embed_dim": head.embed_dim,
-           "hidden": head.hidden, "flags": ["prompt_only", "prompt_recent"], **(info or {})}
+           "hidden": head.hidden, "views": head.views, "flags": ["prompt_only", "prompt_recent"],
+           **(info or {})}
     sidecar(path).write_text(json.dumps(doc, indent=2) + "\n")
     return sidecar(path)
 
@@ -117,9 +148,22 @@ def read_info(path: Path) -> dict[str, Any]:
     return doc
 
 
-def load_head(path: Path, names: Sequence[str] | None = None) -> RankHead:
+def check_fingerprint(path: Path, saved: object, fingerprint: Mapping[str, str]) -> None:
+    """A sidecar's pool fingerprint must be the pool's: same names are not same drafts."""
+    if not isinstance(saved, dict) or saved == dict(fingerprint):
+        return
+    differ = sorted(k for k in {*saved, *fingerprint} if saved.get(k) != fingerprint.get(k))
+    raise ModelError(f"predictor head {Path(path).name} was trained for another pool "
+                     f"(fingerprint differs on {', '.join(differ)})",
+                     RETRAIN + " --pool <this pool's file>")
+
+
+def load_head(path: Path, names: Sequence[str] | None = None,
+              fingerprint: Mapping[str, str] | None = None) -> RankHead:
     """Load and validate; with ``names`` the head must cover exactly those drafts (any order),
-    and its columns come back in ``names`` order."""
+    and its columns come back in ``names`` order; with ``fingerprint`` (the pool's) a head
+    whose sidecar records another is refused. A sidecar without one (heads trained before
+    fingerprints) loads, its ``fingerprint`` None for the caller to judge."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"predictor head not found at {path}",
@@ -131,6 +175,7 @@ def load_head(path: Path, names: Sequence[str] | None = None) -> RankHead:
         state = load_file(str(path))
         saved_names = json.loads(meta.get("names", "null"))
         embed_dim, hidden = int(meta["embed_dim"]), int(meta["hidden"])
+        views = meta.get("views", "joint")
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelError(f"predictor head {path} is corrupt ({type(exc).__name__})",
                          RETRAIN) from None
@@ -140,7 +185,13 @@ def load_head(path: Path, names: Sequence[str] | None = None) -> RankHead:
     if names is not None and sorted(names) != sorted(saved_names):
         raise ModelError(f"predictor head ranks drafts {saved_names}, the pool has {list(names)}",
                          RETRAIN + " for this pool, or set pool.predictor_head")
-    head = RankHead(saved_names, embed_dim=embed_dim, hidden=hidden)
+    if fingerprint is not None:
+        check_fingerprint(path, doc.get("pool_fingerprint"), fingerprint)
+    try:
+        head = RankHead(saved_names, embed_dim=embed_dim, hidden=hidden, views=views)
+    except ValueError:
+        raise ModelError(f"predictor head {path} has unknown views {views!r}", RETRAIN) from None
+    head.fingerprint = doc.get("pool_fingerprint")
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError:

@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             ranker.encoder.warm()
         if ranker.notice:
             LOG.warning(ranker.notice)  # once: the supervisor repeats it in its own log
+        elif ranker.warning:
+            LOG.warning(ranker.warning)
         load_s = time.perf_counter() - t0
         server = Server(router, control, ranker)
         head = f"{FALLBACK}{ranker.notice}" if ranker.notice else str(head_path_for(pool,

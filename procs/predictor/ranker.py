@@ -7,14 +7,17 @@ Any pool ranks: a pool with no head trained for its drafts (none beside the pool
 the committed head ranks other drafts) falls back to the cosine similarity between the
 snapshot's embedding and each draft's description (``description`` in the pool, else a
 phrase for its domain), as a softmax; without the encoder, to a uniform ranking. The
-ranker says which in ``notice``, and the process logs it once.
+ranker says which in ``notice``, and the process logs it once. A head found by default whose
+sidecar records another pool's fingerprint (same draft names, other weights) is refused the
+same way; one that records none (trained before fingerprints) ranks, with a ``warning``.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,11 +25,13 @@ import torch
 from memspec.common.config import DraftSpec, PoolConfig
 from memspec.common.errors import ModelError
 from memspec.procs.decoder.models import load_tokenizer
+from memspec.procs.decoder.tablefiles import pool_fingerprint
 from memspec.procs.predictor import pool_head_path
 from memspec.procs.predictor.encoder import Encoder, recent_text
-from memspec.procs.predictor.head import RankHead, default_head_path, load_head
+from memspec.procs.predictor.head import RankHead, default_head_path, load_head, split_input
 
 SIMILARITY_TEMPERATURE = 0.05  # cosine similarities of MiniLM sentences differ by ~0.1-0.3
+PROMPT_CACHE = 16  # split-view prompt embeddings kept: a request's snapshots share its prompt
 # what a draft named only by its domain is about, in words the encoder places well
 DOMAIN_PHRASES = {
     "general": "everyday questions, stories, explanations and general knowledge",
@@ -47,6 +52,11 @@ def head_path_for(pool: PoolConfig, override: Path | None = None) -> Path:
     return own if own is not None and own.is_file() else default_head_path()
 
 
+def train_hint(pool: PoolConfig) -> str:
+    return "train one: memspec predictor train" + (f" --pool {pool.source}"
+                                                   if pool.source else "")
+
+
 def describe(draft: DraftSpec) -> str:
     """The text a draft is ranked by when no head knows it."""
     return draft.description or DOMAIN_PHRASES.get(draft.domain, draft.domain)
@@ -61,6 +71,8 @@ class Ranker:
     T: int
     profiles: torch.Tensor | None = None  # [drafts, dim] description embeddings (fallback)
     notice: str = ""  # how this ranker ranks, when it is not a trained head
+    warning: str = ""  # a trained head ranks, but nothing says it was trained for this pool
+    prompt_cache: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
 
     @classmethod
     def load(cls, pool: PoolConfig, head: Path | None = None, device: str = "cpu",
@@ -72,20 +84,23 @@ class Ranker:
             return cls(None, None, load_tokenizer(pool.target), [], pool.T)
         path = head_path_for(pool, head)
         try:
-            rank_head = load_head(path, names).to(device)
+            rank_head = load_head(path, names, pool_fingerprint(pool)).to(device)
         except ModelError as exc:
             if head or pool.predictor_head:
                 raise
             return cls.fallback(pool, exc.problem, device)
+        warning = "" if rank_head.fingerprint is not None else (
+            f"predictor head {path} records no pool fingerprint, so it may rank other drafts' "
+            f"acceptance; {train_hint(pool)}")
         tokenizer = load_tokenizer(pool.target)
-        return cls(Encoder(device=device, dtype=dtype), rank_head, tokenizer, names, pool.T)
+        return cls(Encoder(device=device, dtype=dtype), rank_head, tokenizer, names, pool.T,
+                   warning=warning)
 
     @classmethod
     def fallback(cls, pool: PoolConfig, why: str, device: str = "cpu") -> Ranker:
         names = [d.name for d in pool.drafts]
         tokenizer = load_tokenizer(pool.target)
-        train = "train one: memspec predictor train" + (f" --pool {pool.source}"
-                                                        if pool.source else "")
+        train = train_hint(pool)
         try:
             encoder = Encoder(device=device)
         except ModelError as exc:
@@ -114,11 +129,37 @@ class Ranker:
         if self.encoder is None:
             return [[1.0 / len(self.names)] * len(self.names) for _ in prompts], 0.0
         recents = [recent_text(self.tokenizer, ids, self.T) for ids in recent_ids]
-        emb = self.encoder.embed(prompts, recents)
         if self.head is None:
             assert self.profiles is not None
+            emb = self.encoder.embed(prompts, recents)
             probs = torch.softmax(emb @ self.profiles.T / SIMILARITY_TEMPERATURE, dim=-1)
         else:
-            emb = emb.to(next(self.head.parameters()).device)
-            probs = self.head.probs(emb, torch.tensor([bool(r) for r in recents]).to(emb.device))
+            has_recent = torch.tensor([bool(r) for r in recents])
+            emb = self.head_input(prompts, recents).to(next(self.head.parameters()).device)
+            probs = self.head.probs(emb, has_recent.to(emb.device))
         return probs.cpu().tolist(), time.perf_counter() - t0
+
+    def head_input(self, prompts: Sequence[str], recents: Sequence[str]) -> torch.Tensor:
+        """What the head reads: one ``prompt [SEP] recent`` embedding (joint), or the
+        prompt's (cached: a request's snapshots share it) beside the recent text's (split;
+        only the recent text is encoded per snapshot, a shorter input than the joint one)."""
+        assert self.encoder is not None and self.head is not None
+        if self.head.views == "joint":
+            return self.encoder.embed(prompts, recents)
+        prompt_emb = torch.stack([self._prompt_embedding(p) for p in prompts])
+        recent_emb = torch.zeros_like(prompt_emb)
+        rows = [i for i, r in enumerate(recents) if r]
+        if rows:
+            recent_emb[rows] = self.encoder.embed([""] * len(rows), [recents[i] for i in rows])
+        return split_input(prompt_emb, recent_emb, [bool(r) for r in recents])
+
+    def _prompt_embedding(self, prompt: str) -> torch.Tensor:
+        cache = self.prompt_cache
+        if prompt in cache:
+            cache.move_to_end(prompt)
+        else:
+            assert self.encoder is not None
+            cache[prompt] = self.encoder.embed([prompt])[0]
+            while len(cache) > PROMPT_CACHE:
+                cache.popitem(last=False)
+        return cache[prompt]
