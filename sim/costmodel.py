@@ -75,14 +75,24 @@ class CostModel:
 
     def plan_costs(self) -> PlanCosts:
         """oracle-dynamic's beliefs in SD iterations, as the decoder learns them from its
-        own finished requests (procs/decoder/oracle.py:PlanCostMeter)."""
+        own finished requests (procs/decoder/oracle.py:PlanCostMeter): everything this model
+        charges a decision for (iterations as the lines the simulator charges, each draft's
+        own intercept and one slope; catch-ups, binds, scheduling, the loads' head start
+        during the prefill), so the plan matches the simulator's clock but for a switch back
+        to a draft that ran earlier (charged as a fresh one's catch-up) and the loader's
+        slowdown (spread over an interval, not charged per iteration). The unit is the mean
+        iteration."""
         unit = self.mean_iteration_s or sum(self.spec_s.values()) / max(1, len(self.spec_s))
-        # the meter's ratio of raw means (both at the contexts seen), not the empty-context
-        # intercept over a mean: that made target steps look ~40% cheaper than they are
-        target = self.mean_target_s or self.target_s
         return PlanCosts(load={d: s / unit for d, s in self.load_s.items()},
-                         target=target / unit, switch=self.catchup_base_s / unit,
-                         switch_per_token=self.catchup_per_token_s / unit, timed=True)
+                         spec={d: s / unit for d, s in self.spec_s.items()},
+                         target=self.target_s / unit, per_token=self.per_context_token_s / unit,
+                         switch=self.catchup_base_s / unit,
+                         switch_per_token=self.catchup_per_token_s / unit,
+                         bind=self.bind_s / unit, overhead=self.sched_s / unit,
+                         inner=self.inner_s / unit,
+                         load_slowdown=self.load_slowdown,
+                         prefill=(self.pre_s + self.prefill_base_s) / unit,
+                         prefill_per_token=self.prefill_per_token_s / unit, timed=True)
 
     def gate_costs(self) -> GateCosts:
         """The speculation gate's lines, as the decoder's start-up calibration gives them."""

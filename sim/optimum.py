@@ -1,21 +1,25 @@
-"""The exact optimum schedule: dynamic programming over (position, resident set, loads).
+"""The exact optimum schedule: a shortest path over (position, resident set, loads).
 
 A true upper bound for every policy the simulator can run. It decides at the same
-scheduling points (every N iterations), may only run a draft that is resident at the
+scheduling points (every N iterations, or after one: the speculation gate's probe, which
+oracle-dynamic may also choose), may only run a draft that is resident at the
 decision, and pays the same iteration costs, but it is relaxed in the bound's favour
 everywhere else: it knows every table, loads run in parallel (the loader serialises them)
 and are timed in whole units of the cheapest iteration (rounded so they land early), and
 catch-up prefills, prediction and scheduling overheads are free. So its time is a lower
 bound on any simulated policy's decode time, and tokens / time an upper bound on throughput.
+The search is A* under the time left with every draft resident (exact, as the dynamic
+programme over the same states it replaces, on far fewer of them).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from itertools import combinations
+from itertools import combinations, product
 
 from memspec.procs.decoder.replay import Table, step_accepted
 from memspec.sim.costmodel import CostModel
@@ -47,12 +51,13 @@ def optimum(tables: Mapping[str, Table], cost: CostModel, K: int, N: int, gamma:
     n_tok = n_tok if length is None else min(n_tok, length)
     K = max(0, min(K, len(drafts)))
     configs = [frozenset(c) for c in combinations(drafts, K)] if K else [frozenset()]
+    lengths = (N, 1) if N > 1 else (N,)  # an interval, or one iteration (the gate's probe)
 
     @cache
-    def interval(run: str | None, pos: int) -> tuple[int, float]:
-        """(position after, seconds) for N iterations of `run` from `pos`."""
+    def interval(run: str | None, pos: int, length: int) -> tuple[int, float]:
+        """(position after, seconds) for `length` iterations of `run` from `pos`."""
         t = 0.0
-        for _ in range(N):
+        for _ in range(length):
             if pos >= n_tok:
                 break
             if run is None:
@@ -70,42 +75,65 @@ def optimum(tables: Mapping[str, Table], cost: CostModel, K: int, N: int, gamma:
 
     # loads also progress during time the steady clock does not charge (scheduling,
     # binding, catch-up): credit an interval's share of it to every pending load
-    slack = cost.sched_s + cost.inner_s * max(0, N - 1) + cost.snapshot_s
-
-    def advance(pending: frozenset[tuple[str, int]], dt: float
+    def advance(pending: frozenset[tuple[str, int]], dt: float, length: int = N
                 ) -> tuple[frozenset[str], frozenset[tuple[str, int]]]:
+        slack = cost.sched_s + cost.inner_s * max(0, length - 1) + cost.snapshot_s
         n = math.ceil((dt + slack) / unit - EPS)
         done = frozenset(d for d, left in pending if left <= n)
         still = frozenset((d, left - n) for d, left in pending if left > n)
         return done, still
 
-    @cache
-    def best(pos: int, res: frozenset[str], pending: frozenset[tuple[str, int]],
-             waited: bool = False) -> tuple[float, tuple[str | None, ...]]:
-        """Right after a wait only loads already issued may be waited for: no cycles."""
-        if pos >= n_tok:
-            return 0.0, ()
+    OptState = tuple[int, frozenset[str], frozenset[tuple[str, int]], bool]
+
+    def moves(state: OptState) -> list[tuple[tuple[str | None, ...], OptState, float]]:
+        """((run,), next state, seconds) of every move; a wait (idle until the first
+        pending load lands; right after a wait only loads already issued may be waited
+        for: no cycles) runs nothing: ()."""
+        pos, res, pending, waited = state
         loading = {d for d, _ in pending}
-        out: tuple[float, tuple[str | None, ...]] = (float("inf"), ())
+        out: list[tuple[tuple[str | None, ...], OptState, float]] = []
         for cfg in configs:  # slots are free to fill in the relaxation: always fill them
             keep = res & cfg
             keep_pending = frozenset(p for p in pending if p[0] in cfg)
             new = frozenset((d, load_units[d]) for d in cfg - res - loading)
             pend = keep_pending | new
-            for run in (*sorted(keep), *((None,) if target_only or not res else ())):
-                nxt, dt = interval(run, pos)
-                done, still = advance(pend, dt)
-                t_rest, sched = best(nxt, keep | done, still)
-                if dt + t_rest < out[0]:
-                    out = (dt + t_rest, (run, *sched))
-            if pend and not (waited and new):  # or idle until the first pending load lands
+            for run, length in product((*sorted(keep), *((None,) if target_only or not res
+                                                         else ())), lengths):
+                nxt, dt = interval(run, pos, length)
+                done, still = advance(pend, dt, length)
+                out.append(((run,), (nxt, keep | done, still, False), dt))
+            if pend and not (waited and new):
                 dt = min(left for _, left in pend) * unit
                 done, still = advance(pend, dt)
-                t_rest, sched = best(pos, keep | done, still, True)
-                if dt + t_rest < out[0]:
-                    out = (dt + t_rest, sched)
+                out.append(((), (pos, keep | done, still, True), dt))
         return out
 
-    start = frozenset(list(dict.fromkeys(d for d in resident if d in tables))[:K])
-    t, sched = best(0, start, frozenset())
+    # A*'s bound: the time left with every draft resident and nothing to load
+    h = [0.0] * (n_tok + 1)
+    for pos in range(n_tok - 1, -1, -1):
+        h[pos] = min(dt + h[nxt] for run, length in product((None, *drafts), lengths)
+                     for nxt, dt in [interval(run, pos, length)])
+
+    start: OptState = (0, frozenset(list(dict.fromkeys(d for d in resident
+                                                     if d in tables))[:K]), frozenset(), False)
+    g = {start: 0.0}
+    parent: dict[OptState, tuple[OptState, tuple[str | None, ...]]] = {}
+    heap: list[tuple[float, int, float, OptState]] = [(h[0], 0, 0.0, start)]
+    order = 0
+    while heap:
+        _f, _, at, state = heapq.heappop(heap)
+        if at > g[state] + EPS:
+            continue  # reached again at less cost since
+        if state[0] >= n_tok:
+            break
+        for run, nxt, dt in moves(state):
+            if at + dt < g.get(nxt, math.inf) - EPS:
+                g[nxt], parent[nxt] = at + dt, (state, run)
+                order += 1  # ties: the newest first (deepest)
+                heapq.heappush(heap, (at + dt + h[nxt[0]], -order, at + dt, nxt))
+    sched: tuple[str | None, ...] = ()
+    t, node = g[state], state
+    while node in parent:
+        node, ran = parent[node]
+        sched = ran + sched
     return Optimum(t, n_tok, sched)

@@ -3,171 +3,461 @@
 An oracle that only scores drafts per interval (and leaves residency to the cache manager)
 learns that it needs a draft when it is already too late: it then falls back while the
 draft loads, and can lose to oracle-static. This planner knows every draft's acceptance
-table and what a load costs, so it starts the load that a later interval needs early
-enough for the draft to be resident by then, under the same K slots and the same one-load-
-at-a-time loader as every other policy.
+table and what everything costs, so it queues the loads that later intervals need early
+enough for the drafts to be resident by then, under the same K slots and the same loader
+as every other policy: up to K loads queued at once (a queued load holds its slot), served
+one after another in issue order (sim/loadqueue.py, the runtime's loader).
 
-Dynamic programming over scheduling points. A state is (position, active draft, resident
-set, the load in flight and what is left of it); a decision is which resident draft runs
-the next N iterations (the target alone only while no draft is resident, as the online
-policies do) and optionally which draft to start loading, evicting a resident that does
-not run. Time is counted in SD iterations (`PlanCosts`): every draft iteration costs its
-own cost, a target-only step `target`, a (re)activation `switch`, a load `load[d]`, and a
-load lands when the time run since it started covers it (it becomes runnable at the next
-scheduling point, as in the runtime). Remaining load time is rounded up to `quantum`, so a
-plan never expects a draft earlier than it can land. The value is exact for the costs it
-is given; oracle-static's schedule (load the best single draft at the start, run it
-throughout) is one of the plans it considers, so the plan is never slower than it in its
-own cost model. Pure (lists and ints); the decoder and the simulator run the same plan.
+A shortest-path search over scheduling points. A state is (position, active draft and how
+far its KV cache is behind, resident set, the load queue with what is left of its head); a
+move is which resident draft runs next, or the target alone (always a choice: with the
+tables the plan knows when no draft pays, the speculation gate's question answered
+exactly), for N iterations or for one (the gate's probe: the plan decides as finely as any
+online policy), and which drafts to append to the queue, evicting residents that do not
+run. Time is counted in SD iterations (`PlanCosts`) as the simulator and the runtime charge
+it: each draft's own iteration cost and a target step, both growing with the context; a
+catch-up over the whole context for a draft another ran before (or just bound), over the
+tokens it missed for one resumed after target steps; the scheduling point's overhead;
+iterations slowed while the loader works; and every landed draft's bind on the decoder. A
+load lands when the loader's time covers it and becomes runnable at the next scheduling
+point (bound there). Load time is kept in fine quanta (`PlanCosts.quantum`; coarse ones,
+rounded the same way at every short interval, add up to intervals of waiting that the
+runtime does not have). At request start the loads go out before the prompt prefills
+(Alg. 3), so they progress during the prefill.
+
+The search is A* under an admissible bound (the rest with the drafts held all resident, or
+any draft for one more bind), so its value is exact for the costs it is given, as an
+exhaustive dynamic programme's would be (tests/test_loadplan.py checks the two agree), at a
+fraction of the states. oracle-static's schedule (load the best single draft at the start,
+run it throughout) is one of the plans it considers, so the plan is never slower than it
+in its own cost model. Pure (lists and ints); the decoder and the simulator run the same
+plan.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from itertools import combinations, permutations, product
 
 from memspec.procs.decoder.replay import Table, step_accepted
 
-Loading = tuple[str, float] | None  # (draft, iterations left) of the load in flight
-State = tuple[int, str | None, frozenset[str], Loading]  # (position, active, resident, load)
+Loading = tuple[tuple[str, float], ...]  # the load queue in issue order: (draft, iterations
+# left); the loader serves the first, the others wait for it
+State = tuple[int, str | None, frozenset[str], Loading, int]  # (position, active, resident,
+# queue, tokens the active draft's KV cache is behind: it catches up on them when it runs)
+EPS = 1e-9
 
 
 @dataclass(frozen=True)
 class PlanCosts:
-    """What oracle-dynamic believes things cost, in SD iterations of a draft."""
+    """What oracle-dynamic believes things cost, in SD iterations (the unit: a mean draft
+    iteration). Iterations are lines in the context: `spec[d]` (default 1) or `target`, plus
+    `per_token` per context token (0: `target` is the mean ratio at the contexts seen)."""
 
     load: Mapping[str, float]  # one load of each draft
     target: float = 1.0  # one target-only step
     switch: float = 0.25  # (re)activating a draft: its KV catch-up, fixed part
     switch_per_token: float = 0.0  # ... and per token of context it catches up on
     spec: Mapping[str, float] = field(default_factory=dict)  # per-draft iteration (default 1)
-    quantum: float = 0.25  # load time is tracked in these units, rounded up
+    quantum: float = 0.001  # load time is tracked in these units: fine enough that no
+    # rounding adds up over many short intervals, coarse enough that equal paths meet
     timed: bool = False  # `target` was measured (not the prior): the speculation gate trusts it
+    bind: float = 0.0  # the decoder binding one landed draft
+    per_token: float = 0.0  # an iteration's growth per context token (spec and target alike)
+    overhead: float = 0.0  # a scheduling point (drain, decide)
+    inner: float = 0.0  # between two iterations of one interval
+    load_slowdown: float = 0.0  # iterations run this much slower while the loader works
+    prefill: float = 0.0  # request start to decode loop (the loads' head start), fixed part
+    prefill_per_token: float = 0.0  # ... and per prompt token
 
     @classmethod
     def uniform(cls, drafts: Sequence[str], load_iters: float, **kw: float) -> PlanCosts:
         return cls(load={d: float(load_iters) for d in drafts}, **kw)  # type: ignore[arg-type]
 
+    def iteration(self, run: str | None, context: int) -> float:
+        """One iteration of `run` (None: a target step) at `context` tokens."""
+        base = self.target if run is None else self.spec.get(run, 1.0)
+        return base + self.per_token * context
+
+    def slowed(self, work: float, busy: float) -> float:
+        """Wall time of `work` iterations while the loader has `busy` time of loads left."""
+        s = 1.0 + self.load_slowdown
+        if s == 1.0 or busy <= 0:
+            return work
+        return work * s if busy >= work * s else busy + (work - busy / s)
+
 
 @dataclass(frozen=True)
 class Step:
     run: str | None  # the draft for the next interval (None: target alone)
-    load: str | None = None  # start loading this draft now
-    evict: str | None = None  # ... after evicting this resident
+    loads: tuple[str, ...] = ()  # append these to the load queue now, in this order
+    evicts: tuple[str, ...] = ()  # ... after evicting these residents
     value: float = 0.0  # iterations to the end of the trajectory under this plan
+    limit: int = 0  # iterations before the next scheduling point (0: N)
+
+
+Key = tuple[int, int, int, int, int, int, tuple[int, ...]]  # a State coded for the search:
+# (position, active (-1: none), its KV behind, resident bit mask, queue head (-1: none), its
+# quanta left, the drafts queued behind it: they have not started)
+Code = tuple[int, tuple[int, ...], int, int, int, int]  # a move coded: (run (-1: target),
+# loads, evict mask, quanta of the loads, quanta of the last load, iterations)
+_TARGET: Code = (-1, (), 0, 0, 0, 0)
 
 
 class LoadPlanner:
     """The plan for one trajectory; `step` answers any state (memoised: re-planning after
-    a late load or a state the plan did not expect costs only the new states)."""
+    a late load or a state the plan did not expect costs only the new states). The search
+    runs on states coded as ints (drafts as bits and indices, load time in quanta): the
+    decoder solves it when a request starts."""
 
     def __init__(self, tables: Mapping[str, Table], gamma: int, N: int, K: int,
                  costs: PlanCosts, prompt_len: int = 0) -> None:
         self.prompt_len = prompt_len
-        self.tables = {d: list(t) for d, t in tables.items()}
+        self.tables = {d: list(tables[d]) for d in sorted(tables)}
         self.drafts = tuple(self.tables)
         self.n = min((len(t) for t in self.tables.values()), default=0)
         self.gamma, self.N, self.K, self.costs = gamma, N, max(0, K), costs
-        self._interval = lru_cache(maxsize=None)(self._interval_raw)
-        self._best = lru_cache(maxsize=None)(self._best_raw)
+        self._ix = {d: i for i, d in enumerate(self.drafts)}
+        self._full = tuple(self._units(self.load_left(d)) for d in self.drafts)
+        self._memo: dict[Key, tuple[float, Code]] = {}
+        self._intervals: dict[tuple[int, int, int], tuple[int, float, int, int]] = {}
+        # an interval runs N iterations, or one (the speculation gate's probe: a scheduling
+        # point after every iteration is as fine as any online policy decides)
+        self.lengths = (N, 1) if N > 1 else (N,)
+        self._codes: dict[tuple[int, int, int], list[Code]] = {}
+        self._h: dict[int, list[list[float]]] = {}  # relaxed bounds by drafts held
 
+    # ---- time -----------------------------------------------------------------------------
     def load_left(self, draft: str) -> float:
         """A whole load of `draft`, as the plan counts it."""
         return self.quantise(self.costs.load[draft])
 
     def quantise(self, left: float) -> float:
+        """Time left of a load in whole quanta, rounded up (one at least)."""
         q = self.costs.quantum
-        return math.ceil(left / q - 1e-9) * q if left > 0 else 0.0
+        return max(1, math.ceil(left / q - EPS)) * q
 
-    def _interval_raw(self, run: str | None, pos: int) -> tuple[int, float]:
-        """(position after, iterations of time) for one interval of `run` from `pos`."""
-        t = 0.0
-        for _ in range(self.N):
-            if pos >= self.n:
-                break
-            if run is None:
-                t += self.costs.target
-                pos += 1
-            else:
-                t += self.costs.spec.get(run, 1.0)
-                pos = min(pos + step_accepted(self.tables[run], pos, self.gamma) + 1, self.n)
-        return pos, t
+    def _units(self, t: float) -> int:
+        """Progress in `t`, in quanta to the nearest."""
+        return math.floor(t / self.costs.quantum + 0.5)
 
-    def _choices(self, resident: frozenset[str], loading: Loading
-                 ) -> list[tuple[str | None, str | None, str | None]]:
-        """(run, load, evict) moves allowed in a state."""
-        out: list[tuple[str | None, str | None, str | None]] = []
-        # the target alone is always a choice: an upper bound must also know when not to
-        # speculate (the online policies' speculation gate may choose it too)
-        runs: list[str | None] = [*sorted(resident), None] if resident else [None]
-        out += [(r, None, None) for r in runs]
-        if loading is not None or self.K < 1:
-            return out
-        for d in self.drafts:
-            if d in resident:
-                continue
-            if len(resident) < self.K:
-                out += [(r, d, None) for r in runs]
-            else:  # free a slot: evict a resident that does not run this interval
-                for e in sorted(resident):
-                    rest = sorted(resident - {e})
-                    out += [(r, d, e) for r in (rest or [None])]
+    def prefill_time(self) -> float:
+        """Request start to the first scheduling point: the loads' head start."""
+        c = self.costs
+        return max(0.0, c.prefill + c.prefill_per_token * self.prompt_len)
+
+    def _interval(self, run: int, pos: int, length: int) -> tuple[int, float, int, int]:
+        """(position after, iterations of time, iterations, tokens the draft's KV is then
+        behind) for one interval of `run`: the engine keeps the accepted proposals but the
+        last when all gamma were accepted, and never the bonus token."""
+        got = self._intervals.get((run, pos, length))
+        if got is None:
+            t, i, p, tail = 0.0, 0, pos, 0
+            name = self.drafts[run] if run >= 0 else None
+            table = self.tables[name] if name is not None else None
+            while i < length and p < self.n:
+                t += self.costs.iteration(name, self.prompt_len + p)
+                a = 0 if table is None else step_accepted(table, p, self.gamma)
+                p, tail, i = p + a + 1, 2 if a >= self.gamma else 1, i + 1
+            got = self._intervals[(run, pos, length)] = (min(p, self.n), t, i, tail)
+        return got
+
+    def _serve(self, queue: list[tuple[int, int]], progress: int) -> int:
+        """The loader working `progress` quanta on `queue` (in place): the landed mask."""
+        landed = 0
+        while queue and queue[0][1] <= progress:
+            d, left = queue.pop(0)
+            landed |= 1 << d
+            progress -= left
+        if queue and progress > 0:
+            queue[0] = (queue[0][0], queue[0][1] - progress)
+        return landed
+
+    def _bind(self, landed: int, queue: list[tuple[int, int]]) -> float:
+        """Binding what landed, at the next scheduling point: the loader goes on meanwhile,
+        but what it finishes then is only seen at the point after (kept a quantum out)."""
+        t = self.costs.bind * landed.bit_count()
+        if queue and t > 0:
+            queue[0] = (queue[0][0], max(1, queue[0][1] - self._units(t)))
+        return t
+
+    # ---- moves ----------------------------------------------------------------------------
+    def _moves(self, res: int, queued: int, qlen: int) -> list[Code]:
+        """Moves allowed with `res` resident and `queued` in the queue: each resident draft
+        or the target alone (always a choice: an upper bound must also know when not to
+        speculate, as the online policies' speculation gate may), with each ordered choice
+        of drafts neither resident nor queued to append to the queue, evicting as few
+        residents that do not run as the slots need."""
+        key = (res, queued, qlen)
+        got = self._codes.get(key)
+        if got is not None:
+            return got
+        resident = [i for i in range(len(self.drafts)) if res >> i & 1]
+        todo = [i for i in range(len(self.drafts)) if not (res | queued) >> i & 1]
+        free = self.K - len(resident) - qlen
+        out: list[Code] = []
+        for run, length in product((*resident, -1), self.lengths):
+            out.append((run, (), 0, 0, 0, length))
+            evictable = [i for i in resident if i != run]
+            for n in range(1, min(len(todo), free + len(evictable)) + 1):
+                for ev in combinations(evictable, max(0, n - free)):
+                    mask = sum(1 << i for i in ev)
+                    out += [(run, loads, mask, sum(self._full[d] for d in loads),
+                             self._full[loads[-1]], length) for loads in permutations(todo, n)]
+        self._codes[key] = out
         return out
 
-    def _move(self, state: State, run: str | None, load: str | None, evict: str | None
-              ) -> tuple[State, float]:
-        """(the next scheduling point's state, iterations of time) after a move."""
-        pos, active, resident, loading = state
-        res = resident - {evict} if evict else resident
-        nxt, dt = self._interval(run, pos)
-        if run is not None and run != active:
-            dt += self.costs.switch + self.costs.switch_per_token * (self.prompt_len + pos)
-        flight = loading if load is None else (load, self.load_left(load))
-        if flight is not None:
-            left = self.quantise(flight[1] - dt)
-            res, flight = (res | {flight[0]}, None) if left <= 0 else (res, (flight[0], left))
-        return (nxt, run if run is not None else active, res, flight), dt
+    def _go(self, key: Key, code: Code, queued: int) -> tuple[Key, float] | None:
+        """(the next scheduling point's state, iterations of time) after a move from `key`
+        (`queued`: quanta of load time in its queue); None for a move that queues a load
+        behind one the loader is still on at the next point (queueing it there instead is
+        the same to the loader and keeps the slot free for the interval)."""
+        pos, active, behind, res, head, left, rest = key
+        run, loads, evict, added, last, length = code
+        c = self.costs
+        nxt, work, its, tail = self._interval(run, pos, length)
+        busy = queued + added
+        dt = (c.slowed(work, busy * c.quantum) if busy else work) + c.overhead \
+            + c.inner * (its - 1) + self._catchup(run, active, behind, pos)
+        res &= ~evict
+        if busy:
+            progress = self._units(dt)
+            if loads and busy - last > progress:
+                return None
+            full = self._full
+            queue = ([(head, left)] if head >= 0 else []) + [(d, full[d]) for d in (*rest, *loads)]
+            if progress < queue[0][1]:
+                queue[0] = (queue[0][0], queue[0][1] - progress)
+            elif nxt < self.n:  # bound at the next point (there is none after the last)
+                landed = self._serve(queue, progress)
+                dt += self._bind(landed, queue)
+                res |= landed
+        else:
+            queue = []
+        active, behind = (run, tail) if run >= 0 else (active, behind + nxt - pos)
+        # an evicted draft is no longer "active": reloaded, it catches up like any other
+        if active < 0 or not res >> active & 1:
+            active, behind = -1, 0
+        return self._pack(nxt, active, behind, res, queue), dt
 
-    def _best_raw(self, state: State) -> Step:
-        pos, _active, resident, loading = state
-        if pos >= self.n:
-            return Step(None, value=0.0)
-        best: Step | None = None
-        for run, load, evict in self._choices(resident, loading):
-            nxt, dt = self._move(state, run, load, evict)
-            value = dt + self._best(nxt).value
-            # equal plans: the one that loads now (a load started early never costs here,
-            # and lands earlier in the runtime than a plan can count on)
-            if best is None or value < best.value - 1e-9 or \
-                    (value <= best.value + 1e-9 and load is not None and best.load is None):
-                best = Step(run, load, evict, value)
-        assert best is not None
-        return best
+    def _catchup(self, run: int, active: int, behind: int, pos: int) -> float:
+        """A draft's KV catch-up before its interval: over the whole context when another
+        ran last (or it was just bound), over the tokens the target emitted since when it
+        resumes after target steps (the engine's rule: more than two)."""
+        c = self.costs
+        if run < 0 or (run == active and behind <= 2):
+            return 0.0
+        missing = behind if run == active else self.prompt_len + pos
+        return c.switch + c.switch_per_token * missing
 
+    def _queued(self, key: Key) -> int:
+        """Quanta of load time left in `key`'s queue."""
+        return (key[5] if key[4] >= 0 else 0) + sum(self._full[d] for d in key[6])
+
+    @staticmethod
+    def _pack(pos: int, active: int, behind: int, res: int, queue: list[tuple[int, int]]
+              ) -> Key:
+        if not queue:
+            return pos, active, behind, res, -1, 0, ()
+        return (pos, active, behind, res, queue[0][0], queue[0][1],
+                tuple(d for d, _ in queue[1:]))
+
+    def successors(self, key: Key) -> list[tuple[Code, Key, float]]:
+        """(move, next state, iterations of time) of every move the plan makes from a
+        coded state (`_key`); the search's graph, also walked exhaustively by the tests."""
+        head, rest = key[4], key[6]
+        queued = sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
+        units = self._queued(key)
+        out = []
+        for code in self._moves(key[3], queued, len(rest) + (head >= 0)):
+            moved = self._go(key, code, units)
+            if moved is not None:
+                out.append((code, *moved))
+        return out
+
+    def _solve(self, key: Key) -> tuple[float, Code]:
+        """The fastest way on from `key` and its first move (memoised along best paths:
+        the rest of a best path is the best from each of its states)."""
+        got = self._memo.get(key)
+        if got is None:
+            self._search({key: 0.0})
+            got = self._memo[key]
+        return got
+
+    def _search(self, starts: Mapping[Key, float]) -> Key:
+        """A* from `starts` (each reached after that much time) to the end of the
+        trajectory under `_bound`: a lower bound, exact on earlier best paths. Records the
+        best path's moves and returns the start it leaves from."""
+        g = dict(starts)
+        parent: dict[Key, tuple[Key, Code]] = {}
+        heap = [(t + self._bound(k), -t, i, k) for i, (k, t) in enumerate(sorted(g.items()))]
+        heapq.heapify(heap)
+        order = len(heap)
+        while True:
+            _f, neg_g, _, key = heapq.heappop(heap)
+            if -neg_g > g[key] + EPS:
+                continue  # reached again at less cost since
+            if key[0] >= self.n or key in self._memo:
+                break
+            gk = g[key]
+            for code, nxt, dt in self.successors(key):
+                ng = gk + dt
+                if ng < g.get(nxt, math.inf) - EPS:
+                    g[nxt], parent[nxt] = ng, (key, code)
+                    order += 1
+                    heapq.heappush(heap, (ng + self._bound(nxt), -ng, order, nxt))
+        if key not in self._memo:
+            self._memo[key] = (0.0, _TARGET)
+        total = g[key] + self._memo[key][0]
+        while key in parent:
+            prev, code = parent[key]
+            self._memo[prev] = (total - g[prev], code)
+            key = prev
+        return key
+
+    def _bound(self, key: Key) -> float:
+        """What is left from `key` at least (exactly, on a known best path): with the
+        drafts it holds or queues all resident at once, or with any draft for one more
+        bind; plus the binds of the queued loads that land before that much time."""
+        known = self._memo.get(key)
+        if known is not None:
+            return known[0]
+        pos, a, head, rest = key[0], key[1] + 1, key[4], key[6]
+        free = self._relaxed((1 << len(self.drafts)) - 1)[pos][a]
+        bind = self.costs.bind
+        if bind <= 0:
+            return free
+        held = key[3] | sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
+        rest_lb = min(self._relaxed(held)[pos][a], free + bind)
+        if head < 0:
+            return rest_lb
+        landing, binds = key[5] * self.costs.quantum, 0
+        for d in (None, *rest):
+            if d is not None:
+                landing += self._full[d] * self.costs.quantum
+            if landing >= rest_lb:
+                break
+            binds += 1
+        return rest_lb + bind * binds
+
+    def _relaxed(self, mask: int) -> list[list[float]]:
+        """h[pos][active + 1]: the fastest rest with the drafts of `mask` resident from now
+        and nothing to load, bind or slow down (catch-ups as the plan charges them, a
+        resumed draft's free)."""
+        got = self._h.get(mask)
+        if got is not None:
+            return got
+        n, D, c = self.n, len(self.drafts), self.costs
+        runs = [-1, *(d for d in range(D) if mask >> d & 1)]
+        h = [[0.0] * (D + 1) for _ in range(n + 1)]
+        for pos in range(n - 1, -1, -1):
+            switch = c.switch + c.switch_per_token * (self.prompt_len + pos)
+            for a in runs:
+                best = math.inf
+                for run, length in product(runs, self.lengths):
+                    nxt, work, its, _tail = self._interval(run, pos, length)
+                    dt = work + c.overhead + c.inner * (its - 1) \
+                        + (switch if run >= 0 and run != a else 0.0)
+                    best = min(best, dt + h[nxt][(run if run >= 0 else a) + 1])
+                h[pos][a + 1] = best
+        self._h[mask] = h
+        return h
+
+    # ---- the runtime's view ---------------------------------------------------------------
     def state(self, pos: int, active: str | None, resident: frozenset[str],
-              loading: Loading = None) -> State:
-        """A runtime state in the plan's terms (resident: runnable drafts only)."""
+              queue: Loading = (), behind: int = 0) -> State:
+        """A runtime state in the plan's terms (resident: runnable drafts only; a load in
+        flight is at least one quantum from landing)."""
         resident = frozenset(d for d in resident if d in self.tables)
-        if loading is not None:
-            loading = (loading[0], self.quantise(max(loading[1], self.costs.quantum)))
-        return min(pos, self.n), active if active in resident else None, resident, loading
+        q = self.costs.quantum
+        queue = tuple((d, self.quantise(max(left, q))) for d, left in queue
+                      if d in self.tables and d not in resident)
+        if active not in resident:
+            active, behind = None, 0
+        return min(pos, self.n), active, resident, queue, max(0, behind)
+
+    def coded(self, state: State) -> Key:
+        """A state as the search codes it."""
+        pos, active, resident, queue, behind = self.state(*state)
+        ix = self._ix
+        items = [(ix[d], max(1, round(left / self.costs.quantum))) for d, left in queue]
+        return self._pack(pos, ix[active] if active is not None else -1, behind,
+                          sum(1 << ix[d] for d in resident), items)
+
+    def _state(self, key: Key) -> State:
+        pos, active, behind, res, head, left, rest = key
+        names, q = self.drafts, self.costs.quantum
+        queue = () if head < 0 else ((names[head], left * q),
+                                     *((names[d], self._full[d] * q) for d in rest))
+        resident = frozenset(d for i, d in enumerate(names) if res >> i & 1)
+        return pos, names[active] if active >= 0 else None, resident, queue, behind
+
+    def _step(self, code: Code, value: float) -> Step:
+        run, loads, evict = code[:3]
+        names = self.drafts
+        return Step(names[run] if run >= 0 else None, tuple(names[d] for d in loads),
+                    tuple(d for i, d in enumerate(names) if evict >> i & 1), value,
+                    0 if code[5] == self.N else code[5])
+
+    def _code(self, move: Step) -> Code:
+        ix, full = self._ix, self._full
+        loads = tuple(ix[d] for d in move.loads)
+        return (ix[move.run] if move.run is not None else -1, loads,
+                sum(1 << ix[d] for d in move.evicts), sum(full[d] for d in loads),
+                full[loads[-1]] if loads else 0, move.limit or self.N)
 
     def step(self, state: State) -> Step:
         """The plan's move at a scheduling point."""
-        return self._best(state)
-
-    def initial(self) -> Step:
-        """The move at request start, before the prompt prefills: the draft to start
-        loading (the start state's best first load; the prefill's overlap is a bonus the
-        plan does not count)."""
-        move = self._best((0, None, frozenset(), None))
-        return Step(None, move.load, None, move.value)
+        value, code = self._solve(self.coded(state))
+        return self._step(code, value)
 
     def after(self, state: State, move: Step) -> State:
         """The state the plan expects at the next scheduling point after `move`."""
-        return self._move(state, move.run, move.load, move.evict)[0]
+        key = self.coded(state)
+        moved = self._go(key, self._code(move), self._queued(key))
+        assert moved is not None, "a move the plan does not make"
+        return self._state(moved[0])
+
+    def initial(self, resident: frozenset[str] = frozenset()) -> Step:
+        """The move at request start, before the prompt prefills: the loads to queue (and
+        the residents they evict), chosen with the prefill's head start counted."""
+        start = self.coded((0, None, resident, ()))
+        opening: dict[Key, tuple[float, Code]] = {}
+        for code in self._moves(start[3], 0, 0):  # the loads (run: none yet)
+            if code[0] < 0 and code[5] == self.N \
+                    and code[3] - code[4] <= self._units(self.prefill_time()):
+                after, dt = self._open(start, code)
+                if after not in opening or dt < opening[after][0] - EPS:
+                    opening[after] = (dt, code)
+        first = self._search({k: dt for k, (dt, _) in opening.items()})
+        best, code = opening[first][0] + self._memo[first][0], opening[first][1]
+        if self.prefill_time() <= 0:  # the prefill's time unknown: what is as fast with a
+            code = self._earlier(opening, code, best)  # load out before it gets its start
+        return self._step(code, best)
+
+    def _earlier(self, opening: Mapping[Key, tuple[float, Code]], code: Code, best: float
+                 ) -> Code:
+        """An opening as fast as `code` that loads more."""
+        for after, (dt, other) in opening.items():
+            if len(other[1]) > len(code[1]) and dt + self._solve(after)[0] <= best + EPS:
+                return other
+        return code
+
+    def opened(self, resident: frozenset[str], move: Step) -> State:
+        """The state the plan expects at the first scheduling point after `initial`."""
+        start = self.coded((0, None, resident, ()))
+        return self._state(self._open(start, self._code(move))[0])
+
+    def _open(self, start: Key, code: Code) -> tuple[Key, float]:
+        """The prefill after the opening move: the loads progress, what lands is bound."""
+        queue = [(d, self._full[d]) for d in code[1]]
+        pre = self.prefill_time()
+        landed = self._serve(queue, self._units(pre))
+        bind = self._bind(landed, queue)
+        return self._pack(0, -1, 0, (start[3] & ~code[2]) | landed, queue), pre + bind
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

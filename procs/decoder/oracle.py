@@ -16,12 +16,21 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 
 from memspec.common.config import PoolConfig
 from memspec.common.errors import RequestError
 from memspec.common.metrics import IterationRecord
 from memspec.procs.decoder.cache_manager import CacheActions
-from memspec.procs.decoder.loadplan import Loading, LoadPlanner, PlanCosts, linear_fit
+from memspec.procs.decoder.loadplan import (
+    Loading,
+    LoadPlanner,
+    PlanCosts,
+    State,
+    Step,
+    linear_fit,
+)
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.policies import Decision, OraclePlan, SchedView
 from memspec.procs.decoder.replay import Table, oracle_static
 from memspec.procs.decoder.tablefiles import (
@@ -49,44 +58,71 @@ def static_plan(tables: Mapping[str, Table], gamma: int) -> OraclePlan:
 
 class DynamicPlan:
     """oracle-dynamic at each scheduling point: the planner's move from the state the
-    runtime is really in. What is left of a load in flight is the plan's own expectation
-    (a load later than expected counts as one quantum from landing)."""
+    runtime is really in. What is left of each queued load is the plan's own expectation,
+    in the order the plan queued them; a load the plan expected to have landed by now is
+    late and counts as one quantum from landing. The draft that ran last and how far its
+    KV cache is behind come from what really ran (the view says None after target steps)."""
 
     def __init__(self, planner: LoadPlanner, position: Callable[[], int]) -> None:
         self.planner, self.position = planner, position
-        self.flight: Loading = None  # the load in flight as the plan expects it
+        self.expected: State | None = None  # the state the plan expects next
+        self.last: tuple[str, int, int] | None = None  # (active, position, behind) then
+        self.opened = False
 
     def __call__(self, view: SchedView) -> Decision | None:
         p = self.planner
-        resident, in_flight = view.runnable(), sorted(view.in_flight())
-        pos = self.position()
+        resident, pos = view.runnable(), self.position()
         if pos >= p.n:
             return None
-        if pos == 0 and not resident and not in_flight and view.iteration == 0:
-            move = p.initial()  # request start: choose the draft that loads during prefill
-            self.flight = (move.load, p.load_left(move.load)) if move.load else None
-            return _decision(move, view, move.load)
-        loading: Loading = None
-        if in_flight:
-            d = in_flight[0]
-            loading = (d, self.flight[1] if self.flight and self.flight[0] == d
-                       else p.load_left(d))
-        state = p.state(pos, view.active, resident, loading)
+        if not self.opened and pos == 0 and view.iteration == 0:
+            self.opened = True  # request start: the loads that run during the prefill
+            move = p.initial(resident)
+            self.expected = p.opened(resident, move)
+            return _decision(move, view, move.loads[0] if move.loads else None)
+        self.opened = True
+        active, behind = self._active(view, pos)
+        state = p.state(pos, active, resident, self._queue(view), behind)
         move = p.step(state)
-        self.flight = p.after(state, move)[3]
-        return _decision(move, view, move.load or (loading[0] if loading else None))
+        self.expected = p.after(state, move)
+        waiting = (move.loads + tuple(d for d, _ in state[3]))[:1]
+        return _decision(move, view, waiting[0] if waiting else None)
+
+    def _active(self, view: SchedView, pos: int) -> tuple[str | None, int]:
+        """The draft that ran last and the tokens its KV cache is behind now: as the plan
+        expects when the runtime is where it expected, else from what the view says ran."""
+        exp = self.expected
+        if exp is not None and exp[0] == pos and view.active in (None, exp[1]):
+            self.last = (exp[1], pos, exp[4]) if exp[1] is not None else None
+        elif view.active is not None:
+            self.last = (view.active, pos, 1)
+        if self.last is None:
+            return None, 0
+        draft, at, behind = self.last
+        return draft, behind + pos - at
+
+    def _queue(self, view: SchedView) -> Loading:
+        """The loads in flight in issue order: late ones first (the loader took them
+        first), then the ones the plan expects, then any the plan never queued."""
+        flying = view.in_flight()
+        queue = self.expected[3] if self.expected is not None else ()
+        expected = [(d, left) for d, left in queue if d in flying]
+        known = {d for d, _ in expected}
+        q = self.planner.costs.quantum
+        late = [(d, q) for d in sorted(flying - known) if d in self.planner.tables]
+        return (*late, *expected)
 
 
-def _decision(move, view: SchedView, waiting_for: str | None) -> Decision:
+def _decision(move: Step, view: SchedView, waiting_for: str | None) -> Decision:
     """The move as a Decision; a draft that is not runnable (or quarantined) never runs or
     loads. Target steps while the planned draft loads are fallback, as for every policy;
     target steps the plan chose over a resident draft are not."""
-    load = move.load if move.load is not None and move.load not in view.failed else None
-    evict = move.evict if load is not None and move.evict in view.runnable() else None
-    run = move.run if move.run in view.runnable() and move.run != evict else None
-    actions = CacheActions(prefetch=(load,) if load else (), evict=(evict,) if evict else ())
-    chose_target = move.run is None and bool(view.runnable() - {evict})
-    return Decision(run, run if run is not None or chose_target else waiting_for, actions)
+    loads = tuple(d for d in move.loads if d not in view.failed)
+    evicts = tuple(e for e in move.evicts if e in view.runnable()) if loads else ()
+    run = move.run if move.run in view.runnable() and move.run not in evicts else None
+    actions = CacheActions(prefetch=loads, evict=evicts)
+    chose_target = move.run is None and bool(view.runnable() - set(evicts))
+    return Decision(run, run if run is not None or chose_target else waiting_for, actions,
+                    limit=move.limit)
 
 
 def dynamic_plan(tables: Mapping[str, Table], gamma: int, interval: int, K: int,
@@ -108,39 +144,69 @@ def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None) -
 
 
 class PlanCostMeter:
-    """oracle-dynamic's beliefs, learnt from the decoder's own finished requests: the SD
-    iteration (without catch-up) is the unit; target-only steps, catch-up (a line over the
-    tokens caught up on) and each draft's load (as the loader timed it) in that unit. The
-    simulator's CostModel.plan_costs() is the same thing fitted offline."""
+    """oracle-dynamic's beliefs, learnt from the decoder's own finished requests: the mean
+    SD iteration (without catch-up) is the unit; each draft's iteration and a target step as
+    lines over the context (one slope, each its own intercept, as the cost model fits them),
+    catch-up (a line over the tokens caught up on), each draft's load (as the loader timed
+    it) and a bind (as the decoder timed it) in that unit. The simulator's
+    CostModel.plan_costs() is the same thing fitted offline."""
+
+    ENOUGH = 8  # timings before they replace the prior
 
     def __init__(self, prior: PlanCosts, window: int = 4096) -> None:
         self.prior = prior
-        self.spec: deque[float] = deque(maxlen=window)
-        self.target: deque[float] = deque(maxlen=window)
+        self.spec: deque[tuple[str, float, float]] = deque(maxlen=window)  # (draft, ctx, s)
+        self.target: deque[tuple[float, float]] = deque(maxlen=window)  # (context, seconds)
         self.catchup: deque[tuple[float, float]] = deque(maxlen=window)
+        self.binds: deque[float] = deque(maxlen=window)
 
     def observe(self, records: Iterable[IterationRecord]) -> None:
         for r in records:
             if r.draft is None:
-                self.target.append(r.duration)
-            else:
-                self.spec.append(r.duration - r.t_catchup)
+                self.target.append((float(r.context), r.duration))
+            elif r.draft != LOOKUP:  # the context lookup is no draft the plan runs
+                self.spec.append((r.draft, float(r.context), r.duration - r.t_catchup))
                 if r.t_catchup > 0 and r.catchup_tokens > 0:
                     self.catchup.append((float(r.catchup_tokens), r.t_catchup))
 
+    def observe_binds(self, loads: int, seconds: float) -> None:
+        """A request's binds: `loads` landed drafts bound in `seconds` (RunStats.t_bind)."""
+        if loads > 0:
+            self.binds.append(seconds / loads)
+
     def costs(self, load_s: Mapping[str, float]) -> PlanCosts:
         """`load_s`: the latest load time of each draft the loader reported."""
-        if len(self.spec) < 8:
+        if len(self.spec) < self.ENOUGH:
             return self.prior
-        unit = statistics.fmean(self.spec)
-        load = {d: load_s[d] / unit if load_s.get(d) else v for d, v in self.prior.load.items()}
-        target = statistics.fmean(self.target) / unit if self.target else self.prior.target
-        switch, per_token = self.prior.switch, self.prior.switch_per_token
+        p = self.prior
+        unit = statistics.fmean(x for *_, x in self.spec)
+        a, slope = linear_fit([c for _, c, _ in self.spec], [x for *_, x in self.spec])
+        load = {d: load_s[d] / unit if load_s.get(d) else v for d, v in p.load.items()}
+        switch, per_token = p.switch, p.switch_per_token
         if len(self.catchup) >= 5:
-            a, b = linear_fit([n for n, _ in self.catchup], [t for _, t in self.catchup])
-            switch, per_token = max(0.0, a) / unit, b / unit
-        return PlanCosts(load=load, target=target, switch=switch, switch_per_token=per_token,
-                         timed=len(self.target) >= 8)
+            ca, cb = linear_fit([n for n, _ in self.catchup], [t for _, t in self.catchup])
+            switch, per_token = max(0.0, ca) / unit, cb / unit
+        bind = statistics.fmean(self.binds) / unit if self.binds else p.bind
+        return replace(p, load=load, spec={d: self._intercept(d, slope, a) / unit
+                                           for d in p.load},
+                       target=self._target(slope, unit), per_token=slope / unit, bind=bind,
+                       switch=switch, switch_per_token=per_token,
+                       timed=len(self.target) >= self.ENOUGH)
+
+    def _intercept(self, draft: str, slope: float, pooled: float) -> float:
+        """A draft's iteration at an empty context: its own once it has run ENOUGH
+        iterations, else every draft's (a few timings would price one draft by the
+        moments it happened to run in)."""
+        own = [x - slope * c for d, c, x in self.spec if d == draft]
+        return statistics.fmean(own) if len(own) >= self.ENOUGH else pooled
+
+    def _target(self, slope: float, unit: float) -> float:
+        """A target step at an empty context, in the unit (the prior's ratio, taken at the
+        contexts the drafts ran at, until target steps were timed)."""
+        if self.target:
+            return statistics.fmean(x - slope * c for c, x in self.target) / unit
+        ctx = statistics.fmean(c for _, c, _ in self.spec)
+        return max(0.0, self.prior.target - slope * ctx / unit)
 
 
 def make_plan(policy: str, tables: Mapping[str, Table], gamma: int, interval: int,

@@ -463,7 +463,9 @@ class DecoderService:
         if summary is None:
             return
         self.current = None
-        self.plan_meters[summary.policy].observe(cur.session.stats.records)
+        meter, stats = self.plan_meters[summary.policy], cur.session.stats
+        meter.observe(stats.records)
+        meter.observe_binds(stats.loads, stats.t_bind)  # what binding a landed draft costs
         summary.prompt_tokens = cur.prompt_len
         self._done(cur.req, cur.emit, out, cur.session.generated[:out.kept], summary)
 

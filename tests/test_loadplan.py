@@ -1,0 +1,284 @@
+"""oracle-dynamic's plan (procs/decoder/loadplan.py): queued loads, binds, per-draft
+iteration costs, the target alone, an exact search, and the upper bound it must be in the
+simulator."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from memspec.common.metrics import IterationRecord
+from memspec.procs.decoder.loadplan import Key, LoadPlanner, PlanCosts, State, Step
+from memspec.procs.decoder.oracle import PlanCostMeter
+from memspec.sim.costmodel import CostModel
+from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
+from memspec.zoo.tables import table_from_correct
+
+ONLINE = ("target-only", "general-static", "mab-sync", "mab-async", "prediction-only",
+          "memspec")
+
+
+def table(good, n: int = 64) -> list[int]:
+    """A draft that proposes the right tokens exactly where `good(position)`."""
+    return table_from_correct([good(p) for p in range(n)], 4)
+
+
+def cost_model(drafts, **kw) -> CostModel:
+    base = dict(spec_s={d: 0.1 for d in drafts}, target_s=0.05, catchup_base_s=0.0,
+                catchup_per_token_s=0.0, load_s={d: 0.3 for d in drafts}, predict_s=0.02,
+                snapshot_s=0.0, sched_s=0.0, inner_s=0.0)
+    return CostModel(**{**base, **kw})
+
+
+def walk(planner: LoadPlanner, state: State) -> list[tuple[State, Step]]:
+    """The plan from `state` to the end, as the planner expects it to unfold."""
+    out = []
+    while state[0] < planner.n:
+        move = planner.step(state)
+        out.append((state, move))
+        state = planner.after(state, move)
+    return out
+
+
+def cold(planner: LoadPlanner) -> list[tuple[State, Step]]:
+    """The plan from request start (the opening move first, before its prefill)."""
+    first = planner.initial()
+    start = planner.state(0, None, frozenset())
+    return [(start, first), *walk(planner, planner.opened(frozenset(), first))]
+
+
+class OneAtATime(LoadPlanner):
+    """The plan as it was: nothing queued behind a load in flight."""
+
+    def successors(self, key: Key):
+        return [s for s in super().successors(key)
+                if not s[0][1] or (key[4] < 0 and len(s[0][1]) == 1)]
+
+
+# ---------------------------------------------------------------------------- load queue
+
+
+SPLIT = {"a": table(lambda p: p < 8), "b": table(lambda p: p >= 8)}  # a early, b after
+SPLIT_COSTS = PlanCosts.uniform(("a", "b"), 3.0, target=0.8, switch=0.0, bind=1.0)
+
+
+def test_a_second_load_is_queued_behind_the_first_when_that_is_faster():
+    """a is needed first and b soon after: the plan queues b while a is still loading (the
+    loader starts it the moment a lands, not after a's bind and the next decision), and
+    that beats every plan that waits for a load to land before issuing the next."""
+    planner = LoadPlanner(SPLIT, 4, 4, 2, SPLIT_COSTS)
+    steps = cold(planner)
+    queued = [(state, move) for state, move in steps if move.loads and state[3]]
+    assert queued and queued[0][1].loads == ("b",) and queued[0][0][3][0][0] == "a"
+    one = OneAtATime(SPLIT, 4, 4, 2, SPLIT_COSTS).initial().value
+    assert planner.initial().value < one - 1.0
+
+
+def test_the_simulated_loader_gets_the_second_load_before_the_first_lands():
+    c = cost_model(("a", "b"), target_s=0.08, bind_s=0.1)
+    cfg = SimConfig(("a", "b"), "a", K=2, N=4, gamma=4, plan=c.plan_costs())
+    s = simulate_traced("oracle-dynamic", SimRequest("p", "x", 20, SPLIT), c, cfg)
+    events = [(ev.kind, ev.draft) for ev in s.trace.loads if ev.kind in ("load", "loaded")]
+    assert events == [("load", "a"), ("load", "b"), ("loaded", "a"), ("loaded", "b")]
+    assert {r.draft for r in s.trace.iterations} >= {"a", "b"}
+
+
+def test_no_more_than_K_loads_and_residents():
+    """A queued load holds its slot: resident + queued never exceed K."""
+    tabs = {d: table(lambda p, i=i: (p // 6) % 4 == i) for i, d in enumerate("abcd")}
+    for K in (1, 2, 3):
+        planner = LoadPlanner(tabs, 4, 2, K, PlanCosts.uniform(tuple(tabs), 2.0, target=0.6))
+        for state, move in cold(planner):
+            after = planner.after(state, move)
+            assert len(after[2]) + len(after[3]) <= K, (K, state, move)
+
+
+# ---------------------------------------------------------------------------------- binds
+
+
+def test_binds_are_charged_per_landed_draft():
+    """The same schedule with a dearer bind takes that much longer per draft it loads; a
+    bind that costs more than a second draft saves is not paid."""
+    tabs = {"a": table(lambda p: p < 40 or p % 3 != 0), "b": table(lambda p: p >= 32)}
+
+    def plan(bind: float) -> tuple[float, list[str], list[str | None]]:
+        planner = LoadPlanner(tabs, 4, 4, 2, PlanCosts.uniform(("a", "b"), 2.0, target=0.6,
+                                                               bind=bind))
+        steps = cold(planner)
+        return (planner.initial().value, [d for _, m in steps for d in m.loads],
+                [m.run for _, m in steps])
+
+    cheap, dear, too_dear = plan(0.01), plan(1.0), plan(3.0)
+    assert cheap[1] == dear[1] == ["a", "b"] and cheap[2] == dear[2]
+    assert dear[0] == pytest.approx(cheap[0] + 2 * 0.99)
+    assert too_dear[1] == ["a"] and "b" not in too_dear[2]
+
+
+def test_the_cost_model_and_the_meter_carry_the_bind():
+    c = cost_model(("a", "b"), bind_s=0.05, mean_iteration_s=0.1)
+    assert c.plan_costs().bind == pytest.approx(0.5)
+    meter = PlanCostMeter(PlanCosts.uniform(("a", "b"), 2.7))
+    meter.observe([IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.02, t_verify=0.08)] * 8)
+    assert meter.costs({}).bind == 0.0  # no bind timed yet: the prior's
+    meter.observe_binds(2, 0.06)
+    assert meter.costs({}).bind == pytest.approx(0.3)
+
+
+# -------------------------------------------------------------------- per-draft iterations
+
+
+def test_a_costlier_draft_runs_less_at_equal_acceptance():
+    """Two drafts that accept alike: the plan runs the one whose iteration is cheaper."""
+    same = table(lambda p: p % 5 != 0)
+    tabs = {"cheap": same, "dear": list(same)}
+    costs = PlanCosts.uniform(tuple(tabs), 2.0, target=0.6, spec={"cheap": 1.0, "dear": 1.3})
+    planner = LoadPlanner(tabs, 4, 4, 2, costs)
+    runs = [m.run for _, m in walk(planner, planner.state(0, None, frozenset(tabs)))]
+    assert "cheap" in runs and "dear" not in runs
+    swapped = LoadPlanner(tabs, 4, 4, 2, replace(costs, spec={"cheap": 1.3, "dear": 1.0}))
+    runs = [m.run for _, m in walk(swapped, swapped.state(0, None, frozenset(tabs)))]
+    assert "dear" in runs and "cheap" not in runs
+
+
+def test_per_draft_iteration_costs_reach_the_simulated_oracle():
+    same = table(lambda p: p % 5 != 0)
+    tabs = {"fast": same, "dear": list(same)}  # (ties would go to "dear": first by name)
+    c = cost_model(tuple(tabs), spec_s={"fast": 0.1, "dear": 0.13})
+    assert c.plan_costs().spec["dear"] / c.plan_costs().spec["fast"] == pytest.approx(1.3)
+    cfg = SimConfig(tuple(tabs), "fast", K=2, N=4, gamma=4, gate=False, plan=c.plan_costs())
+    s = simulate("oracle-dynamic", SimRequest("p", "x", 20, tabs), c, cfg,
+                 resident=("dear", "fast"))
+    assert {r.draft for r in s.records} - {None} == {"fast"}
+
+
+def test_the_meter_prices_each_draft_and_the_context():
+    """Each draft's iteration from its own timings (a line over the context shared by all),
+    the target's on the same slope; drafts seen too little get every draft's."""
+    prior = PlanCosts.uniform(("a", "b", "c"), 2.7)
+    meter = PlanCostMeter(prior)
+    recs = [IterationRecord(d, 4, 2, 3, 0.0, t_draft=base + 1e-4 * ctx, t_verify=0.0,
+                            context=ctx)
+            for d, base in (("a", 0.1), ("b", 0.13)) for ctx in range(100, 1700, 200)]
+    recs += [IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.05 + 1e-4 * ctx, context=ctx)
+             for ctx in range(100, 900, 100)]
+    meter.observe(recs)
+    got = meter.costs({})
+    unit = sum(r.duration for r in recs if r.draft) / 16
+    assert got.per_token == pytest.approx(1e-4 / unit)
+    assert got.spec["a"] == pytest.approx(0.1 / unit)
+    assert got.spec["b"] == pytest.approx(0.13 / unit)
+    assert got.spec["c"] == pytest.approx(0.115 / unit)
+    assert got.target == pytest.approx(0.05 / unit)
+
+
+# --------------------------------------------------------------------- the target alone
+
+
+def test_the_target_alone_when_no_draft_pays():
+    """Drafts that accept one token an iteration, at 2.5 target steps an iteration: the
+    plan never speculates and loads nothing; in the simulator it is as fast as the target
+    alone."""
+    tabs = {d: table(lambda p: p % 2 == 0) for d in ("a", "b")}
+    planner = LoadPlanner(tabs, 4, 4, 2, PlanCosts.uniform(("a", "b"), 2.0, target=0.4,
+                                                           bind=0.1))
+    steps = walk(planner, planner.state(0, None, frozenset({"a"})))
+    assert all(m.run is None and not m.loads for _, m in steps)
+    c = cost_model(("a", "b"), target_s=0.04, bind_s=0.01)
+    cfg = SimConfig(("a", "b"), "a", K=2, N=4, gamma=4, plan=c.plan_costs())
+    req = SimRequest("p", "x", 20, tabs)
+    oracle = simulate("oracle-dynamic", req, c, cfg)
+    assert all(r.draft is None for r in oracle.records) and oracle.loads == 0
+    assert oracle.t_e2e <= simulate("target-only", req, c, cfg).t_e2e + 1e-12
+
+
+def test_a_draft_resumed_after_target_steps_catches_up_on_what_it_missed():
+    tabs = {"a": table(lambda p: True)}
+    costs = PlanCosts.uniform(("a",), 2.0, switch=0.2, switch_per_token=0.01)
+    planner = LoadPlanner(tabs, 4, 4, 1, costs, prompt_len=100)
+
+    def run_a(behind: int) -> float:
+        key = planner.coded(planner.state(8, "a", frozenset({"a"}), (), behind))
+        return next(dt for code, _, dt in planner.successors(key)
+                    if code[0] == 0 and code[5] == 4)
+
+    assert run_a(12) - run_a(1) == pytest.approx(0.2 + 0.01 * 12)
+    fresh = planner.coded(planner.state(8, None, frozenset({"a"})))
+    assert next(dt for code, _, dt in planner.successors(fresh) if code[0] == 0
+                and code[5] == 4) - run_a(1) == pytest.approx(0.2 + 0.01 * 108)
+
+
+# ------------------------------------------------------------------ an exact search
+
+
+def exhaustive(planner: LoadPlanner, key: Key, memo: dict[Key, float]) -> float:
+    """Every move from every state: the dynamic programme the search must agree with."""
+    if key[0] >= planner.n:
+        return 0.0
+    if key not in memo:
+        memo[key] = min(dt + exhaustive(planner, nxt, memo)
+                        for _, nxt, dt in planner.successors(key))
+    return memo[key]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_search_finds_the_exhaustive_optimum(seed):
+    rng = random.Random(seed)
+    drafts = ("a", "b", "c")
+    correct = {d: [(p // 8 + i) % 2 == 0 and rng.random() < 0.8 for p in range(28)]
+               for i, d in enumerate(drafts)}
+    tabs = {d: table_from_correct(c, 4) for d, c in correct.items()}
+    costs = PlanCosts(load={d: rng.uniform(0.5, 3.0) for d in drafts},
+                      spec={d: rng.uniform(0.8, 1.2) for d in drafts},
+                      target=rng.uniform(0.3, 0.6), switch=0.05, switch_per_token=0.002,
+                      bind=rng.uniform(0.0, 1.0), per_token=0.001, overhead=0.02,
+                      load_slowdown=0.05, prefill=rng.uniform(0.0, 2.0))
+    planner = LoadPlanner(tabs, 4, rng.choice((2, 4)), rng.choice((1, 2)), costs, 20)
+    memo: dict[Key, float] = {}
+    opened = planner.opened(frozenset(), planner.initial())
+    for state, move in walk(planner, opened):  # from every state the plan passes through
+        assert move.value == pytest.approx(exhaustive(planner, planner.coded(state), memo))
+    # and from states off its path (a late load, an unexpected residency)
+    for state in (planner.state(3, None, frozenset({"b"}), (("c", 0.7),)),
+                  planner.state(10, "a", frozenset({"a"}), (), 6)):
+        assert planner.step(state).value == \
+            pytest.approx(exhaustive(planner, planner.coded(state), memo))
+
+
+# ----------------------------------------------------------- the upper bound, simulated
+
+
+def scenario(seed: int) -> tuple[SimRequest, CostModel, SimConfig]:
+    """A small random request: drafts good in stretches, costs and pool shape drawn."""
+    rng = random.Random(seed)
+    drafts = ("general", "code", "math", "law", "medical")[:rng.choice((3, 4, 5))]
+    n, stretch = rng.choice((40, 56)), rng.choice((12, 20, 100))
+    rates = {d: [rng.uniform(0.15, 0.9) for _ in range(4)] for d in drafts}
+    tabs = {d: table_from_correct([rng.random() < rates[d][(p // stretch) % 4]
+                                   for p in range(n)], 4) for d in drafts}
+    c = cost_model(drafts, spec_s={d: rng.uniform(0.07, 0.12) for d in drafts},
+                   target_s=rng.uniform(0.03, 0.06), bind_s=rng.uniform(0.0, 0.1),
+                   load_s={d: rng.uniform(0.05, 0.5) for d in drafts},
+                   catchup_base_s=0.003, catchup_per_token_s=rng.uniform(0.0, 3e-4),
+                   per_context_token_s=rng.uniform(0.0, 2e-4), sched_s=0.001,
+                   inner_s=0.0001, load_slowdown=rng.uniform(0.0, 0.1),
+                   prefill_per_token_s=rng.uniform(0.0, 2e-3))
+    cfg = SimConfig(drafts, drafts[0], K=rng.choice((1, 2, 3)), N=rng.choice((1, 2, 4)),
+                    gamma=4, plan=c.plan_costs())  # what the decoder's meter learns
+    best = max(drafts, key=lambda d: sum(tabs[d]))
+    scores = {d: 1.0 if d == best else 0.1 for d in drafts}
+    return SimRequest("p", "x", rng.randint(10, 200), tabs, lambda _p: scores), c, cfg
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_oracle_dynamic_is_no_slower_end_to_end_than_any_online_policy(seed):
+    """Cold start, prefill to reply: oracle-dynamic, with K loads queued, binds and each
+    draft's iteration in its costs, is at least as fast as every online policy, with the
+    speculation gate and without."""
+    req, c, cfg = scenario(seed)
+    oracle = simulate("oracle-dynamic", req, c, cfg).t_e2e
+    for name in ONLINE:
+        for gate in (True, False):
+            other = simulate(name, req, c, replace(cfg, gate=gate)).t_e2e
+            assert oracle <= other * (1 + 1e-9), (name, gate, oracle, other)
