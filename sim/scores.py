@@ -25,7 +25,7 @@ from memspec.procs.decoder.models import load_tokenizer
 from memspec.procs.predictor.encoder import Encoder, recent_text
 from memspec.procs.predictor.head import load_head
 from memspec.procs.predictor.ranker import head_path_for
-from memspec.zoo.train_predictor import EmbeddingCache, Example
+from memspec.zoo.train_predictor import EmbeddingCache, Example, head_inputs, view_examples
 
 
 def _log(msg: str) -> None:
@@ -74,13 +74,13 @@ def position_scores(pool: PoolConfig, trajs: Sequence[Mapping], prompts: Mapping
         emb_cache = EmbeddingCache(memspec_home() / "predictor_cache")  # shared with training
         items = list(todo.items())
         exs = [Example("", 0, prompt, recent) for _, (prompt, recent) in items]
-        missing = emb_cache.missing(exs)
+        missing = emb_cache.missing(view_examples(exs, rank_head.views))
         _log(f"ranking {len(items)} new snapshot inputs of {len(trajs)} trajectories "
              f"({len(missing)} to embed)")
         emb_cache.embed(Encoder() if missing else None, missing)
         for i in range(0, len(items), batch * 16):
             part = exs[i:i + batch * 16]
-            probs = rank_head.probs(emb_cache.embed(None, part),
+            probs = rank_head.probs(head_inputs(emb_cache, part, rank_head.views),
                                     torch.tensor([bool(e.recent) for e in part]))
             for (k, _), row in zip(items[i:i + batch * 16], probs.tolist()):
                 cached[k] = row

@@ -121,7 +121,8 @@ class TableExecutor:
         self.pos = 0
         self.slots = slots or SimSlots(cost, clock)
         self.kv = self.slots.kv
-        self.last: str | None = None
+        self.last: str | None = None  # the last draft that ran
+        self.prev: str | None = None  # the previous iteration's draft (None: the target)
 
     def _prefill(self, chunk: int, between: Callable[[], bool] | None) -> None:
         """The engine's chunked prefill (`prefill_pieces`): the prefill's time in proportion
@@ -149,6 +150,7 @@ class TableExecutor:
             self.stats.switches += 1
         if draft is not None:
             self.last = draft
+        self.prev = draft
         self.stats.records.append(rec)
         self.pos += rec.emitted
         self.clock.advance(rec.duration)
@@ -164,15 +166,13 @@ class TableExecutor:
         a = step_accepted(self.req.tables[run], pos, gamma)
         emitted = min(a + 1, self.length - pos)
         missing = context - self.kv.get(run, 0)
-        catch = draft_extra = 0.0
-        if run != self.last:  # the engine books a (re)activation's prefill as catch-up
-            catch = cost.catchup_s(missing)
-        elif missing > 2:  # same draft after target-only steps: a longer prefill, booked as draft
-            draft_extra = cost.catchup_s(missing)
+        # the engine books a (re)activation's prefill as catch-up: a switch, or the same
+        # draft after target steps
+        catch = cost.catchup_s(missing) if run != self.prev else 0.0
         # the engine's draft cache invariant: it keeps what it proposed and was accepted
         self.kv[run] = min(context + min(a, gamma - 1), context + emitted - 1)
         return IterationRecord(run, gamma, a, emitted, t,
-                               t_draft=cost.spec_cost(run, context) * speed + draft_extra,
+                               t_draft=cost.spec_cost(run, context) * speed,
                                t_catchup=catch, desired=desired, context=context)
 
 

@@ -93,6 +93,32 @@ def test_probes_stay_within_two_percent_of_the_decode_time():
     assert extra <= 0.02 * gate.elapsed + 0.012 + 1e-9  # ...within its share (+ first look)
 
 
+def test_a_probes_catch_up_on_the_tokens_it_missed_counts_in_its_share():
+    """A probe after many target steps re-reads every token since the draft last ran (a
+    head: 1% of a target step per token caught up on here); that catch-up is part of what the
+    probe costs, so the probes of a draft that never pays still stay within the share."""
+    gate = SpecGate(COSTS)
+    probes, extra, context, seen, first = 0, 0.0, 100, 0, 0.0
+    for _ in range(3000):
+        v = gate.verdict("law")
+        if v == "probe":
+            behind = context - seen
+            catch = 0.0001 * behind
+            probes += 1
+            extra += 0.022 - 0.010 + catch
+            first = first or extra  # the first look (free: it also catches up on the prompt)
+            gate.observe(IterationRecord("law", 4, 0, 1, 0.0, t_verify=0.022, t_catchup=catch,
+                                         catchup_tokens=behind, context=context))
+            seen = context
+            context += 1
+        else:
+            for _ in range(4):
+                gate.observe(rec(None, 0, 0.010, context))
+                context += 1
+    assert probes > 2
+    assert extra <= 0.02 * gate.elapsed + first + 1e-9
+
+
 def test_a_busy_machine_never_makes_probes_free():
     """Other work on the machine makes single iterations many times slower (a target step
     of 10 ms taking 0.5 s): a draft that accepts nothing is still probed only within the

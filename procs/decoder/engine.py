@@ -203,7 +203,8 @@ class Session:
         self._ngrams = NgramIndex(engine.lookup, self.tokens) \
             if engine.lookup and params.greedy else None
         self._drafts: dict[str, _DraftCache] = {}
-        self._last_draft: str | None = None
+        self._last_draft: str | None = None  # the last draft that ran (switch count)
+        self._prev: str | None = None  # the previous iteration's draft (None: the target)
         self._dev = engine.device
         self._cap = need
         self._tok = torch.zeros(need, dtype=torch.long, device=self._dev)
@@ -273,6 +274,7 @@ class Session:
             self.stats.switches += 1
         if draft is not None:
             self._last_draft = draft
+        self._prev = draft
         self.stats.records.append(rec)
         return rec
 
@@ -375,12 +377,14 @@ class Session:
         dc.length = L if head else min(L + min(n, g - 1), len(self.tokens) - 1)
         self._sync()
         t1 = time.perf_counter()
-        switched = name != self._last_draft
-        catch = t_catch - t0 if switched else 0.0  # (re)activation catch-up
+        # (re)activation: the draft's cache catches up on what it did not see through its
+        # own last iteration (a switch, or target steps since: a gate's probe pays this)
+        resumed = name != self._prev
+        catch = t_catch - t0 if resumed else 0.0
         return IterationRecord(name, g, n, emitted, t0,
                                t_draft=(t_draft_end - t0) - catch,
                                t_verify=t1 - t_draft_end, t_catchup=catch,
-                               catchup_tokens=n_missing if switched else 0, context=L)
+                               catchup_tokens=n_missing if resumed else 0, context=L)
 
     def _model_proposals(self, bound: BoundDraft, dc: _DraftCache, L: int) -> _Proposer:
         """An independent draft model: catch up on committed tokens, then self-feed."""

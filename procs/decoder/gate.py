@@ -143,6 +143,8 @@ class SpecGate:
         self.probing = False  # the last verdict was a probe (booked when it runs)...
         self.budgeted = False  # ... paid from the share (not a draft's free first look)
         self.last: str | None = None  # the draft the policy chose last
+        self.seen: dict[str, int] = {}  # context each draft's cache has caught up to
+        self.catch_token: _RecentMedian | None = None  # seconds per token caught up on
 
     # ---- what this request has measured -------------------------------------------------
     def observe(self, rec: IterationRecord) -> None:
@@ -162,6 +164,11 @@ class SpecGate:
                 self.probe_cost += self._probe_extra(rec.draft)
             self.probes += 1
             self.probing = False
+        self.seen[rec.draft] = rec.context
+        if rec.catchup_tokens > 0 and rec.t_catchup > 0:
+            if self.catch_token is None:
+                self.catch_token = _RecentMedian()
+            self.catch_token.add(rec.t_catchup / rec.catchup_tokens)
         a, b = self.costs.spec_line(rec.draft)
         est = self.spec_a.setdefault(rec.draft, _RecentMedian(a))
         est.add(rec.duration - rec.t_catchup - b * rec.context)
@@ -227,12 +234,18 @@ class SpecGate:
     def _probe_extra(self, draft: str) -> float:
         """What a probe costs over a target step: as measured in this request, and never
         below the calibration's (the fastest timings: other work only adds), so that noisy
-        timings never make probes look free."""
+        timings never make probes look free; plus the draft's catch-up on the tokens
+        committed since it last ran (a head re-reads each with the target's features: on
+        2 cores ~80 tokens cost more than the probe's own iteration)."""
         assert self.costs is not None
         c = self.context
         a, b = self.costs.spec_line(draft)
         calibrated = a + b * c - self.costs.target_s(c)
-        return max(0.0, calibrated, self.spec_s(draft, c) - self.target_s(c))
+        extra = max(0.0, calibrated, self.spec_s(draft, c) - self.target_s(c))
+        behind = c - self.seen.get(draft, c)
+        if self.catch_token is not None and behind > 0:
+            extra += self.catch_token.value * behind
+        return extra
 
     def _may_probe(self, draft: str) -> bool:
         """The first look at a draft is free: up to FIRST_LOOK iterations while its record
