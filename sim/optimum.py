@@ -75,13 +75,21 @@ def optimum(tables: Mapping[str, Table], cost: CostModel, K: int, N: int, gamma:
 
     # loads also progress during time the steady clock does not charge (scheduling,
     # binding, catch-up): credit an interval's share of it to every pending load
-    def advance(pending: frozenset[tuple[str, int]], dt: float, length: int = N
-                ) -> tuple[frozenset[str], frozenset[tuple[str, int]]]:
-        slack = cost.sched_s + cost.inner_s * max(0, length - 1) + cost.snapshot_s
-        n = math.ceil((dt + slack) / unit - EPS)
+    slack = {n: cost.sched_s + cost.inner_s * max(0, n - 1) + cost.snapshot_s
+             for n in (*lengths, N)}
+
+    @cache
+    def shift(pending: frozenset[tuple[str, int]], n: int
+              ) -> tuple[frozenset[str], frozenset[tuple[str, int]]]:
         done = frozenset(d for d, left in pending if left <= n)
         still = frozenset((d, left - n) for d, left in pending if left > n)
         return done, still
+
+    def advance(pending: frozenset[tuple[str, int]], dt: float, length: int = N
+                ) -> tuple[frozenset[str], frozenset[tuple[str, int]]]:
+        if not pending:
+            return frozenset(), pending
+        return shift(pending, math.ceil((dt + slack[length]) / unit - EPS))
 
     OptState = tuple[int, frozenset[str], frozenset[tuple[str, int]], bool]
 
@@ -90,23 +98,33 @@ def optimum(tables: Mapping[str, Table], cost: CostModel, K: int, N: int, gamma:
         pending load lands; right after a wait only loads already issued may be waited
         for: no cycles) runs nothing: ()."""
         pos, res, pending, waited = state
-        loading = {d for d, _ in pending}
         out: list[tuple[tuple[str | None, ...], OptState, float]] = []
-        for cfg in configs:  # slots are free to fill in the relaxation: always fill them
-            keep = res & cfg
-            keep_pending = frozenset(p for p in pending if p[0] in cfg)
-            new = frozenset((d, load_units[d]) for d in cfg - res - loading)
-            pend = keep_pending | new
-            for run, length in product((*sorted(keep), *((None,) if target_only or not res
-                                                         else ())), lengths):
+        for keep, pend, fresh, runs, first in fills(res, pending):
+            for run, length in runs:
                 nxt, dt = interval(run, pos, length)
                 done, still = advance(pend, dt, length)
-                out.append(((run,), (nxt, keep | done, still, False), dt))
-            if pend and not (waited and new):
-                dt = min(left for _, left in pend) * unit
-                done, still = advance(pend, dt)
-                out.append(((), (pos, keep | done, still, True), dt))
+                out.append(((run,), (nxt, keep | done if done else keep, still, False), dt))
+            if pend and not (waited and fresh):
+                done, still = advance(pend, first * unit)
+                out.append(((), (pos, keep | done, still, True), first * unit))
         return out
+
+    @cache
+    def fills(res: frozenset[str], pending: frozenset[tuple[str, int]]) -> tuple:
+        """Per configuration (slots are free to fill in the relaxation: always fill them):
+        the drafts kept, the loads then pending, whether any is new, the (run, length)
+        moves, and the units until the first load lands. Many states share (res, pending)."""
+        loading = {d for d, _ in pending}
+        out = []
+        for cfg in configs:
+            keep = res & cfg
+            new = frozenset((d, load_units[d]) for d in cfg - res - loading)
+            pend = frozenset(p for p in pending if p[0] in cfg) | new
+            runs = tuple(product((*sorted(keep), *((None,) if target_only or not res
+                                                   else ())), lengths))
+            out.append((keep, pend, bool(new), runs,
+                         min(left for _, left in pend) if pend else 0))
+        return tuple(out)
 
     # A*'s bound: the time left with every draft resident and nothing to load
     h = [0.0] * (n_tok + 1)
