@@ -2,7 +2,9 @@
 
 The gate (procs/decoder/gate.py) decides from a request's own iterations whether its draft
 pays; how fast it forgets (``ALPHA``), how long it looks at a draft before its record
-decides (``FIRST_LOOK``, ``NEAR_MISS``), whether a running draft stops inside its interval
+decides (``FIRST_LOOK``, ``NEAR_MISS``), whether that first look is free or paid from the
+share (``PRIOR_TAU``: free only where an iteration costs fewer target steps than the pool's
+drafts bring), whether a running draft stops inside its interval
 (``STOP_INSIDE``) and how much of a request its probes may cost (``PROBE_SHARE``) trade a
 draft that pays against the iterations lost to one that does not. Each setting is replayed
 through the runtime's own loop (sim/simulate.py) on the traced dev prompts, with the
@@ -47,6 +49,7 @@ GRID: dict[str, tuple[Any, ...]] = {
     "NEAR_MISS": (0.5, 0.75),
     "STOP_INSIDE": (0, 8, 10**6),  # 0: never, 10**6: always
     "PROBE_SHARE": (0.01, 0.02),  # the probes' bound: at most 2% of a request
+    "PRIOR_TAU": (0.0, 2.0, 10**6),  # 0: no free look, 10**6: always one
 }
 
 

@@ -3,7 +3,7 @@
 Writes tuned.json (read by the runtime through common/tuned.py): per knob its value, the
 grid it was chosen from, and the dev figure that chose it. Test prompts are never read.
 
-- **gate** (ALPHA, FIRST_LOOK, NEAR_MISS, STOP_INSIDE, PROBE_SHARE): `bench gate`'s sweep
+- **gate** (ALPHA, FIRST_LOOK, NEAR_MISS, STOP_INSIDE, PROBE_SHARE, PRIOR_TAU): `bench gate`'s sweep
   (bench/gate_sweep.py), on a grid that brackets each value it chose before;
 - **ranking** (RANK_HORIZON, PREDICTOR_SHARE): when memspec asks the predictor again, and
   how much of a request's decode time its encoding may take; replayed with the predictor's
@@ -57,6 +57,7 @@ GATE_GRID: dict[str, tuple[Any, ...]] = {
     "NEAR_MISS": (0.25, 0.5, 0.75),
     "STOP_INSIDE": (0, 8, 10**6),  # 0: never, 10**6: always (a choice, not a range)
     "PROBE_SHARE": (0.01, 0.02),  # capped: the probes may cost at most 2% of a request
+    "PRIOR_TAU": (0.0, 1.8, 2.0, 2.2, 2.5, 10**6),  # 0: no free look, 10**6: always one
 }
 RANK_HORIZON = (0, 32, 64, 128, 320, 10**6)  # 10**6: never ask again
 PREDICTOR_SHARE = (0.01, 0.02, 0.04, 0.08)

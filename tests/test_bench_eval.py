@@ -243,7 +243,9 @@ def test_bench_json_holds_the_issues_must_hold_keys(result):
         for pol, b in sec["breakdown"].items():
             assert sum(b[f"{k}_frac"] for k in SPLIT) == pytest.approx(1.0), pol
             assert 0 <= b["parts_gap_max"] <= 0.02, pol
-        assert sec["first_draft_token_s"]["memspec"] > 0
+        first = sec["first_draft_token_s"]  # None: a gate that never opened
+        assert set(first) == set(sec["breakdown"]) - {"target-only"}
+        assert all(v is None or v > 0 for v in first.values())
         # the simulator cannot run lookup-only: every other ratio beside the real one
         svr = result["sim_vs_real"][which]
         assert set(svr["ratios"]) == set(HEADLINE) - {"memspec_over_lookup_only"}

@@ -27,7 +27,7 @@ def test_the_sweep_tells_settings_apart_and_picks_one_within_the_bounds():
     reqs = [SimRequest("bad", "x", 60, tables(0.3, seed=1, length=128)),
             SimRequest("good", "x", 60, tables(0.95, seed=2, length=128))]
     cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=c.plan_costs())
-    grid = {"FIRST_LOOK": (1, 8), "NEAR_MISS": (0.0,)}
+    grid = {"FIRST_LOOK": (1, 8), "NEAR_MISS": (0.0,), "PRIOR_TAU": (10**6,)}  # free looks
     res = sweep(reqs, c, cfg, "general", grid=grid, scales=(1.0, 0.5))
     assert len(res["table"]) == 2 and len(res["scales"]) == 2
     short, long = (t["by_scale"][0]["min"] for t in res["table"])

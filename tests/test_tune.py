@@ -21,6 +21,7 @@ RUNTIME = {  # knob -> the value the runtime runs
     "gate.NEAR_MISS": lambda: SpecGate.NEAR_MISS,
     "gate.STOP_INSIDE": lambda: SpecGate.STOP_INSIDE,
     "gate.PROBE_SHARE": lambda: SpecGate.PROBE_SHARE,
+    "gate.PRIOR_TAU": lambda: SpecGate.PRIOR_TAU,
     "gate.RANK_HORIZON": lambda: SpecGate.RANK_HORIZON,
     "loop.PREDICTOR_SHARE": lambda: loop.PREDICTOR_SHARE,
     "loop.CHUNKED_WAIT_S": lambda: loop.CHUNKED_WAIT_S,

@@ -6,7 +6,9 @@ start: one step and one verify of gamma+1 rows at two context lengths (lines in 
 attention grows with it), a few tenths of a second in all. The lines are kept under
 ``$MEMSPEC_HOME/calib/`` keyed by everything that changes them (numerics key: dtype and CPU
 kernel path; threads; gamma; the target's files; the build and the engine's code), so a
-restarted decoder reads them instead. A draft's step is timed when it is first bound.
+restarted decoder reads them instead. A draft's gamma steps are priced at a fifth of a
+target step each until the request's own iterations measure them (the gate's medians);
+`draft_gamma_s` times a bound draft's, for tests and tools.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ Every iteration of the request refines them (measured over predicted, per draft 
 target); nothing is learnt from other requests or other policies.
 
 What the gate does not know yet it probes with single iterations: the first look at a draft
-is up to FIRST_LOOK iterations while its record stays near break-even, not an interval; a
+is up to FIRST_LOOK iterations while its record stays near break-even, not an interval, and
+it is free only on a machine where the pool's drafts could pay (an iteration costs fewer
+target steps than they bring on dev, PRIOR_TAU; elsewhere it comes from the share); a
 draft let run stops at the first iteration after which it no longer pays (not at the end
 of its interval); and a closed gate probes again only while the probes' worst-case extra
 cost (a probe that accepts nothing still emits the token a target step would) stays under
@@ -115,6 +117,11 @@ class SpecGate:
     FIRST_LOOK = knob("gate.FIRST_LOOK")  # single iterations a draft gets, free, before its
     NEAR_MISS = knob("gate.NEAR_MISS")  # record decides, each after the first while that
     # record is within NEAR_MISS of break-even
+    PRIOR_TAU = knob("gate.PRIOR_TAU")  # tokens per iteration the pool's drafts reach on dev
+    # before a request has a record of its own: a draft's first look is free only where that
+    # could pay (break-even at or below it); on a machine whose iterations cost more, its
+    # looks come from PROBE_SHARE like any later probe (a look that cannot pay still costs
+    # the catch-up over the prompt and a wide verify: ~4 target steps on 2 cores)
     STOP_INSIDE = knob("gate.STOP_INSIDE")  # a running draft whose record has fewer
     # iterations than this stops at the first iteration after which it no longer pays, not
     # at its interval's end (the sweep weighed 0, 8 and always: always)
@@ -248,9 +255,10 @@ class SpecGate:
         return extra
 
     def _may_probe(self, draft: str) -> bool:
-        """The first look at a draft is free: up to FIRST_LOOK iterations while its record
-        stays within NEAR_MISS of break-even (nothing is known yet, and it is what lets a
-        draft in at all). Later probes stay within PROBE_SHARE of the decode time so far."""
+        """The first look at a draft is free where the pool's drafts could pay (PRIOR_TAU):
+        up to FIRST_LOOK iterations while its record stays within NEAR_MISS of break-even
+        (nothing is known yet, and it is what lets a draft in at all). Other probes stay
+        within PROBE_SHARE of the decode time so far."""
         if self._free_look(draft):
             return True
         extra = self._probe_extra(draft)
@@ -259,7 +267,7 @@ class SpecGate:
     def _free_look(self, draft: str) -> bool:
         tau = self.tau.get(draft)
         if tau is None:
-            return True
+            return self.break_even(draft) <= self.PRIOR_TAU
         if tau.n >= self.FIRST_LOOK or (tau.n >= 2 and tau.value <= 1.0):
             return False  # looked enough; or two looks without one token: pays nowhere
         return tau.value >= self.NEAR_MISS * self.break_even(draft)
