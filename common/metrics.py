@@ -31,6 +31,8 @@ class IterationRecord(msgspec.Struct, forbid_unknown_fields=True):
     desired: bool = True  # False: fallback execution (preferred draft not resident)
     catchup_tokens: int = 0  # tokens the draft's KV cache had to prefill on (re)activation
     context: int = 0  # tokens before the iteration (prompt + generated): what it attends to
+    shared: bool = False  # a helper (a load, the predictor) held a core: the decoder ran on
+    # fewer threads, so the iteration does not tell what one costs on a quiet machine
 
     @property
     def duration(self) -> float:

@@ -398,3 +398,37 @@ def test_every_drafting_policy_gets_the_gate():
         assert not isinstance(make_policy(name, gate_costs=COSTS, gate=False,
                                           oracle_plan=lambda v: "code"), Gated)
     assert set(POLICY_NAMES) - set(GATED) == {"target-only", "lookup-only", "oracle-dynamic"}
+
+
+def test_target_steps_slowed_by_a_helper_do_not_open_the_gate():
+    """Target steps while a load is in flight run on fewer cores (or beside the loader's
+    bursts): ~2x slower. Taken as the target's cost they would make a draft that brings 2
+    tokens for 2.2 target steps look like it pays; the gate learns only from steps with the
+    cores to themselves."""
+    def slowed(shared: bool) -> SpecGate:
+        gate = SpecGate(COSTS)
+        for _ in range(8):
+            r = rec(None, 0, 0.020)
+            r.shared = shared
+            gate.observe(r)
+        for _ in range(SpecGate.FIRST_LOOK):
+            gate.observe(rec("law", 1, 0.022))  # 2 tokens an iteration
+        return gate
+
+    assert slowed(True).verdict("law") == "skip"
+    assert slowed(False).verdict("law") == "run"  # what the slowed steps alone would say
+
+
+def test_a_closed_gate_loads_nothing_it_cannot_look_at(monkeypatch):
+    """No draft resident and no look affordable yet (a machine where the first look is not
+    free): memspec loads nothing, so no load takes a core from the target running alone."""
+    monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)  # break-even 2.2: no free look
+    view = SchedView(iteration=0, drafts=DRAFTS, general="general", capacity=2,
+                     resident=frozenset(), loading=frozenset(), failed=frozenset(),
+                     active=None, scores={"code": 1.0, "general": 0.5})
+    pol = make_policy("memspec", gate_costs=COSTS)
+    d = pol.decide(view)
+    assert d.run is None and d.actions.prefetch == ()
+    cheap = make_policy("memspec", gate_costs=GateCosts(target=(0.010, 0.0),
+                                                        spec={d: (0.015, 0.0) for d in DRAFTS}))
+    assert cheap.decide(view).actions.prefetch  # a look is free there: its draft loads

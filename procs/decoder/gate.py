@@ -160,6 +160,8 @@ class SpecGate:
         if self.costs is None:
             return
         if rec.draft is None:
+            if rec.shared:  # a step on fewer cores (a load in flight): not what the target
+                return  # alone costs when the gate closes, and it would open the gate
             a, b = self.costs.target
             if self.target_a is None:
                 self.target_a = _RecentMedian(a)
@@ -279,7 +281,8 @@ def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: AN
     (preferred None: not a fallback). Until a draft has paid in this request nothing is
     loaded while some draft is `resident` to be probed (a load costs the loader's reads
     and checks on the decoder's cores, and a draft that has not paid yet rarely pays them
-    back within the request); with none resident, only the draft the gate would look at."""
+    back within the request); with none resident, only the draft the gate would look at
+    now (none while its probes are not affordable)."""
     run = decision.run
     gate.last = run or decision.preferred
     if decision.wait_for is not None:
@@ -288,7 +291,8 @@ def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: AN
     if verdict == "run":
         return decision
     if not gate.any_paid() and gate.costs is not None:
-        keep = None if resident else decision.preferred
+        want = decision.preferred  # loaded only to be looked at now (a load takes a core)
+        keep = None if resident or want is None or not gate._may_probe(want) else want
         decision = replace(decision, actions=_only(decision.actions, keep))
     if verdict == "probe":
         return replace(decision, limit=1)

@@ -181,6 +181,7 @@ class Controller:
         # told before every interval (and prefill chunk) whether the predictor or the loader
         # is working now: the decoder then leaves them a core, else takes every core
         self.on_helpers: Callable[[bool], None] | None = None
+        self._shared = False  # the interval runs while a helper holds a core (see threads.py)
         # whether a load in flight holds a core: yes at full storage speed; a paced
         # (edge-emulated) load mostly sleeps, its reads and checks come in ~1 ms bursts,
         # and a decoder left one core for all of it loses more than those bursts cost
@@ -372,16 +373,19 @@ class Controller:
         self._open()
         return False
 
-    def helpers_busy(self) -> bool:
+    def helpers_busy(self, loads: bool | None = None) -> bool:
         """The predictor is encoding this request's newest snapshot, or a load is in flight
-        (the loader reads, checks and copies on the same cores)."""
-        if self.loads_busy and self.table.loading - self.table.resident:
+        (the loader reads, checks and copies on the same cores); `loads=True` counts any
+        load in flight, paced or not."""
+        if (self.loads_busy if loads is None else loads) \
+                and self.table.loading - self.table.resident:
             return True
         run = self.running
         return run is not None and run.rank_seq < run.seq and run.t_sent >= 0 \
             and self.clock.now() - run.t_sent < SNAPSHOT_STALE_S
 
     def _tell_helpers(self) -> None:
+        self._shared = self.helpers_busy(loads=True)
         if self.on_helpers is not None:
             self.on_helpers(self.helpers_busy())
 
@@ -429,6 +433,7 @@ class Controller:
             if i:
                 self.clock.overhead("inner")
             rec = ex.step(draft, desired)
+            rec.shared = self._shared
             job.policy.observe_iteration(rec)
             run.iteration += 1
             if ex.done:
