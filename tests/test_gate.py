@@ -427,8 +427,24 @@ def test_a_closed_gate_loads_nothing_it_cannot_look_at(monkeypatch):
                      resident=frozenset(), loading=frozenset(), failed=frozenset(),
                      active=None, scores={"code": 1.0, "general": 0.5})
     pol = make_policy("memspec", gate_costs=COSTS)
+    assert not pol.may_look(DRAFTS)  # so the request starts without a ranking
     d = pol.decide(view)
     assert d.run is None and d.actions.prefetch == ()
+    assert d.preferred is None  # the target alone by choice, not a fallback
     cheap = make_policy("memspec", gate_costs=GateCosts(target=(0.010, 0.0),
                                                         spec={d: (0.015, 0.0) for d in DRAFTS}))
     assert cheap.decide(view).actions.prefetch  # a look is free there: its draft loads
+
+
+def test_a_request_whose_gate_cannot_look_starts_without_a_ranking(monkeypatch):
+    """Nothing resident and no look affordable: in the runtime's loop (simulated) memspec
+    sends no snapshot at the start (the predictor would encode the prompt on a core the
+    prefill needs), loads nothing, and books its target steps as chosen, not as fallback."""
+    monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)
+    c = cost()  # an iteration 2.25 target steps
+    req = SimRequest("p", "x", 40, tables(0.5), scores=lambda p: {d: 1.0 for d in DRAFTS})
+    cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=c.plan_costs())
+    s = simulate_traced("memspec", req, c, cfg, resident=[])
+    assert s.snapshots == 0 and s.loads == 0 and not s.trace.rankings
+    assert s.trace.iterations and all(it.draft is None and it.desired
+                                      for it in s.trace.iterations)

@@ -294,6 +294,9 @@ def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: AN
         want = decision.preferred  # loaded only to be looked at now (a load takes a core)
         keep = None if resident or want is None or not gate._may_probe(want) else want
         decision = replace(decision, actions=_only(decision.actions, keep))
+        if verdict is None and keep is None and want is not None:  # nothing to run, and
+            gate.closed = True  # nothing loads to be looked at: the target alone by choice
+            return replace(decision, run=None, preferred=None)  # (not a fallback)
     if verdict == "probe":
         return replace(decision, limit=1)
     if verdict == "skip":

@@ -330,8 +330,11 @@ class Controller:
         self.scores = None
         run = self.running = _Running(job, [] if job.trace else None)
         # the prompt is ranked first unless the policy wants no ranking yet (a gate that
-        # probes a resident draft before any load) and a draft is there to be probed
-        if job.policy.uses_predictor and (job.policy.wants_ranking() or not self.table.resident):
+        # probes a resident draft before any load) and a draft is there to be probed, or a
+        # closed gate would look at no draft anyway
+        looks = getattr(job.policy, "may_look", None)
+        if job.policy.uses_predictor and (job.policy.wants_ranking() or (
+                not self.table.resident and (looks is None or looks(self.drafts)))):
             self._snapshot()
             if job.executor is not None or not job.chunks:  # nothing to overlap it with
                 run.t_initial = self._wait_initial_ranking()

@@ -282,6 +282,14 @@ class Gated:
         (`SpecGate.RANK_HORIZON`; none without the gate's costs)."""
         return self.gate.RANK_HORIZON if self.gate.costs is not None else 0
 
+    def may_look(self, drafts: tuple[str, ...]) -> bool:
+        """Whether the gate would look at one of `drafts` now (a draft has paid, a first
+        look is free, or the probe share affords one): if not, no ranking and no load can
+        change what runs, so a request starts without either (the predictor's encoding of
+        the prompt would take a core from the prefill)."""
+        g = self.gate
+        return g.costs is None or g.any_paid() or any(g._may_probe(d) for d in drafts)
+
     def wants_ranking(self) -> bool:
         """Rankings only once a draft has paid in this request: until then the gate loads
         nothing while a resident draft can be probed, so a ranking could change neither
