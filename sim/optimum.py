@@ -76,7 +76,7 @@ def optimum(tables: Mapping[str, Table], cost: CostModel, K: int, N: int, gamma:
     # loads also progress during time the steady clock does not charge (scheduling,
     # binding, catch-up): credit an interval's share of it to every pending load
     slack = {n: cost.sched_s + cost.inner_s * max(0, n - 1) + cost.snapshot_s
-             for n in (*lengths, N)}
+             for n in lengths}
 
     @cache
     def shift(pending: frozenset[tuple[str, int]], n: int

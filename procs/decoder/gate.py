@@ -229,7 +229,7 @@ class SpecGate:
         if self.pays(draft):
             self.closed = self.probing = False
             return "run"
-        self.probing = self._may_probe(draft)
+        self.probing = self.may_look(draft)
         self.budgeted = self.probing and not self._free_look(draft)
         self.closed = not self.probing
         return "probe" if self.probing else "skip"
@@ -256,7 +256,7 @@ class SpecGate:
             extra += self.catch_token.value * behind
         return extra
 
-    def _may_probe(self, draft: str) -> bool:
+    def may_look(self, draft: str) -> bool:
         """The first look at a draft is free where the pool's drafts could pay (PRIOR_TAU):
         up to FIRST_LOOK iterations while its record stays within NEAR_MISS of break-even
         (nothing is known yet, and it is what lets a draft in at all). Other probes stay
@@ -292,7 +292,7 @@ def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: AN
         return decision
     if not gate.any_paid() and gate.costs is not None:
         want = decision.preferred  # loaded only to be looked at now (a load takes a core)
-        keep = None if resident or want is None or not gate._may_probe(want) else want
+        keep = None if resident or want is None or not gate.may_look(want) else want
         decision = replace(decision, actions=_only(decision.actions, keep))
         if verdict is None and keep is None and want is not None:  # nothing to run, and
             gate.closed = True  # nothing loads to be looked at: the target alone by choice

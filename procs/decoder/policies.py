@@ -288,7 +288,7 @@ class Gated:
         change what runs, so a request starts without either (the predictor's encoding of
         the prompt would take a core from the prefill)."""
         g = self.gate
-        return g.costs is None or g.any_paid() or any(g._may_probe(d) for d in drafts)
+        return g.costs is None or g.any_paid() or any(g.may_look(d) for d in drafts)
 
     def wants_ranking(self) -> bool:
         """Rankings only once a draft has paid in this request: until then the gate loads
