@@ -14,6 +14,7 @@ from memspec.common.config import load_pool
 from memspec.common.metrics import IterationRecord
 from memspec.procs.decoder.calibration import draft_gamma_s, measure_target
 from memspec.procs.decoder.gate import GateCosts, SpecGate
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.loop import Controller, Job
 from memspec.procs.decoder.policies import Gated, MemSpec, SchedView, make_policy
 from memspec.procs.decoder.service import SessionExecutor
@@ -448,3 +449,77 @@ def test_a_request_whose_gate_cannot_look_starts_without_a_ranking(monkeypatch):
     assert s.snapshots == 0 and s.loads == 0 and not s.trace.rankings
     assert s.trace.iterations and all(it.draft is None and it.desired
                                       for it in s.trace.iterations)
+
+
+def lookup_rec(proposed, accepted, seconds, context=100):
+    return IterationRecord(LOOKUP, proposed, accepted, accepted + 1, 0.0, t_verify=seconds,
+                           context=context)
+
+
+def test_a_closed_gate_runs_the_context_lookup_while_it_pays(monkeypatch):
+    """Where the target would run alone by choice, the context lookup runs instead (its
+    iterations without a proposal are plain target steps); a lookup whose record stops
+    paying for its wider verifies stops inside the interval and is skipped after that."""
+    monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)  # drafts: no free look (break-even 2.2)
+    view = SchedView(iteration=0, drafts=DRAFTS, general="general", capacity=2,
+                     resident=frozenset(), loading=frozenset(), failed=frozenset(),
+                     active=None, scores=None)
+    costs = GateCosts(target=(0.010, 0.0), verify=(0.013, 0.0),
+                      spec={d: (0.022, 0.0) for d in DRAFTS})
+    assert make_policy("memspec", gate_costs=costs).decide(view).run is None  # no lookup
+    pol = make_policy("memspec", gate_costs=costs, lookup=True)
+    d = pol.decide(view)
+    assert d.run == LOOKUP and d.preferred == LOOKUP  # chosen, not a fallback
+    assert d.actions.prefetch == () and not pol.wants_ranking()
+    for _ in range(20):  # no repeat in the context yet: target steps, nothing learnt
+        pol.observe_iteration(lookup_rec(0, 0, 0.010))
+        assert pol.keeps(LOOKUP)
+    assert LOOKUP not in pol.gate.tau
+    for _ in range(10):  # 3 tokens for 1.3 target steps: pays, and loads nothing
+        pol.observe_iteration(lookup_rec(4, 2, 0.013))
+        assert pol.keeps(LOOKUP)
+    assert pol.decide(view).run == LOOKUP and not pol.wants_ranking()
+    assert not pol.gate.any_paid()  # the lookup's record opens no draft's working set
+    stopped = False
+    for _ in range(40):  # the text stops repeating: 1 token for 1.3 steps
+        pol.observe_iteration(lookup_rec(4, 0, 0.013))
+        if not pol.keeps(LOOKUP):
+            stopped = True
+            break
+    assert stopped
+    d = pol.decide(view)
+    assert d.run is None or d.run == LOOKUP and pol.gate.probing  # a probe at most
+    # a draft that pays still runs: the lookup only stands in for the target alone
+    paid = make_policy("memspec", gate_costs=costs, lookup=True)
+    paid.gate.observe(rec("code", 3, 0.022))
+    code = SchedView(iteration=4, drafts=DRAFTS, general="general", capacity=2,
+                     resident=frozenset({"code"}), loading=frozenset(), failed=frozenset(),
+                     active="code", scores={"code": 1.0})
+    assert paid.decide(code).run == "code"
+
+
+def test_a_fresh_decoder_with_the_lookup_stays_token_identical(tiny_dir, free_first_look):
+    """The lookup standing in for the target alone (a wrong draft gated off) changes no
+    token, and the wrong draft is still gated off within two intervals."""
+    n, draft = 4, "random"
+    eng = engine_with(tiny_dir, [draft], dtype="int4", lookup=2)
+    lines = measure_target(eng, eng.gamma)
+    costs = GateCosts(target=lines["step"], verify=lines["verify"]).with_draft(
+        draft, draft_gamma_s(eng, eng.drafts[draft], eng.gamma))
+    prompt = PROMPTS[1] * 3  # a context that repeats itself
+    ref, _ = eng.generate(prompt, 96)
+    clock = FakeClock()
+    channels = FakeChannels(clock, load_s=0.0, scores=lambda p: {draft: 1.0})
+    ctl = Controller((draft,), draft, 1, n, 8, clock, channels, FakeSlots())
+    ctl.prefetch(draft)
+    ctl.drain(1.0)
+    ex = SessionExecutor(eng.start(prompt, 96))
+    ctl.start(Job("r", "p", make_policy("memspec", gate_costs=costs, lookup=True), ex, 0.0))
+    while ctl.step() is None:
+        pass
+    assert ex.session.generated == ref
+    recs = ex.stats.records
+    assert any(r.draft == LOOKUP for r in recs)
+    spec = [i for i, r in enumerate(recs) if r.draft == draft]
+    later = [i for i in spec if i >= 2 * n]
+    assert all(i - 1 not in spec for i in later) and len(later) <= 2

@@ -270,9 +270,9 @@ class Session:
         else:
             rec = self._spec_step(draft, t0)
         rec.desired = desired
-        if draft is not None and self._last_draft is not None and draft != self._last_draft:
-            self.stats.switches += 1
-        if draft is not None:
+        if draft is not None and draft != LOOKUP:  # (the lookup has no cache to switch)
+            if self._last_draft is not None and draft != self._last_draft:
+                self.stats.switches += 1
             self._last_draft = draft
         self._prev = draft
         self.stats.records.append(rec)

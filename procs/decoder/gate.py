@@ -37,6 +37,7 @@ from typing import Literal
 from memspec.common.metrics import IterationRecord
 from memspec.common.tuned import knob
 from memspec.procs.decoder.cache_manager import CacheActions
+from memspec.procs.decoder.lookup import LOOKUP
 
 Line = tuple[float, float]  # seconds = a + b * context tokens
 Verdict = Literal["run", "probe", "skip"]
@@ -62,6 +63,8 @@ class GateCosts:
         if draft in self.spec:
             return self.spec[draft]
         verify = self.verify or (2.0 * self.target[0], self.target[1])
+        if draft == LOOKUP:  # no model runs: the verify is the whole iteration
+            return verify
         return verify[0] + self.draft_prior_s, verify[1]
 
     def with_draft(self, draft: str, gamma_steps_s: float) -> GateCosts:
@@ -132,8 +135,9 @@ class SpecGate:
     # their own domains; on dev a horizon under the request's length loses 6% (tuned.json)
     RANK_HORIZON = knob("gate.RANK_HORIZON")
 
-    def __init__(self, costs: GateCosts | None) -> None:
+    def __init__(self, costs: GateCosts | None, lookup: bool = False) -> None:
         self.costs = costs
+        self.lookup = lookup  # the engine runs the context lookup (LOOKUP) when asked
         self.reset()
 
     def reset(self) -> None:
@@ -159,7 +163,7 @@ class SpecGate:
         self.context = rec.context + rec.emitted
         if self.costs is None:
             return
-        if rec.draft is None:
+        if rec.draft is None or (rec.draft == LOOKUP and rec.proposed == 0):
             if rec.shared:  # a step on fewer cores (a load in flight): not what the target
                 return  # alone costs when the gate closes, and it would open the gate
             a, b = self.costs.target
@@ -214,8 +218,9 @@ class SpecGate:
         return max(1.0, self.spec_s(draft, self.context) / t) if t > 0 else 1.0  # would
 
     def any_paid(self) -> bool:
-        """Some draft's record in this request pays (its working set is worth loading)."""
-        return any(self.pays(d) for d in self.tau)
+        """Some draft's record in this request pays (its working set is worth loading; the
+        context lookup loads nothing, so its record does not count)."""
+        return any(self.pays(d) for d in self.tau if d != LOOKUP)
 
     def pays(self, draft: str) -> bool:
         tau = self.tau.get(draft)  # a draft that accepts nothing pays on no machine
@@ -236,6 +241,8 @@ class SpecGate:
 
     def keeps(self, draft: str) -> bool:
         """Inside an interval the gate let `draft` run: go on only while it pays."""
+        if draft == LOOKUP:  # a probe goes on until it has proposed; the lookup costs a
+            return self.costs is None or self.probing or self.pays(draft)  # target step else
         tau = self.tau.get(draft)
         young = tau is not None and tau.n < self.STOP_INSIDE
         return self.costs is None or not young or self.pays(draft)
@@ -296,12 +303,34 @@ def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: AN
         decision = replace(decision, actions=_only(decision.actions, keep))
         if verdict is None and keep is None and want is not None:  # nothing to run, and
             gate.closed = True  # nothing loads to be looked at: the target alone by choice
-            return replace(decision, run=None, preferred=None)  # (not a fallback)
+            return _or_lookup(gate, replace(decision, run=None, preferred=None))  # (not a
+            # fallback)
     if verdict == "probe":
         return replace(decision, limit=1)
     if verdict == "skip":
-        return replace(decision, run=None, preferred=None)
-    return decision
+        decision = replace(decision, run=None, preferred=None)
+    return _or_lookup(gate, decision)
+
+
+def _or_lookup(gate: SpecGate, decision):  # noqa: ANN001, ANN202
+    """An interval the target would run alone runs the context lookup instead, under the
+    same gate as a draft: it proposes only where the context repeats itself (else its
+    iteration is a plain target step), and a lookup whose record does not pay for its
+    wider verifies stops, is probed within the share, or is skipped. What the target
+    would have run by choice stays booked as chosen; a fallback (a wanted draft still
+    loading) stays a fallback."""
+    if decision.run is not None or not gate.lookup or gate.costs is None \
+            or decision.wait_for is not None:
+        return decision
+    closed = gate.closed  # the drafts' gate: the lookup's verdict does not reopen it
+    verdict = gate.verdict(LOOKUP)
+    gate.closed = closed
+    if verdict == "skip":
+        return decision
+    # a probe of the lookup is no one-iteration interval: its iterations cost a target
+    # step until the context repeats, and `keeps` ends it after its first proposal
+    return replace(decision, run=LOOKUP,
+                   preferred=LOOKUP if decision.preferred is None else decision.preferred)
 
 
 def _only(actions: CacheActions, draft: str | None) -> CacheActions:

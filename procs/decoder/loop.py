@@ -443,7 +443,7 @@ class Controller:
                 break
             if draft is not None and not job.policy.keeps(draft):
                 draft, desired = None, True  # the target alone by choice, not a fallback
-        run.active = draft
+        run.active = None if draft == LOOKUP else draft  # (the lookup is no resident draft)
         if not ex.done:
             self.channels.heartbeat("busy")
             if job.policy.uses_predictor and job.policy.wants_ranking() \

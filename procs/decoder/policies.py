@@ -353,7 +353,7 @@ class _Ucb:
         self.observe(rec.draft, rec.proposed, rec.accepted)
 
     def observe(self, draft: str | None, proposed: int, accepted: int) -> None:
-        if draft is None:
+        if draft is None or draft == LOOKUP:  # (the gate's lookup: no arm of the bandit)
             return
         self.pulls[draft] = self.pulls.get(draft, 0) + 1
         self.rewards[draft] = self.rewards.get(draft, 0.0) + accepted
@@ -430,7 +430,7 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
     return cast(OraclePlan, plan)
 
 
-_KW = ("oracle_plan", "costs", "gate", "gate_costs")
+_KW = ("oracle_plan", "costs", "gate", "gate_costs", "lookup")
 # the policies the pool's spec_gate applies to: every one that runs drafts, so that no
 # baseline lacks a tool memspec has (oracle-dynamic plans the target alone itself)
 GATED = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only",
@@ -444,7 +444,9 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
     kw: `oracle_plan` (oracle-static: view -> draft name or scores; oracle-dynamic: view
     -> Decision); `costs` (PlanCosts, oracle-dynamic's beliefs); `gate` (bool, default
     True) and `gate_costs` (GateCosts, what an iteration costs on this machine) for the
-    speculation gate of every drafting policy (GATED; no gate without costs). Every policy's
+    speculation gate of every drafting policy (GATED; no gate without costs); `lookup`
+    (bool, default False): the executor runs the context lookup, and the gate runs it
+    where the target would otherwise run alone. Every policy's
     first decision is taken before the prompt prefills, so its initial loads overlap the
     prefill (procs/decoder/loop.py, Alg. 3 line 3).
     """
@@ -466,7 +468,7 @@ def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
     policy = builders[name]()
     gate_costs = kw.get("gate_costs")
     if name in GATED and bool(kw.get("gate", True)) and isinstance(gate_costs, GateCosts):
-        return Gated(policy, SpecGate(gate_costs))
+        return Gated(policy, SpecGate(gate_costs, lookup=bool(kw.get("lookup", False))))
     return policy
 
 

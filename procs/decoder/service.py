@@ -413,7 +413,8 @@ class DecoderService:
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         gate = self.pool.spec_gate if req.gate is None else req.gate
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
-                             gate=gate, gate_costs=self.gate_costs)
+                             gate=gate, gate_costs=self.gate_costs,
+                             lookup=bool(self.engine.lookup))
 
         def stream(new: list[int]) -> None:
             """The first tokens and, with stop strings, every commit go out at once (time to
