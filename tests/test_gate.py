@@ -293,17 +293,14 @@ def test_a_short_request_asks_for_no_ranking(free_first_look):
     assert on.summary()["snapshots"] == 0
 
 
-def test_a_fresh_decoder_gates_a_wrong_draft_within_two_intervals(tiny_dir, free_first_look):
-    """On an engine that has never run a request, with costs from the start-up calibration:
-    a draft that proposes wrong tokens stops within two scheduling intervals of the first
-    request (then only budgeted one-iteration probes), and the output is token-identical to
-    target-only."""
-    n, draft = 4, "random"
-    eng = engine_with(tiny_dir, [draft], dtype="int4")
+def fresh_decoder_run(tiny_dir, draft, n, prompt, lookup=0):
+    """One gated memspec request of 96 tokens on an int4 engine that has never run one (costs
+    from its start-up calibration), `draft` resident: its executor, and target-only's
+    tokens."""
+    eng = engine_with(tiny_dir, [draft], dtype="int4", lookup=lookup)
     lines = measure_target(eng, eng.gamma)
     costs = GateCosts(target=lines["step"], verify=lines["verify"]).with_draft(
         draft, draft_gamma_s(eng, eng.drafts[draft], eng.gamma))
-    prompt = PROMPTS[1]
     ref, _ = eng.generate(prompt, 96)
     clock = FakeClock()
     channels = FakeChannels(clock, load_s=0.0, scores=lambda p: {draft: 1.0})
@@ -311,9 +308,20 @@ def test_a_fresh_decoder_gates_a_wrong_draft_within_two_intervals(tiny_dir, free
     ctl.prefetch(draft)
     ctl.drain(1.0)
     ex = SessionExecutor(eng.start(prompt, 96))
-    ctl.start(Job("r", "p", make_policy("memspec", gate_costs=costs), ex, 0.0))
+    ctl.start(Job("r", "p", make_policy("memspec", gate_costs=costs, lookup=bool(lookup)),
+                  ex, 0.0))
     while ctl.step() is None:
         pass
+    return ex, ref
+
+
+def test_a_fresh_decoder_gates_a_wrong_draft_within_two_intervals(tiny_dir, free_first_look):
+    """On an engine that has never run a request, with costs from the start-up calibration:
+    a draft that proposes wrong tokens stops within two scheduling intervals of the first
+    request (then only budgeted one-iteration probes), and the output is token-identical to
+    target-only."""
+    n, draft = 4, "random"
+    ex, ref = fresh_decoder_run(tiny_dir, draft, n, PROMPTS[1])
     assert ex.session.generated == ref
     spec = [i for i, r in enumerate(ex.stats.records) if r.draft is not None]
     assert spec and spec[0] == 0  # it was looked at, from the first iteration on
@@ -502,21 +510,7 @@ def test_a_fresh_decoder_with_the_lookup_stays_token_identical(tiny_dir, free_fi
     """The lookup standing in for the target alone (a wrong draft gated off) changes no
     token, and the wrong draft is still gated off within two intervals."""
     n, draft = 4, "random"
-    eng = engine_with(tiny_dir, [draft], dtype="int4", lookup=2)
-    lines = measure_target(eng, eng.gamma)
-    costs = GateCosts(target=lines["step"], verify=lines["verify"]).with_draft(
-        draft, draft_gamma_s(eng, eng.drafts[draft], eng.gamma))
-    prompt = PROMPTS[1] * 3  # a context that repeats itself
-    ref, _ = eng.generate(prompt, 96)
-    clock = FakeClock()
-    channels = FakeChannels(clock, load_s=0.0, scores=lambda p: {draft: 1.0})
-    ctl = Controller((draft,), draft, 1, n, 8, clock, channels, FakeSlots())
-    ctl.prefetch(draft)
-    ctl.drain(1.0)
-    ex = SessionExecutor(eng.start(prompt, 96))
-    ctl.start(Job("r", "p", make_policy("memspec", gate_costs=costs, lookup=True), ex, 0.0))
-    while ctl.step() is None:
-        pass
+    ex, ref = fresh_decoder_run(tiny_dir, draft, n, PROMPTS[1] * 3, lookup=2)  # (repeats)
     assert ex.session.generated == ref
     recs = ex.stats.records
     assert any(r.draft == LOOKUP for r in recs)
