@@ -12,9 +12,10 @@ chosen prompt's repeats resampled per policy (the machine's run-to-run noise), t
 from __future__ import annotations
 
 import math
-import random
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 BOOTSTRAP = 2000
 # the issues' ratios: numerator, denominator (bench variants, bench/realruns.py `variant`:
@@ -59,30 +60,45 @@ def headline_ratios(runs: Runs, strata: Mapping[str, str],
         ci[k] = [nan, nan]
     if n < 1:
         return gm, ci
-    rng = random.Random(seed)
-    samples: dict[str, list[float]] = {k: [] for k in pairs}
-    groups: dict[str, list[list[str]]] = {}
-    for k in pairs:
+    rng = np.random.default_rng(seed)
+    for k, (a, b) in pairs.items():
         by: dict[str, list[str]] = defaultdict(list)
         for p in ids[k]:
             by[strata.get(p, "")].append(p)
-        groups[k] = list(by.values())
-    for _ in range(n):
-        for k, (a, b) in pairs.items():
-            total, count = 0.0, 0
-            for group in groups[k]:
-                for _ in group:
-                    p = group[rng.randrange(len(group))]
-                    ra, rb = runs[a][p], runs[b][p]
-                    num = _rate([ra[rng.randrange(len(ra))] for _ in ra])
-                    den = _rate([rb[rng.randrange(len(rb))] for _ in rb])
-                    if num > 0 and den > 0:
-                        total, count = total + math.log(num / den), count + 1
-            if count:
-                samples[k].append(total / count)
-    for k, xs in samples.items():
-        if xs:
-            xs.sort()
+        if not by:
+            continue
+        names = [p for g in by.values() for p in g]
+        # prompts resampled within each domain (indices into `names`), then each chosen
+        # prompt's repeats per policy
+        idx, first = [], 0
+        for g in by.values():
+            idx.append(first + rng.integers(0, len(g), size=(n, len(g))))
+            first += len(g)
+        chosen = np.concatenate(idx, axis=1)  # [resample, prompt]
+        num = _resampled_rates(rng, [runs[a][p] for p in names], chosen)
+        den = _resampled_rates(rng, [runs[b][p] for p in names], chosen)
+        ok = (num > 0) & (den > 0)
+        logs = np.log(np.where(ok, num, 1.0) / np.where(ok, den, 1.0))
+        count = ok.sum(axis=1)
+        xs = np.sort(logs.sum(axis=1)[count > 0] / count[count > 0])
+        if len(xs):
             lo, hi = xs[int(0.025 * (len(xs) - 1))], xs[int(round(0.975 * (len(xs) - 1)))]
             ci[k] = [math.exp(lo), math.exp(hi)]
     return gm, ci
+
+
+def _resampled_rates(rng: np.random.Generator, runs: Sequence[Sequence[tuple[float, float]]],
+                     chosen: np.ndarray) -> np.ndarray:
+    """[resample, prompt] tokens/s of each chosen prompt (an index into `runs`) over its
+    repeats drawn with replacement, as many draws as it has repeats."""
+    reps = max(len(r) for r in runs)
+    tok, sec = np.zeros((len(runs), reps)), np.zeros((len(runs), reps))
+    for i, r in enumerate(runs):
+        for j, (t, s) in enumerate(r):
+            tok[i, j], sec[i, j] = t, s
+    c = np.array([len(r) for r in runs])[chosen][..., None]
+    draw = np.floor(rng.random((*chosen.shape, reps)) * c).astype(np.int64)
+    used = np.arange(reps) < c
+    t = np.where(used, tok[chosen[..., None], draw], 0.0).sum(axis=-1)
+    s = np.where(used, sec[chosen[..., None], draw], 0.0).sum(axis=-1)
+    return np.divide(t, s, out=np.zeros_like(t), where=s > 0)

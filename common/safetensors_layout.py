@@ -9,15 +9,19 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from memspec.common.errors import ModelError
 
-DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype name -> (torch dtype name, bytes per element); torch is imported only
+# where a tensor is made, so the loader, which streams bytes, starts without it
+DTYPES: dict[str, tuple[str, int]] = {
+    "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "F64": ("float64", 8), "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2),
+    "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1),
 }
 MAX_HEADER = 100 * 1024 * 1024
 
@@ -25,10 +29,16 @@ MAX_HEADER = 100 * 1024 * 1024
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    dtype: torch.dtype
+    code: str  # the safetensors dtype name (a DTYPES key)
     shape: tuple[int, ...]
     start: int  # offset inside the data section
     end: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, DTYPES[self.code][0])
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,8 @@ def read_layout(path: Path) -> Layout:
     data_size = 0
     for name, info in header.items():
         try:
-            dtype = DTYPES[info["dtype"]]
+            code = str(info["dtype"])
+            itemsize = DTYPES[code][1]
             shape = tuple(int(s) for s in info["shape"])
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -75,12 +86,11 @@ def read_layout(path: Path) -> Layout:
         numel = 1
         for s in shape:
             numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
         if end - start != numel * itemsize or start < 0:
             raise ModelError(f"{path}: tensor '{name}' size does not match its shape", fix)
         if start % itemsize:
             raise ModelError(f"{path}: tensor '{name}' is misaligned", "re-save with safetensors")
-        entries.append(TensorEntry(name, dtype, shape, start, end))
+        entries.append(TensorEntry(name, code, shape, start, end))
         data_size = max(data_size, end)
     if 8 + n + data_size > size:
         raise ModelError(f"{path} is truncated ({size} of {8 + n + data_size} bytes)", fix)
@@ -90,6 +100,8 @@ def read_layout(path: Path) -> Layout:
 
 def views_into(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     """Typed tensor views over a flat uint8 buffer that holds the layout's data section."""
+    import torch
+
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise TypeError("slot buffer must be a flat uint8 tensor")
     if buffer.numel() < layout.data_size:

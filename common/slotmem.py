@@ -32,9 +32,9 @@ import re
 import secrets
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from memspec.common.shmclean import (  # noqa: F401 - re-exported
     PREFIX,
@@ -42,6 +42,9 @@ from memspec.common.shmclean import (  # noqa: F401 - re-exported
     SlotMemoryError,
     cleanup_shm,
 )
+
+if TYPE_CHECKING:  # imported where a tensor is made: the loader streams bytes without it
+    import torch
 
 SHM = "shm"
 CUDA_IPC = "cuda-ipc"
@@ -73,6 +76,8 @@ def shm_path(name: str) -> Path:
 
 def choose_transport(device: str | torch.device = "cpu") -> str:
     """``cuda-ipc`` on a discrete CUDA GPU, ``shm`` on CPU and on Tegra; env var overrides."""
+    import torch
+
     forced = os.environ.get(ENV_TRANSPORT, "").strip()
     if forced:
         if forced not in TRANSPORTS:
@@ -188,6 +193,8 @@ class SlotMemory:
     def create(cls, name: str, capacity: int, transport: str,
                device: str | torch.device = "cpu") -> SlotMemory:
         """Allocate a slot. ``name`` is the shm segment name (see :func:`shm_name`)."""
+        import torch
+
         if transport == SHM:
             mm = _map_shm(name, capacity, create=True)
             tensor = torch.frombuffer(mm, dtype=torch.uint8)  # keeps ``mm`` alive
@@ -204,6 +211,8 @@ class SlotMemory:
 
     def close(self) -> None:
         """Drop our reference; an shm mapping is unmapped once no tensor view remains."""
+        import torch
+
         if self.tensor is not None and self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
@@ -227,6 +236,8 @@ class SlotMemory:
 
 def _host_register(tensor: torch.Tensor) -> bool:
     """Tegra: page-lock the shared pages so the GPU reads them without staging copies."""
+    import torch
+
     try:
         err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
     except Exception as exc:  # no CUDA runtime: the slot still works as plain host memory
@@ -284,6 +295,8 @@ class ShmWriter(SlotWriter):
         self._mm[offset:offset + n] = data
 
     def view(self) -> torch.Tensor:
+        import torch
+
         return torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def close(self) -> None:
@@ -294,6 +307,8 @@ class CudaIpcWriter(SlotWriter):
     """Opens the decoder's device storage; copies via two alternating pinned buffers."""
 
     def __init__(self, handle: str, capacity: int) -> None:
+        import torch
+
         args = parse_cuda_handle(handle)
         if capacity > args[2]:
             raise SlotMemoryError(f"cuda-ipc storage holds {args[2]} bytes, "
@@ -316,6 +331,8 @@ class CudaIpcWriter(SlotWriter):
         self._turn = 0
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
+        import torch
+
         src = np.frombuffer(data, dtype=np.uint8)
         self._check(offset, src.size)
         done = 0

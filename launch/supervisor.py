@@ -167,8 +167,12 @@ class Supervisor:
     def __init__(self, pool: str | None = None, client_endpoint: str | None = None,
                  tcp: bool = False, cold_start: bool = False, quiet_logs: bool = True,
                  run_dir: Path | None = None, max_queue: int = MAX_QUEUE,
-                 log_level: str | None = None, standby: bool = False) -> None:
+                 log_level: str | None = None, standby: bool = False,
+                 backoff_scale: float = 1.0) -> None:
         self.pool = pool
+        # crash-loop pauses (resume.backoff_s) times this: a fault test that kills restarting
+        # processes on purpose keeps the pauses' shape at a fraction of their length
+        self.backoff_scale = backoff_scale
         # a standby decoder (procs/decoder/standby.py): a long-running server keeps one, so a
         # crashed decoder's successor has its imports and tokenizer done
         self.standby_enabled = standby
@@ -389,9 +393,9 @@ class Supervisor:
         p.crashes += 1
         if p.crashed_at is None:
             p.crashed_at = now
-        pause = backoff_s(p.crashes)
+        pause = backoff_s(p.crashes) * self.backoff_scale
         LOG.warning(f"{p.name} {why}; restarting" + (
-            f" in {pause:.0f}s ({p.crashes} crashes in a row)" if pause else ""))
+            f" in {pause:.3g}s ({p.crashes} crashes in a row)" if pause else ""))
         if p.name == "decoder":
             cleanup_shm(f"memspec-{self.decoder_token}-")
             if self.in_flight:

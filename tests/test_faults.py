@@ -64,7 +64,10 @@ def sup(tmp_path_factory):
     # paced loads (about 0.4 s per draft) so kills land mid-load too; a fixed bandwidth
     # skips the decoder's calibration, so a restarted decoder is back sooner
     pool = write_pool(tmp, storage="edge-emulated", bandwidth_mb_s=20)
-    s = Supervisor(str(pool), client_endpoint=f"ipc://{tmp}/client.sock", cold_start=True)
+    # kills land on restarting processes on purpose: crash-loop pauses at a tenth (their
+    # full lengths are test_resume's) keep the suite's time on the kills, not on waiting
+    s = Supervisor(str(pool), client_endpoint=f"ipc://{tmp}/client.sock", cold_start=True,
+                   backoff_scale=0.1)
     s.start()
     yield s
     s.shutdown()

@@ -59,6 +59,19 @@ def first_prompts() -> dict[str, str]:
     return {p["domain"]: p["prompt"] for p in load_prompts("dev", DOMAINS, 1)}
 
 
+def scratch_home(root: Path) -> Path:
+    """A fresh $MEMSPEC_HOME (for traces) that shares the real one's native builds, kernel
+    timings and prepared weights: nothing is rebuilt (a native build takes a minute)."""
+    from memspec.common.paths import memspec_home
+
+    real, home = memspec_home(), root / "home"
+    home.mkdir()
+    for shared in ("build", "calib", "prepared"):
+        if (real / shared).is_dir():
+            (home / shared).symlink_to((real / shared).resolve())
+    return home
+
+
 def write_pool(tmp: Path, **pool_fields) -> Path:
     """The default pool with some fields changed, paths made absolute."""
     text = BASE_POOL.read_text()
@@ -443,7 +456,7 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
     real_home = str(memspec_home())
     pool_path = write_pool(tmp_path, storage="edge-emulated")
     pool_path.write_text(pool_path.read_text().replace("$MEMSPEC_HOME", real_home))
-    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))  # traces go to a scratch home
+    monkeypatch.setenv("MEMSPEC_HOME", str(scratch_home(tmp_path)))  # traces go there
     pool = load_pool(pool_path)
     tracer = Tracer(pool)  # the engine's trajectories and tables, in the runtime's dtype
     trajs, _ = tracer.trace_set("dev", load_prompts("dev", DOMAINS, 1), MAX_NEW)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_pipeline import scratch_home
 
 from memspec.common.paths import PACKAGE_ROOT, memspec_home
 from memspec.procs.decoder.lean import LeanLM, projection_shapes
@@ -194,12 +195,7 @@ def test_every_policy_through_the_three_processes_on_the_gptq_target(refs, tmp_p
 
     job(refs, "target-gptq")
     pool = _pool(tmp_path, HEADS)
-    real, home = memspec_home(), tmp_path / "home"
-    home.mkdir()
-    for shared in ("build", "calib", "prepared"):  # no native rebuild, no re-timing
-        if (real / shared).is_dir():
-            (home / shared).symlink_to(real / shared)
-    monkeypatch.setenv("MEMSPEC_HOME", str(home))
+    monkeypatch.setenv("MEMSPEC_HOME", str(scratch_home(tmp_path)))
     tracer = Tracer(load_pool(str(pool)))
     trajs, _ = tracer.trace_set("gptq-policies", [{"id": "gptq-0", "domain": "code",
                                                    "prompt": PROMPTS[0]}], 32)

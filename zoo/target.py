@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +73,36 @@ def read_marker(out_dir: Path) -> dict[str, Any] | None:
     return marker
 
 
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """Parse each GGUF once while converting. transformers parses the file afresh for the
+    config, the tokenizer and the weights, and we read its special tokens: four parses of
+    its 49k-token vocabulary, ~9 s each on two slow cores. transformers imports the
+    reader from `gguf` when it loads (it only reads from it), so one cached reader per
+    file serves every load."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple, Any] = {}
+
+    def cached(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = cached
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def _gguf_special_tokens(gguf_path: Path) -> dict[str, Any]:
     """Read eos/bos/pad ids, their strings and the chat template straight from the GGUF."""
-    from gguf import GGUFReader
+    import gguf
 
-    fields = GGUFReader(str(gguf_path)).fields
+    fields = gguf.GGUFReader(str(gguf_path)).fields
 
     def scalar(key: str) -> Any:
         return fields[key].contents() if key in fields else None
@@ -127,6 +154,11 @@ def convert_target(out_dir: Path | None = None, force: bool = False, progress: b
     say("locating GGUF")
     gguf_path = find_gguf()
     say(f"found {gguf_path} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
+    with _one_gguf_parse():
+        return _convert(gguf_path, out_dir, say)
+
+
+def _convert(gguf_path: Path, out_dir: Path, say: _Progress) -> Path:
     say("reading GGUF tokenizer metadata")
     special = _gguf_special_tokens(gguf_path)
     if special["eos_token"] != "<|im_end|>":

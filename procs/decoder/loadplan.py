@@ -287,19 +287,24 @@ class LoadPlanner:
             got = self._memo[key]
         return got
 
-    def _search(self, starts: Mapping[Key, float]) -> Key:
+    def _search(self, starts: Mapping[Key, float], limit: float = math.inf) -> Key | None:
         """A* from `starts` (each reached after that much time) to the end of the
         trajectory under `_bound`: a lower bound, exact on earlier best paths. Records the
-        best path's moves and returns the start it leaves from."""
+        best path's moves and returns the start it leaves from; None (nothing recorded)
+        once every way on is known to take longer than `limit`."""
         g = dict(starts)
         parent: dict[Key, tuple[Key, Code]] = {}
         heap = [(t + self._bound(k), -t, i, k) for i, (k, t) in enumerate(sorted(g.items()))]
         heapq.heapify(heap)
         order = len(heap)
         while True:
-            _f, neg_g, _, key = heapq.heappop(heap)
+            if not heap:
+                return None
+            f, neg_g, _, key = heapq.heappop(heap)
             if -neg_g > g[key] + EPS:
                 continue  # reached again at less cost since
+            if f > limit:
+                return None  # a lower bound on every path left already exceeds it
             if key[0] >= self.n or key in self._memo:
                 break
             gk = g[key]
@@ -433,6 +438,7 @@ class LoadPlanner:
                 if after not in opening or dt < opening[after][0] - EPS:
                     opening[after] = (dt, code)
         first = self._search({k: dt for k, (dt, _) in opening.items()})
+        assert first is not None  # the target alone always reaches the end
         best, code = opening[first][0] + self._memo[first][0], opening[first][1]
         if self.prefill_time() <= 0:  # the prefill's time unknown: what is as fast with a
             code = self._earlier(opening, code, best)  # load out before it gets its start
@@ -440,11 +446,12 @@ class LoadPlanner:
 
     def _earlier(self, opening: Mapping[Key, tuple[float, Code]], code: Code, best: float
                  ) -> Code:
-        """An opening as fast as `code` that loads more."""
-        for after, (dt, other) in opening.items():
-            if len(other[1]) > len(code[1]) and dt + self._solve(after)[0] <= best + EPS:
-                return other
-        return code
+        """An opening as fast as `code` that loads more: one search from all of them at
+        once, given up as soon as none can still be as fast."""
+        more = {after: dt for after, (dt, other) in opening.items()
+                if len(other[1]) > len(code[1])}
+        first = self._search(more, best + EPS) if more else None
+        return opening[first][1] if first is not None else code
 
     def opened(self, resident: frozenset[str], move: Step) -> State:
         """The state the plan expects at the first scheduling point after `initial`."""
