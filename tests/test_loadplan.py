@@ -246,6 +246,29 @@ def test_the_search_finds_the_exhaustive_optimum(seed):
             pytest.approx(exhaustive(planner, planner.coded(state), memo))
 
 
+@pytest.mark.parametrize("seed", (1, 2))
+def test_the_search_bound_never_exceeds_what_is_left(seed):
+    """A* is exact only under a bound that never overestimates: checked at every state of
+    the exhaustive programme, loads queued near the end included (a load that lands in
+    the last interval is never bound: a bound that charged it overestimated there)."""
+    rng = random.Random(seed)
+    drafts = ("a", "b", "c")
+    correct = {d: [(p // 6 + i) % 2 == 0 and rng.random() < 0.8 for p in range(20)]
+               for i, d in enumerate(drafts)}
+    tabs = {d: table_from_correct(c, 4) for d, c in correct.items()}
+    costs = PlanCosts(load={d: rng.uniform(0.5, 3.0) for d in drafts},
+                      spec={d: rng.uniform(0.8, 1.2) for d in drafts},
+                      target=rng.uniform(0.3, 0.6), switch=0.05, switch_per_token=0.002,
+                      bind=rng.uniform(0.1, 1.0), per_token=0.001, overhead=0.02, inner=0.01,
+                      load_slowdown=0.05)
+    planner = LoadPlanner(tabs, 4, 2, 3, costs, 20)
+    memo: dict[Key, float] = {}
+    for state in (planner.state(0, None, frozenset()),
+                  planner.state(2, "a", frozenset({"a"}), (("b", 1.1), ("c", 2.0)))):
+        exhaustive(planner, planner.coded(state), memo)
+    assert all(planner._bound(key) <= left + 1e-9 for key, left in memo.items())
+
+
 # ----------------------------------------------------------- the upper bound, simulated
 
 

@@ -36,6 +36,7 @@ plan.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Mapping, Sequence
@@ -129,6 +130,7 @@ class LoadPlanner:
         self.lengths = (N, 1) if N > 1 else (N,)
         self._codes: dict[tuple[int, int, int], list[Code]] = {}
         self._h: dict[int, list[list[float]]] = {}  # relaxed bounds by drafts held
+        self._env: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
 
     # ---- time -----------------------------------------------------------------------------
     def load_left(self, draft: str) -> float:
@@ -324,29 +326,58 @@ class LoadPlanner:
         return key
 
     def _bound(self, key: Key) -> float:
-        """What is left from `key` at least (exactly, on a known best path): with the
-        drafts it holds or queues all resident at once, or with any draft for one more
-        bind; plus the binds of the queued loads that land before that much time."""
+        """What is left from `key` at least (exactly, on a known best path). Either the
+        plan runs only what is resident now (the rest with those drafts), or it first runs
+        another draft at some later point p: not before that draft can land (the queue's
+        head, or a new load behind the whole queue) and one bind, and not before the
+        resident drafts can reach p; the rest from p with every draft resident (`_later`).
+        At least, too: the rest with the drafts it holds or queues resident at once, or
+        with any draft after one bind. (A queued load that lands is bound even where the
+        plan stays with the residents, but not inside the last interval: no bind of the
+        queue's is counted.)"""
         known = self._memo.get(key)
         if known is not None:
             return known[0]
-        pos, a, head, rest = key[0], key[1] + 1, key[4], key[6]
-        free = self._relaxed((1 << len(self.drafts)) - 1)[pos][a]
-        bind = self.costs.bind
-        if bind <= 0:
-            return free
-        held = key[3] | sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
-        rest_lb = min(self._relaxed(held)[pos][a], free + bind)
-        if head < 0:
-            return rest_lb
-        landing, binds = key[5] * self.costs.quantum, 0
-        for d in (None, *rest):
-            if d is not None:
-                landing += self._full[d] * self.costs.quantum
-            if landing >= rest_lb:
-                break
-            binds += 1
-        return rest_lb + bind * binds
+        pos, a, res, head, rest = key[0], key[1] + 1, key[3], key[4], key[6]
+        now = self._relaxed(res)[pos][a]
+        c, q = self.costs, self.costs.quantum
+        queued = sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
+        busy = self._queued(key) * q
+        new = [self._full[d] for d in range(len(self.drafts)) if not (res | queued) >> d & 1]
+        avail = min(key[5] * q if head >= 0 else math.inf,
+                    busy + min(new) * q if new else math.inf)
+        later = self._later(res, pos, now, avail) if avail < math.inf else math.inf
+        held = self._relaxed(res | queued)[pos][a]
+        free = self._relaxed((1 << len(self.drafts)) - 1)[pos][a] + c.bind
+        return max(min(now, later), min(held, free))
+
+    def _later(self, res: int, pos: int, now: float, avail: float) -> float:
+        """The least rest that first runs a draft not in `res` at some point p >= pos, with
+        `now` the rest on `res` alone and `avail` the earliest such a draft lands: the
+        residents take at least now - H(p) to reach p (H(p): the most any rest from p on
+        `res` takes), so the rest is at least max(avail, now - H(p)) + bind + the rest
+        from p with every draft resident. Per (res, pos) the points are sorted by H, so
+        each bound is one bisection."""
+        env = self._env.get((res, pos))
+        if env is None:
+            h, full = self._relaxed(res), self._relaxed((1 << len(self.drafts)) - 1)
+            runs = [0, *(d + 1 for d in range(len(self.drafts)) if res >> d & 1)]
+            rows = sorted((-max(h[p][r] for r in runs), min(full[p]) + self.costs.bind)
+                           for p in range(pos, self.n))  # by H, largest first
+            keys = [k for k, _ in rows]
+            pre, m = [], math.inf
+            for _, rest in rows:
+                m = min(m, rest)
+                pre.append(m)  # least rest among the points with the largest H
+            suf, m = [math.inf] * (len(rows) + 1), math.inf
+            for i in range(len(rows) - 1, -1, -1):
+                m = min(m, rows[i][0] + rows[i][1])
+                suf[i] = m  # least rest - H among the points with smaller H
+            env = self._env[(res, pos)] = (keys, pre, suf)
+        keys, pre, suf = env
+        # points whose H >= now - avail can be reached by `avail`: they wait for the load
+        k = bisect.bisect_right(keys, avail - now)
+        return min(avail + pre[k - 1] if k else math.inf, now + suf[k])
 
     def _relaxed(self, mask: int) -> list[list[float]]:
         """h[pos][active + 1]: the fastest rest with the drafts of `mask` resident from now
