@@ -241,9 +241,10 @@ def test_real_target_and_heads_lossless_per_path(which, monkeypatch):
             eng.add_draft(load_into_slot(d.name, d.path, SlotBuffer(24 << 20), eng.vocab,
                                          eng.target_parts))
     ids = encode_prompt(tok, "Write a Python function that returns the factorial of n.")
+    length = 16 if which == "generic" else 32  # the scalar path is the slow one
     with torch.inference_mode():
-        ref, _ = eng.generate(ids, 32)
+        ref, _ = eng.generate(ids, length)
         for name in ("general", "code"):
-            out, stats = eng.generate(ids, 32, select=lambda s, n=name: n)
+            out, stats = eng.generate(ids, length, select=lambda s, n=name: n)
             assert out == ref, name
             assert stats.summary()["num_accepted_tokens"] > 0
