@@ -222,13 +222,17 @@ def exhaustive(planner: LoadPlanner, key: Key, memo: dict[Key, float]) -> float:
     return memo[key]
 
 
+def striped(rng: random.Random, n: int, stretch: int) -> dict[str, list[int]]:
+    """Three drafts good in alternating stretches, each right 80% of the time there."""
+    return {d: table_from_correct([(p // stretch + i) % 2 == 0 and rng.random() < 0.8
+                                   for p in range(n)], 4) for i, d in enumerate(("a", "b", "c"))}
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_search_finds_the_exhaustive_optimum(seed):
     rng = random.Random(seed)
-    drafts = ("a", "b", "c")
-    correct = {d: [(p // 8 + i) % 2 == 0 and rng.random() < 0.8 for p in range(28)]
-               for i, d in enumerate(drafts)}
-    tabs = {d: table_from_correct(c, 4) for d, c in correct.items()}
+    tabs = striped(rng, 28, 8)
+    drafts = tuple(tabs)
     costs = PlanCosts(load={d: rng.uniform(0.5, 3.0) for d in drafts},
                       spec={d: rng.uniform(0.8, 1.2) for d in drafts},
                       target=rng.uniform(0.3, 0.6), switch=0.05, switch_per_token=0.002,
@@ -252,10 +256,8 @@ def test_the_search_bound_never_exceeds_what_is_left(seed):
     the exhaustive programme, loads queued near the end included (a load that lands in
     the last interval is never bound: a bound that charged it overestimated there)."""
     rng = random.Random(seed)
-    drafts = ("a", "b", "c")
-    correct = {d: [(p // 6 + i) % 2 == 0 and rng.random() < 0.8 for p in range(20)]
-               for i, d in enumerate(drafts)}
-    tabs = {d: table_from_correct(c, 4) for d, c in correct.items()}
+    tabs = striped(rng, 20, 6)
+    drafts = tuple(tabs)
     costs = PlanCosts(load={d: rng.uniform(0.5, 3.0) for d in drafts},
                       spec={d: rng.uniform(0.8, 1.2) for d in drafts},
                       target=rng.uniform(0.3, 0.6), switch=0.05, switch_per_token=0.002,
