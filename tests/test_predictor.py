@@ -65,6 +65,56 @@ def test_encoder_is_deterministic_and_normalised(encoder):
     assert torch.allclose(a.norm(dim=-1), torch.ones(2), atol=1e-5)
 
 
+def test_encoder_equals_transformers_bert_on_the_same_files(encoder):
+    """The plain-torch encoder (minilm.py) must give transformers' word pieces and
+    embeddings: the heads were trained on those. Unicode, whitespace, an empty text, a text
+    longer than the file's own 128-piece cut, and padded rows of different widths."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from memspec.procs.predictor.encoder import encoder_dir
+
+    path = encoder_dir()
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    texts = [CODE_A, "Ünïcödé — 数学 ∑ x² 𝔸 café", "", "  spaced \n\t out  ", "word " * 300,
+             MEDICAL]
+    pieces = encoder._pieces(texts)
+    assert pieces == [list(map(int, x)) for x in tok(texts, add_special_tokens=False)["input_ids"]]
+    assert len(pieces[4]) == 300  # not cut at the file's 128
+    ids = [encoder.snapshot_ids(p, r) for p, r in zip(pieces, pieces[::-1])]
+    width = max(map(len, ids))
+    x = torch.full((len(ids), width), encoder.pad_id)
+    mask = torch.zeros_like(x)
+    for i, row in enumerate(ids):
+        x[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+    with torch.inference_mode():
+        hidden = model(input_ids=x, attention_mask=mask).last_hidden_state
+    m = mask.unsqueeze(-1).float()
+    ref = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+    assert (encoder.embed_ids(ids) - ref).abs().max() < 1e-5
+
+
+def test_the_predictor_decodes_the_target_as_transformers_does():
+    """The predictor reads recent target ids as text with the `tokenizers` library alone
+    (no transformers import): the same text as the decoder's full tokenizer, special tokens
+    skipped or not, and the same vocabulary size."""
+    import random
+
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.models import load_serving_tokenizer, load_tokenizer
+    from memspec.procs.decoder.tokenizer import FileTokenizer
+
+    target = load_pool(None, check=False).target
+    light, full = load_serving_tokenizer(target), load_tokenizer(target)
+    assert isinstance(light, FileTokenizer) and len(light) == len(full)
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = [rng.randrange(len(full)) for _ in range(rng.randrange(1, 24))]
+        for skip in (True, False):
+            assert light.decode(ids, skip_special_tokens=skip) == full.decode(
+                ids, skip_special_tokens=skip)
+
+
 def test_code_is_closer_to_code_than_to_medical(encoder):
     code_a, code_b, med = encoder.embed([CODE_A, CODE_B, MEDICAL])
     assert float(code_a @ code_b) > float(code_a @ med)

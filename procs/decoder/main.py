@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     if device == "cpu":
         extension()  # the native forward's module (loaded once; open_engine uses it)
         clock.mark("native")
-    engine, tokenizer, dtype = open_engine(pool, device, phases=clock.mark)
+    engine, tokenizer, dtype = open_engine(pool, device, phases=clock.mark, serving=True)
     files, quarantined = open_drafts(pool, engine.vocab)
     clock.mark("drafts")
     prepare_heads(engine, pool, files)

@@ -69,10 +69,6 @@ def load_causal_lm(path: Path, role: str = "target", dtype: torch.dtype = torch.
     return model.to(device).eval()
 
 
-# tokenizer classes that read tokenizer.json and tokenizer_config.json alone: built directly
-GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
 def _tokenizer_class(path: Path):  # noqa: ANN202
     """The class a generic tokenizer's config names, else None (AutoTokenizer decides)."""
     try:
@@ -80,6 +76,8 @@ def _tokenizer_class(path: Path):  # noqa: ANN202
             "tokenizer_class")
     except (OSError, ValueError, AttributeError):
         return None
+    from memspec.procs.decoder.tokenizer import GENERIC_TOKENIZERS
+
     if name not in GENERIC_TOKENIZERS or not (Path(path) / "tokenizer.json").is_file():
         return None
     import transformers
@@ -96,6 +94,19 @@ def load_tokenizer(path: Path):
     key = str(Path(path).resolve())
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = _load_tokenizer(path)
+    return _TOKENIZERS[key]
+
+
+def load_serving_tokenizer(path: Path):
+    """What the decoder and predictor processes use: tokenizer.py's light tokenizer where
+    it gives transformers' ids and text (no transformers import on their start-up), else
+    the full one."""
+    from memspec.procs.decoder.tokenizer import serving_tokenizer
+
+    key = "serving:" + str(Path(path).resolve())
+    if key not in _TOKENIZERS:
+        _check_dir(path, "target")
+        _TOKENIZERS[key] = serving_tokenizer(path) or load_tokenizer(path)
     return _TOKENIZERS[key]
 
 
@@ -166,11 +177,13 @@ def build_target(model_dir: Path, dtype: str, device: str | torch.device = "cpu"
 
 
 def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = None,
-                fast: bool = True, phases: Callable[[str], None] = lambda phase: None):
+                fast: bool = True, phases: Callable[[str], None] = lambda phase: None,
+                serving: bool = False):
     """The pool's target in its resolved precision, wrapped in an engine; plus the tokenizer
     and the dtype actually used (``auto`` resolved, see precision.py). ``phases(name)`` is
-    called as each part is done (the decoder times its start-up: startup.py)."""
-    tokenizer = load_tokenizer(pool.target)
+    called as each part is done (the decoder times its start-up: startup.py). ``serving``:
+    the decoder process's light tokenizer (load_serving_tokenizer), not the full one."""
+    tokenizer = (load_serving_tokenizer if serving else load_tokenizer)(pool.target)
     phases("tokenizer")
     chosen = resolve_dtype(dtype or pool.dtype, pool.target, device)
     target = build_target(pool.target, chosen, device, fast=fast, prepared=memspec_home())

