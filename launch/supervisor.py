@@ -81,7 +81,7 @@ from memspec.common.sockets import (
     send,
     sweep_run_dirs,
 )
-from memspec.launch.endpoint import EndpointLock, check_endpoint
+from memspec.launch.endpoint import IPC_PATH_MAX, EndpointLock, check_endpoint
 from memspec.launch.resume import STABLE_S, Progress, backoff_s, continuation
 from memspec.procs.decoder.standby import go_message
 from memspec.procs.predictor import FALLBACK
@@ -100,6 +100,18 @@ SLOT_STATES = ("free", "loading", "resident")
 STANDBY_IDLE_S = 1.0  # a standby decoder starts once the server has been idle this long
 STANDBY_MAX_FAILURES = 3  # standbys that died on their own before the supervisor stops trying
 Reply = Callable[[Message], None]
+
+
+def _check_socket_paths(run_dir: Path, eps: dict[str, str]) -> None:
+    """The processes' ipc sockets fit a socket address; else one line now, not a child
+    that cannot bind its socket (its error blaming the endpoint) seconds later."""
+    for name, ep in eps.items():
+        path = ep.removeprefix("ipc://") if ep.startswith("ipc://") else ""
+        if len(os.fsencode(path)) > IPC_PATH_MAX:
+            raise MemspecError(f"the run folder {run_dir} is too deep for its ipc sockets "
+                               f"({name}.sock would be over {IPC_PATH_MAX} bytes)",
+                               "set XDG_RUNTIME_DIR (or TMPDIR) to a shorter folder, or "
+                               "serve on TCP (--tcp)")
 
 
 class ServerBusy(MemspecError):
@@ -214,6 +226,7 @@ class Supervisor:
             self.run_dir = run_dir or make_run_dir()
             self.ep = {n: endpoint(self.run_dir, n, tcp)
                        for n in ("control", "decoder", "loader", "predictor")}
+            _check_socket_paths(self.run_dir, self.ep)
             self.control = configure(self.ctx.socket(zmq.PULL))
             self.control.bind(self.ep["control"])
             self.decoder = configure(self.ctx.socket(zmq.DEALER))

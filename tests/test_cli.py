@@ -69,6 +69,17 @@ def test_a_bad_endpoint_is_one_line(cmd):
     one_line_error(memspec(*cmd, "--endpoint", "foo"), "'foo' is neither ipc://PATH")
 
 
+def test_a_run_folder_too_deep_for_sockets_is_one_line_and_leaves_nothing(tmp_path):
+    """The processes' sockets live in a run folder under XDG_RUNTIME_DIR: one too deep for a
+    socket address is named at once (not a child's bind error blaming the endpoint)."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(deep))
+    one_line_error(memspec("up", "--no-stdin", "--endpoint", f"ipc://{tmp_path}/m.sock",
+                           env=env), "too deep for its ipc sockets", "XDG_RUNTIME_DIR")
+    assert list(deep.iterdir()) == []  # its run folder went with it
+
+
 def test_a_stale_socket_file_is_named(tmp_path):
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(tmp_path / "old.sock"))  # bound, never listening: what a SIGKILL leaves

@@ -10,10 +10,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -387,13 +389,16 @@ def test_a_restarted_server_cleans_up_after_a_killed_one_and_stops_fast_on_sigin
         s.bind(f"{tmp_path}/m.sock")  # the socket file a SIGKILLed server leaves
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale_run = tmp_path / f"memspec-{os.getuid()}-{dead.pid}-abcdef"
+    # the runtime folder: short, as a real one is (tmp_path under pytest-xdist is too deep
+    # for the run folder's sockets: test_cli checks that refusal)
+    runtime = Path(tempfile.mkdtemp(prefix="msrun-"))
+    stale_run = runtime / f"memspec-{os.getuid()}-{dead.pid}-abcdef"
     stale_run.mkdir()
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path))
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))
     up = _up(ep, pool, "--no-stdin", env=env)
     try:
         assert not stale_run.exists()
-        (run_dir,) = tmp_path.glob(f"memspec-{os.getuid()}-{up.p.pid}-*")
+        (run_dir,) = runtime.glob(f"memspec-{os.getuid()}-{up.p.pid}-*")
         kids = _children(up.p.pid)
         sub = _streaming_submit(ep)
         code, dt = up.stopped_within(signal.SIGINT, 5.0)
@@ -406,6 +411,7 @@ def test_a_restarted_server_cleans_up_after_a_killed_one_and_stops_fast_on_sigin
         assert not (tmp_path / "m.sock").exists()
     finally:
         up.kill()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_ctrl_c_on_generate_ends_it_at_once_and_cleanly(pool):
