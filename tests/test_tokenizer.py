@@ -93,11 +93,13 @@ def test_other_templates_render_as_transformers_renders_them(target, tmp_path, t
 
 
 def test_tokenizers_it_cannot_match_load_in_full(target, tmp_path):
-    """A clean-up pass, named templates or a non-generic class: transformers' tokenizer."""
+    """A clean-up pass, named templates, a non-generic class, a BOS rule or extra special
+    tokens: transformers' tokenizer."""
     config = json.loads((target / "tokenizer_config.json").read_text())
     shutil.copy(target / "tokenizer.json", tmp_path / "tokenizer.json")
     for change in ({"clean_up_tokenization_spaces": True},
                    {"chat_template": [{"name": "default", "template": "x"}]},
-                   {"tokenizer_class": "GPT2Tokenizer"}):
+                   {"tokenizer_class": "GPT2Tokenizer"}, {"add_bos_token": True},
+                   {"additional_special_tokens": ["<x>"]}):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
         assert serving_tokenizer(tmp_path) is None, change

@@ -125,8 +125,11 @@ def _template(path: Path, config: dict) -> str | None | bool:
 def serving_tokenizer(path: Path):  # noqa: ANN201
     """The light tokenizer for `path` where it gives transformers' ids and text, else None."""
     config = _generic_config(path)
+    # transformers rewrites the file's post-processor for add_bos/add_eos_token, and
+    # passes extra special tokens to the template: its own tokenizer does those
     if config is None or config.get("extra_special_tokens") \
-            or config.get("additional_special_tokens"):
+            or config.get("additional_special_tokens") \
+            or "add_bos_token" in config or "add_eos_token" in config:
         return None
     template = _template(path, config)
     if template is False:
