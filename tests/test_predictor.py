@@ -94,27 +94,6 @@ def test_encoder_equals_transformers_bert_on_the_same_files(encoder):
     assert (encoder.embed_ids(ids) - ref).abs().max() < 1e-5
 
 
-def test_the_predictor_decodes_the_target_as_transformers_does():
-    """The predictor reads recent target ids as text with the `tokenizers` library alone
-    (no transformers import): the same text as the decoder's full tokenizer, special tokens
-    skipped or not, and the same vocabulary size."""
-    import random
-
-    from memspec.common.config import load_pool
-    from memspec.procs.decoder.models import load_serving_tokenizer, load_tokenizer
-    from memspec.procs.decoder.tokenizer import FileTokenizer
-
-    target = load_pool(None, check=False).target
-    light, full = load_serving_tokenizer(target), load_tokenizer(target)
-    assert isinstance(light, FileTokenizer) and len(light) == len(full)
-    rng = random.Random(0)
-    for _ in range(500):
-        ids = [rng.randrange(len(full)) for _ in range(rng.randrange(1, 24))]
-        for skip in (True, False):
-            assert light.decode(ids, skip_special_tokens=skip) == full.decode(
-                ids, skip_special_tokens=skip)
-
-
 def test_code_is_closer_to_code_than_to_medical(encoder):
     code_a, code_b, med = encoder.embed([CODE_A, CODE_B, MEDICAL])
     assert float(code_a @ code_b) > float(code_a @ med)

@@ -69,11 +69,12 @@ def _same(light, full, path) -> None:
 def test_the_targets_light_tokenizer_gives_transformers_ids_and_text(target):
     light, full = load_serving_tokenizer(target), _load_tokenizer(target)
     assert isinstance(light, ChatTokenizer) and light.chat_template == full.chat_template
+    assert len(light) == len(full)  # the predictor's range check of recent ids
     assert light.special == {k: v for k, v in full.special_tokens_map.items()
                              if isinstance(v, str)}
     _same(light, full, target)
-    rng = random.Random(0)
-    for _ in range(300):
+    rng = random.Random(0)  # decoded text: the stream, Done's text, the predictor's recent
+    for _ in range(500):
         ids = [rng.randrange(len(full)) for _ in range(rng.randrange(1, 24))]
         for skip in (True, False):
             assert light.decode(ids, skip_special_tokens=skip) == full.decode(

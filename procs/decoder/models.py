@@ -39,6 +39,7 @@ from memspec.procs.decoder.runners import (
     load_state_dict,
     read_config,
 )
+from memspec.procs.decoder.tokenizer import GENERIC_TOKENIZERS, serving_tokenizer
 
 SUPPORTED_HINT = "use a local HF causal-LM folder (config.json + safetensors), e.g. Llama or Qwen2"
 
@@ -76,8 +77,6 @@ def _tokenizer_class(path: Path):  # noqa: ANN202
             "tokenizer_class")
     except (OSError, ValueError, AttributeError):
         return None
-    from memspec.procs.decoder.tokenizer import GENERIC_TOKENIZERS
-
     if name not in GENERIC_TOKENIZERS or not (Path(path) / "tokenizer.json").is_file():
         return None
     import transformers
@@ -101,8 +100,6 @@ def load_serving_tokenizer(path: Path):
     """What the decoder and predictor processes use: tokenizer.py's light tokenizer where
     it gives transformers' ids and text (no transformers import on their start-up), else
     the full one."""
-    from memspec.procs.decoder.tokenizer import serving_tokenizer
-
     key = "serving:" + str(Path(path).resolve())
     if key not in _TOKENIZERS:
         _check_dir(path, "target")

@@ -27,9 +27,9 @@ from memspec.common.child import SPAWNED_ENV
 
 def prepare(pool_path: str | None, device: str) -> None:
     """The start-up work that does not depend on the run: the pool file, the tokenizer
-    (load_serving_tokenizer keeps it for the run), the native extension's module. The imports are
-    here, not at the top: the supervisor imports this module for `go_message`, and must not
-    pay torch's import for it (`memspec up` would start seconds later)."""
+    (load_serving_tokenizer keeps it for the run), the native extension's module. The
+    imports are here, not at the top: the supervisor imports this module for `go_message`
+    and must not pay torch's import for it (`memspec up` would start seconds later)."""
     from memspec.common.config import load_pool
     from memspec.procs.decoder.models import load_serving_tokenizer
     from memspec.procs.decoder.native import extension

@@ -5,8 +5,9 @@ tokenizer alone (its own model code is plain torch), on the critical path of eve
 and every crash recovery. Where the target's tokenizer is generic (transformers' class for
 it only wraps tokenizer.json), the `tokenizers` library reads the same file and the chat
 template renders in a jinja2 sandbox set up as transformers sets it up; tests compare both
-(ids of chats, raw prompts, decoded text). Anything else, or a template this does not
-render the same way, loads the full transformers tokenizer (models.load_tokenizer).
+(ids of chats, raw prompts, decoded text). Anything else (a clean-up pass, named templates,
+extra special tokens, a BOS/EOS rule in the config, another class) loads the full
+transformers tokenizer (models.load_tokenizer).
 """
 
 from __future__ import annotations

