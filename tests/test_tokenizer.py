@@ -104,3 +104,11 @@ def test_tokenizers_it_cannot_match_load_in_full(target, tmp_path):
                    {"additional_special_tokens": ["<x>"]}):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
         assert serving_tokenizer(tmp_path) is None, change
+
+
+def test_the_decoders_tokenizer_has_run_its_template_before_the_first_request(target, tmp_path):
+    """Compiling the template costs ~65 ms: at start-up, not inside the first request."""
+    shutil.copytree(target, tmp_path / "t")
+    tok = load_serving_tokenizer(tmp_path / "t", chat=True)
+    assert isinstance(tok, ChatTokenizer) and tok._compiled is not None
+    assert encode_prompt(tok, "Hi") == encode_prompt(_load_tokenizer(target), "Hi")

@@ -35,7 +35,7 @@ def prepare(pool_path: str | None, device: str) -> None:
     from memspec.procs.decoder.native import extension
 
     pool = load_pool(pool_path)
-    load_serving_tokenizer(pool.target)
+    load_serving_tokenizer(pool.target, chat=True)
     if device == "cpu":
         extension()
 
