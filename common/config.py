@@ -45,7 +45,7 @@ _POOL_KEYS = {
 _DRAFT_KEYS = {"name", "domain", "path", "kind", "description"}
 # model: an independent causal LM sharing the tokenizer; head: a one-layer head over the
 # target's features (procs/decoder/head.py)
-DRAFT_KINDS = ("model", "head")
+DRAFT_KINDS = ("model", "head", "datastore")
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts (unsigned)
 
 
@@ -150,7 +150,7 @@ def _parse_drafts(items: Any, base: Path) -> tuple[DraftSpec, ...]:
         kind = item.get("kind", "model")
         if kind not in DRAFT_KINDS:
             raise ConfigError(f"draft '{name}' has unknown kind {kind!r}",
-                              "use kind = \"model\" or kind = \"head\"")
+                              'use kind = "model", "head" or "datastore"')
         description = item.get("description", "")
         if not isinstance(description, str):
             raise ConfigError(f"drafts[{i}].description must be a string",
@@ -305,12 +305,14 @@ def check_paths(pool: PoolConfig) -> None:
 
 
 def folder_kind(model_dir: Path) -> str:
-    """What a draft folder holds, from its config.json (heads say ``memspec_kind``)."""
+    """What a draft folder holds, from its config.json (heads and datastores say
+    ``memspec_kind``)."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return "model"
-    return "head" if isinstance(cfg, dict) and cfg.get("memspec_kind") == "head" else "model"
+    kind = cfg.get("memspec_kind") if isinstance(cfg, dict) else None
+    return kind if kind in ("head", "datastore") else "model"
 
 
 def check_kind(d: DraftSpec) -> None:

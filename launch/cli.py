@@ -250,7 +250,12 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         from memspec.zoo.evaluate import main_eval
 
         return main_eval(args)
-    raise MemspecError(f"unknown zoo command '{args.what}'", "use target, corpora, drafts or eval")
+    if args.what == "stores":
+        from memspec.zoo.stores import main_stores
+
+        return main_stores(args)
+    raise MemspecError(f"unknown zoo command '{args.what}'",
+                       "use target, corpora, drafts, stores or eval")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -384,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     mf.set_defaults(func=cmd_manifest)
 
     z = sub.add_parser("zoo", help="build models and corpora")
-    z.add_argument("what", choices=["target", "corpora", "drafts", "eval"])
+    z.add_argument("what", choices=["target", "corpora", "drafts", "stores", "eval"])
     _add_pool(z)
     z.add_argument("--force", action="store_true", help="rebuild even if present")
     z.add_argument("--prompts-per-domain", type=int, default=20)

@@ -23,6 +23,7 @@ import torch
 
 from memspec.common.files import atomic_write_text
 from memspec.common.paths import memspec_home
+from memspec.procs.decoder.datastore import DATASTORE_KIND
 from memspec.procs.decoder.gate import GateCosts, Line
 
 CONTEXTS = (48, 304)  # two context lengths: the lines' two points
@@ -120,7 +121,8 @@ def gate_costs(engine: Any, pool: Any, numerics: str, log=lambda msg: None) -> G
     step, verify = lines["step"], lines["verify"]
     # a typical draft's gamma steps before one is timed: a fifth of a target step each
     return GateCosts(target=step, verify=verify, draft_prior_s=0.2 * pool.gamma * step[0],
-                     gamma=pool.gamma)
+                     gamma=pool.gamma, free=frozenset(d.name for d in pool.drafts
+                                                      if d.kind == DATASTORE_KIND))
 
 
 def _sane(step: Line, verify: Line) -> bool:

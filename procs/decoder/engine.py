@@ -33,6 +33,7 @@ from memspec.procs.decoder.acceptance import (
     speculative_accept,
     warp,
 )
+from memspec.procs.decoder.datastore import DATASTORE_KIND, Datastore
 from memspec.procs.decoder.head import HEAD_KIND, TargetParts
 from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
 from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
@@ -267,6 +268,8 @@ class Session:
             rec = self._target_step(t0)
         elif draft == LOOKUP:
             rec = self._lookup_step(t0)
+        elif self.engine.drafts[draft].kind == DATASTORE_KIND:
+            rec = self._lookup_step(t0, draft, self.engine.drafts[draft].runner.store)
         else:
             rec = self._spec_step(draft, t0)
         rec.desired = desired
@@ -287,23 +290,28 @@ class Session:
         t1 = time.perf_counter()  # after the commit (streaming), as a speculative step's
         return IterationRecord(None, 0, 0, emitted, t0, t_verify=t1 - t0, context=L)
 
-    def _lookup_step(self, t0: float) -> IterationRecord:
-        """The context lookup as the draft: the proposals are what followed the context's
-        suffix before, one after another up to gamma while it keeps finding one; none (or
-        sampling) is a plain target step. No model runs, nothing is resident."""
+    def _lookup_step(self, t0: float, name: str = LOOKUP, store: Datastore | None = None
+                     ) -> IterationRecord:
+        """A draft with no model: the context lookup (what followed the context's suffix
+        before), then a resident datastore's continuation (what followed it in the domain's
+        text), one proposal after another up to gamma while either finds one; none (or
+        sampling) is a plain target step. Nothing runs but the verify."""
         ng, L = self._ngrams, len(self.tokens)
         props: list[int] = []
-        if ng is not None:
-            tail = self.tokens[-ng.n_max:]
+        if self.params.greedy and (ng is not None or store is not None):
+            width = max(ng.n_max if ng is not None else 0, store.n_max if store else 0)
+            tail = self.tokens[-width:]
             while len(props) < self.engine.gamma:
-                tok = ng.propose(tail)
+                tok = ng.propose(tail) if ng is not None else None
+                if tok is None and store is not None:
+                    tok = store.propose(tail)
                 if tok is None:
                     break
                 props.append(tok)
                 tail.append(tok)
         if not props:
             rec = self._target_step(t0)
-            rec.draft = LOOKUP
+            rec.draft = name
             return rec
         t_draft_end = time.perf_counter()
         prop = torch.tensor(props, dtype=torch.long, device=self._dev)
@@ -314,7 +322,7 @@ class Session:
         emitted = self._commit(props[:n] + [nxt])
         self._sync()
         t1 = time.perf_counter()
-        return IterationRecord(LOOKUP, len(props), n, emitted, t0, t_draft=t_draft_end - t0,
+        return IterationRecord(name, len(props), n, emitted, t0, t_draft=t_draft_end - t0,
                                t_verify=t1 - t_draft_end, context=L)
 
     def _draft_cache(self, bound: BoundDraft) -> _DraftCache:

@@ -55,15 +55,20 @@ class GateCosts:
     spec: Mapping[str, Line] = field(default_factory=dict)
     draft_prior_s: float = 0.0
     gamma: int = 4  # rows of `verify` minus one
+    free: frozenset[str] = frozenset()  # drafts that run no model (datastores), as LOOKUP
 
     def target_s(self, context: int) -> float:
         return self.target[0] + self.target[1] * context
+
+    def model_free(self, draft: str) -> bool:
+        """Its iteration is the verify alone, and one that proposes nothing a target step."""
+        return draft == LOOKUP or draft in self.free
 
     def spec_line(self, draft: str) -> Line:
         if draft in self.spec:
             return self.spec[draft]
         verify = self.verify or (2.0 * self.target[0], self.target[1])
-        if draft == LOOKUP:  # no model runs: the verify is the whole iteration
+        if self.model_free(draft):  # no model runs: the verify is the whole iteration
             return verify
         return verify[0] + self.draft_prior_s, verify[1]
 
@@ -163,7 +168,7 @@ class SpecGate:
         self.context = rec.context + rec.emitted
         if self.costs is None:
             return
-        if rec.draft is None or (rec.draft == LOOKUP and rec.proposed == 0):
+        if rec.draft is None or (self.costs.model_free(rec.draft) and rec.proposed == 0):
             if rec.shared:  # a step on fewer cores (a load in flight): not what the target
                 return  # alone costs when the gate closes, and it would open the gate
             a, b = self.costs.target
@@ -241,11 +246,13 @@ class SpecGate:
 
     def keeps(self, draft: str) -> bool:
         """Inside an interval the gate let `draft` run: go on only while it pays."""
-        if draft == LOOKUP:  # a probe goes on until it has proposed; the lookup costs a
-            return self.costs is None or self.probing or self.pays(draft)  # target step else
+        if self.costs is None:
+            return True
+        if self.costs.model_free(draft):  # a probe goes on until it has proposed; a draft
+            return self.probing or self.pays(draft)  # with no model costs a target step else
         tau = self.tau.get(draft)
         young = tau is not None and tau.n < self.STOP_INSIDE
-        return self.costs is None or not young or self.pays(draft)
+        return not young or self.pays(draft)
 
     def _probe_extra(self, draft: str) -> float:
         """What a probe costs over a target step: as measured in this request, and never

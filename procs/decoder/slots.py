@@ -17,6 +17,14 @@ from torch import nn
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
 from memspec.procs.decoder.cudagraph import GraphLM
+from memspec.procs.decoder.datastore import (
+    DATASTORE_KIND,
+    Datastore,
+    StoreRunner,
+    is_datastore,
+    read_store_config,
+    store_params,
+)
 from memspec.procs.decoder.head import (
     HEAD_KIND,
     HeadRunner,
@@ -115,6 +123,8 @@ class BoundDraft:
 
     @property
     def kind(self) -> str:
+        if isinstance(self.runner, StoreRunner):
+            return DATASTORE_KIND
         return HEAD_KIND if isinstance(self.runner, HeadRunner) else "model"
 
     def new_cache(self, capacity: int) -> Any:
@@ -222,6 +232,15 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         if target_vocab is not None and int(to_target.max()) >= target_vocab:
             raise ModelError(f"draft '{name}' maps to token ids beyond the target's "
                              f"vocabulary of {target_vocab}", "rebuild it for this target")
+    if is_datastore(model_dir):  # tables, not weights: numpy views of the slot's bytes
+        try:
+            store = Datastore({k: v.cpu().numpy() for k, v in weights.items()},
+                              store_params(read_store_config(model_dir)))
+        except ValueError as exc:
+            raise ModelError(f"datastore '{name}': {exc}",
+                             "rebuild it with `memspec zoo stores`") from None
+        return BoundDraft(name, StoreRunner(store), slot, slot.generation, None, None,
+                          read_store_config(model_dir), weights)
     if is_head(model_dir):
         arch, config = read_head_config(model_dir)
         if parts is None:

@@ -1,0 +1,178 @@
+"""Datastore drafts: the tables, their lookups, binding from a slot, the engine's use of them
+(output identical to target-only greedy) and the gate pricing them as model-free."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from tinymodels import TINY_VOCAB
+
+from memspec.common.config import (
+    ConfigError,
+    check_kind,
+    folder_kind,
+    load_pool,
+    tokenizer_fingerprint,
+)
+from memspec.common.errors import ModelError
+from memspec.common.manifest import write_manifest
+from memspec.procs.decoder.datastore import (
+    DATASTORE_KIND,
+    SEP,
+    Datastore,
+    StoreParams,
+    build_tables,
+    stream,
+)
+from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.gate import GateCosts, SpecGate
+from memspec.procs.decoder.lookup import LOOKUP
+from memspec.procs.decoder.models import build_target
+from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
+from memspec.zoo.stores import store_walk
+
+DOCS = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 8], [1, 2, 3, 5], [7, 1, 2, 3, 4]]
+
+
+def test_the_longest_seen_context_proposes_its_most_frequent_continuation():
+    store = Datastore(build_tables(stream(DOCS), 1, 4, min_count=1), StoreParams(1, 0.0))
+    assert store.propose([1, 2, 3]) == 4  # 3 of 4
+    assert store.propose([9, 1, 2, 3]) == 4  # an unseen longer context backs off
+    assert store.propose([2, 3, 4]) in (9, 8)  # a tie: either, deterministically
+    assert store.propose([42]) is None
+    assert store.propose([4, 9]) is None  # documents do not run into each other (SEP)
+
+
+def test_an_unsure_longest_match_proposes_nothing_rather_than_a_shorter_one():
+    tables = build_tables(stream(DOCS), 1, 4, min_count=1)
+    assert Datastore(tables, StoreParams(1, 0.7)).propose([1, 2, 3]) == 4  # 0.75 >= 0.7
+    assert Datastore(tables, StoreParams(1, 0.8)).propose([1, 2, 3]) is None
+    assert Datastore(tables, StoreParams(4, 0.0)).propose([1, 2, 3]) is None  # seen 3 times
+    # contexts whose best continuation is rarer than min_count are not even stored
+    pruned = build_tables(stream(DOCS), 1, 4, min_count=2)
+    assert pruned["keys.4"].size < tables["keys.4"].size
+    assert Datastore(pruned, StoreParams(2, 0.0)).propose([1, 2, 3]) == 4
+
+
+def test_tables_are_checked_before_use():
+    tables = build_tables(stream(DOCS), 1, 3, min_count=1)
+    with pytest.raises(ValueError):
+        Datastore({k: v for k, v in tables.items() if not k.endswith(".2")})
+    with pytest.raises(ValueError):
+        Datastore({**tables, "next.1": tables["next.1"][:-1]})
+    assert stream([]).size == 0 and SEP < 0
+
+
+def _store_folder(path, docs, target_dir=None):
+    store = Datastore(build_tables(stream(docs), 1, 4, min_count=1), StoreParams(1, 0.0))
+    path.mkdir(parents=True)
+    save_file({k: torch.from_numpy(v) for k, v in store.tables().items()},
+              str(path / "model.safetensors"))
+    cfg = {"memspec_kind": DATASTORE_KIND, "n_min": 1, "n_max": 4, "min_count": 1,
+           "min_conf": 0.0}
+    if target_dir is not None:
+        cfg["memspec_tokenizer_sha256"] = tokenizer_fingerprint(target_dir)
+    (path / "config.json").write_text(json.dumps(cfg))
+    write_manifest(path)
+    return store
+
+
+def test_a_store_binds_from_a_slot_as_views_and_proposes_the_same(tmp_path):
+    store = _store_folder(tmp_path / "s", DOCS)
+    bound = load_into_slot("s", tmp_path / "s", SlotBuffer(1 << 16), TINY_VOCAB)
+    assert bound.kind == DATASTORE_KIND
+    for tail in ([1, 2, 3], [2, 3, 4], [7, 1], [5]):
+        assert bound.runner.store.propose(tail) == store.propose(tail)
+    assert folder_kind(tmp_path / "s") == DATASTORE_KIND
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"memspec_kind": DATASTORE_KIND}))
+    save_file({"keys.1": torch.zeros(3, dtype=torch.long), "next.1": torch.zeros(2,
+              dtype=torch.int32), "count.1": torch.zeros(3, dtype=torch.int32),
+               "total.1": torch.zeros(3, dtype=torch.int32)}, str(bad / "model.safetensors"))
+    with pytest.raises(ModelError, match="datastore 'bad'"):
+        load_into_slot("bad", bad, SlotBuffer(1 << 16), TINY_VOCAB)
+
+
+def _greedy(target, prompt, n):
+    eng = SpecEngine(target, (), gamma=4)
+    return eng.generate(prompt, n)[0]
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_engine_output_is_target_only_greedy_with_a_good_and_a_wrong_store(tiny_dir, tmp_path,
+                                                                           lookup):
+    """A store built from the target's own output is accepted (it really proposes); one that
+    proposes only wrong tokens is rejected every time; the output is the same either way."""
+    target = build_target(tiny_dir / "target", "float32")
+    prompts = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45]]
+    refs = [_greedy(target, p, 40) for p in prompts]
+    _store_folder(tmp_path / "good", [p + r for p, r in zip(prompts, refs, strict=True)])
+    rng = np.random.default_rng(0)
+    wrong = [[int(t) for t in rng.integers(3, TINY_VOCAB, 60)] for _ in range(40)]
+    wrong = [[t if t not in r else 2 for t in w] for w, r in zip(wrong, refs * 20, strict=False)]
+    _store_folder(tmp_path / "wrong", wrong)
+    eng = SpecEngine(target, (), gamma=4, lookup=lookup)
+    for name in ("good", "wrong"):
+        eng.add_draft(load_into_slot(name, tmp_path / name, SlotBuffer(1 << 20), TINY_VOCAB))
+    for prompt, ref in zip(prompts, refs, strict=True):
+        out, stats = eng.generate(prompt, 40, select=lambda s: "good")
+        assert out == ref
+        assert sum(r.accepted for r in stats.records) > 20  # it speculated, and it paid
+        assert all(r.draft == "good" for r in stats.records)
+        out, stats = eng.generate(prompt, 40, select=lambda s: "wrong")
+        assert out == ref
+        if lookup == 0:
+            assert sum(r.accepted for r in stats.records) == 0
+        walk = store_walk(prompt, ref, eng.drafts["good"].runner.store, 4, lookup)
+        _, stats = eng.generate(prompt, 40, select=lambda s: "good")
+        assert [(r.proposed, r.accepted) for r in stats.records] == walk  # the replay is
+        # the engine's walk, row for row (the dev figures of `memspec zoo stores`)
+
+
+def test_sampling_runs_a_store_as_plain_target_steps(tiny_dir, tmp_path):
+    from memspec.procs.decoder.acceptance import SamplingParams
+
+    target = build_target(tiny_dir / "target", "float32")
+    _store_folder(tmp_path / "s", DOCS)
+    eng = SpecEngine(target, (), gamma=4)
+    eng.add_draft(load_into_slot("s", tmp_path / "s", SlotBuffer(1 << 16), TINY_VOCAB))
+    params = SamplingParams(temperature=0.8, seed=3)
+    a, stats = eng.generate([1, 2, 3], 20, params, select=lambda s: "s")
+    b, _ = eng.generate([1, 2, 3], 20, params)
+    assert a == b and all(r.proposed == 0 for r in stats.records)
+
+
+def test_the_gate_prices_a_store_as_the_verify_alone():
+    costs = GateCosts(target=(0.004, 0.0), verify=(0.007, 0.0), draft_prior_s=0.003,
+                      free=frozenset({"code"}))
+    assert costs.spec_line("code") == costs.spec_line(LOOKUP) == (0.007, 0.0)
+    assert costs.spec_line("head") == (0.010, 0.0)
+    gate = SpecGate(costs)
+    from memspec.common.metrics import IterationRecord
+
+    gate.observe(IterationRecord("code", 0, 0, 1, 0.0, t_verify=0.004, context=10))
+    assert "code" not in gate.tau  # proposing nothing was a target step, not a failed draft
+
+
+def test_a_pool_of_stores_loads_and_a_wrong_kind_is_one_line(tmp_path, tiny_dir):
+    _store_folder(tmp_path / "s", DOCS, target_dir=tiny_dir / "target")
+    pool_file = tmp_path / "pool.toml"
+    pool_file.write_text(f"""[pool]
+target = "{tiny_dir / 'target'}"
+general = "s"
+[[drafts]]
+name = "s"
+path = "{tmp_path / 's'}"
+kind = "datastore"
+""")
+    pool = load_pool(pool_file)
+    assert pool.drafts[0].kind == DATASTORE_KIND
+    check_kind(pool.drafts[0])
+    wrong = pool.drafts[0].__class__(**{**pool.drafts[0].__dict__, "kind": "head"})
+    with pytest.raises(ConfigError, match='set kind = "datastore"'):
+        check_kind(wrong)
