@@ -176,3 +176,47 @@ kind = "datastore"
     wrong = pool.drafts[0].__class__(**{**pool.drafts[0].__dict__, "kind": "head"})
     with pytest.raises(ConfigError, match='set kind = "datastore"'):
         check_kind(wrong)
+
+
+def test_the_trace_table_of_a_store_replays_the_engine(tiny_dir, tmp_path):
+    """A_d(t) from zoo/tables.py (what traces, oracles and the predictor's labels read) gives
+    the accepted count of every iteration the engine runs with the store."""
+    from memspec.zoo.tables import runtime_table
+
+    target = build_target(tiny_dir / "target", "float32")
+    prompt = [1, 5, 9, 22]
+    ref = _greedy(target, prompt, 40)
+    _store_folder(tmp_path / "s", [prompt + ref[:25], [3, 4, 5, 6]])
+    eng = SpecEngine(target, (), gamma=4, lookup=2)
+    eng.add_draft(load_into_slot("s", tmp_path / "s", SlotBuffer(1 << 16), TINY_VOCAB))
+    table = runtime_table(eng, eng.drafts["s"], prompt, ref)
+    _, stats = eng.generate(prompt, 40, select=lambda s: "s")
+    t = 0
+    for rec in stats.records:
+        assert rec.accepted == min(table[t], 40 - t - 1) or t + rec.emitted == 40
+        t += rec.emitted
+    assert any(table) and not all(table)
+
+
+def test_two_pools_on_one_target_keep_their_own_tables(tmp_path, tiny_dir, monkeypatch):
+    """Tracing a second pool (datastores, small models) on the default pool's target must not
+    overwrite the default pool's tables, nor show up among its traced sets."""
+    from memspec.common.config import load_pool as load
+    from memspec.procs.decoder import tablefiles
+
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))
+    pools = []
+    for name in ("a", "b"):
+        _store_folder(tmp_path / name, DOCS, target_dir=tiny_dir / "target")
+        f = tmp_path / f"{name}.toml"
+        f.write_text(f'[pool]\ntarget = "{tiny_dir / "target"}"\ngeneral = "{name}"\n'
+                     f'[[drafts]]\nname = "{name}"\npath = "{tmp_path / name}"\n'
+                     'kind = "datastore"\n')
+        pools.append(load(f))
+    paths = [tablefiles.tables_path(p, "dev", "int4-x") for p in pools]
+    assert paths[0] != paths[1] and all("@" in p.name for p in paths)
+    paths[0].parent.mkdir(parents=True)
+    paths[0].write_text("{}")
+    tablefiles.tables_path(pools[1], "dev-L256", "int4-x").write_text("{}")
+    assert tablefiles.traced_sets(pools[0], "int4-x") == ["dev"]
+    assert tablefiles.traced_sets(pools[1], "int4-x") == ["dev-L256"]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from memspec.procs.decoder.datastore import DATASTORE_KIND, Datastore
 from memspec.procs.decoder.lookup import NgramIndex
 
 # --------------------------------------------------------------------------- model pass
@@ -77,6 +78,8 @@ def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
     gamma, n = engine.gamma, len(tokens)
     if n == 0:
         return []
+    if bound.kind == DATASTORE_KIND:  # no model: the lookups alone, as the engine chains them
+        return store_table(prompt_ids, tokens, gamma, engine.lookup, bound.runner.store)
     seq = list(prompt_ids) + list(tokens)
     dev = engine.device
     ids = torch.tensor(seq, dtype=torch.long, device=dev)
@@ -98,6 +101,32 @@ def runtime_table(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
     # a head: the target's features for every position first, then per start position
     # the engine's calls
     return head_table(bound, target_features(engine, ids), ids, P, tokens, gamma, lk)
+
+
+def store_table(prompt_ids: Sequence[int], tokens: Sequence[int], gamma: int, lookup_n: int,
+                store: Datastore) -> list[int]:
+    """A_d(t) of a datastore draft (Session._lookup_step): from each t, the context lookup's
+    proposal where the context repeats, else the store's, while they match the trajectory."""
+    idx = NgramIndex(lookup_n, prompt_ids) if lookup_n else None
+    seq = [int(x) for x in prompt_ids] + [int(x) for x in tokens]
+    P, n = len(prompt_ids), len(tokens)
+    width = max(idx.n_max if idx is not None else 0, store.n_max)
+    out: list[int] = []
+    for t in range(n):
+        tail = seq[max(0, P + t - width):P + t]
+        a = 0
+        while a < min(gamma, n - t):
+            c = idx.propose(tail) if idx is not None else None
+            if c is None:
+                c = store.propose(tail)
+            if c != seq[P + t + a]:
+                break
+            tail.append(c)
+            a += 1
+        out.append(a)
+        if idx is not None:
+            idx.extend(seq[P + t:P + t + 1])
+    return out
 
 
 def engine_lookup(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int]

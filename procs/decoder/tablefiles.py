@@ -13,6 +13,8 @@ written and read by the offline tools (zoo/tablestore.py).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -21,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from memspec.common.config import PoolConfig
+from memspec.common.config import PoolConfig, tomllib
 from memspec.common.files import read_jsonl, sha256_file
-from memspec.common.paths import default_target_dir, memspec_home
+from memspec.common.paths import DEFAULT_POOL, default_target_dir, expand_path, memspec_home
 from memspec.procs.decoder.precision import resolve_dtype
 from memspec.procs.decoder.slots import draft_weights_file
 
@@ -86,15 +88,39 @@ def trajectories_path(pool: PoolConfig, which: str, dtype: str | None = None) ->
 
 
 def tables_path(pool: PoolConfig, which: str, dtype: str | None = None) -> Path:
-    return traces_dir(dtype) / f"{TABLES_PREFIX}{which}{_suffix(pool)}.json"
+    """Tables belong to one pool's drafts (trajectories only to its target): another pool on
+    the same target (small models, datastores) keeps its own file, not the default's."""
+    return traces_dir(dtype) / f"{TABLES_PREFIX}{which}{_suffix(pool)}{_drafts_suffix(pool)}.json"
+
+
+def _drafts_key(drafts: Sequence[tuple[str, Path]]) -> str:
+    return "\n".join(sorted(f"{name}={Path(path).resolve()}" for name, path in drafts))
+
+
+@functools.cache
+def _default_drafts_key() -> str | None:
+    try:
+        raw = tomllib.loads(DEFAULT_POOL.read_text())
+        return _drafts_key([(d["name"], expand_path(d["path"], DEFAULT_POOL.parent))
+                            for d in raw.get("drafts", [])])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _drafts_suffix(pool: PoolConfig) -> str:
+    key = _drafts_key([(d.name, d.path) for d in pool.drafts])
+    if key == _default_drafts_key():
+        return ""
+    return "@" + hashlib.sha256(key.encode()).hexdigest()[:10]  # ("@": in no set's name)
 
 
 def traced_sets(pool: PoolConfig, dtype: str | None = None) -> list[str]:
     """Every prompt set with a tables file for this pool's target, by name."""
-    suffix = _suffix(pool) + ".json"
+    suffix = _suffix(pool) + _drafts_suffix(pool) + ".json"
     names = sorted(p.name for p in traces_dir(dtype).glob(f"{TABLES_PREFIX}*{suffix}"))
     names = [n for n in names if n.count(".") == 1]  # not an interrupted writer's .tmp
-    return [n[len(TABLES_PREFIX):len(n) - len(suffix)] for n in names]
+    sets = [n[len(TABLES_PREFIX):len(n) - len(suffix)] for n in names]
+    return [w for w in sets if "@" not in w]  # (another pool's tables on this target)
 
 
 @dataclass
