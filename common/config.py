@@ -292,8 +292,9 @@ def check_paths(pool: PoolConfig) -> None:
     target_tok = tokenizer_fingerprint(pool.target)
     for d in pool.drafts:
         if not (d.path / "config.json").is_file():
+            build = "memspec zoo stores" if d.kind == "datastore" else "memspec zoo drafts"
             raise ConfigError(f"draft '{d.name}' not found at {d.path}",
-                              "fix drafts.path or run `memspec zoo drafts`")
+                              f"fix drafts.path or run `{build}`")
         check_kind(d)
         draft_tok = tokenizer_fingerprint(d.path)
         if draft_tok is None:
