@@ -15,6 +15,7 @@ README.md, the card: data, size, build time, dev acceptance per domain; manifest
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memspec.common.errors import MemspecError
 from memspec.common.manifest import write_manifest
 from memspec.common.paths import memspec_home
 from memspec.procs.decoder.datastore import (
@@ -233,8 +235,35 @@ Dev acceptance (the engine's walk over the target's greedy dev trajectories, gam
     write_manifest(folder)
 
 
+def plot_matrix(out: dict, path: Path) -> Path:
+    """Tokens per iteration of each store on each dev domain, the lookup alone beside."""
+    from memspec.bench.plotting import pyplot
+
+    plt = pyplot()
+    m, lk = out["matrix"], out["lookup_only"]
+    grid = np.array([[lk[e]["tokens_per_iteration"] for e in DOMAINS]]
+                    + [[m[d][e]["tokens_per_iteration"] for e in DOMAINS] for d in DOMAINS])
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    im = ax.imshow(grid, cmap="viridis")
+    ax.set_xticks(range(len(DOMAINS)), DOMAINS)
+    ax.set_yticks(range(len(DOMAINS) + 1), ["(lookup alone)", *(f"{d} store" for d in DOMAINS)])
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w", fontsize=8)
+    ax.set_xlabel("dev domain")
+    ax.set_title("Datastore drafts: tokens per iteration on dev (gamma 4)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main_stores(args) -> int:  # noqa: ANN001
     out = build_stores(force=args.force)
+    with contextlib.suppress(MemspecError):  # (matplotlib is an optional extra)
+        log(f"plot: {plot_matrix(out, memspec_home() / 'stores' / 'dev.png')}")
     own = out["own_over_general_store"]
     print(json.dumps(out["chosen"]) + "\n" + "own store / general store, tokens per iteration "
           "(dev): " + ", ".join(f"{d} {own[d]:.3f}" for d in DOMAINS))
