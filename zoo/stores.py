@@ -35,7 +35,9 @@ from memspec.procs.decoder.datastore import (
     Datastore,
     StoreParams,
     build_tables,
+    propose_chain,
     stream,
+    tail_width,
 )
 from memspec.procs.decoder.lookup import NgramIndex
 
@@ -58,20 +60,12 @@ def store_walk(prompt_ids: Sequence[int], tokens: Sequence[int], store: Datastor
     the context lookup then ``store`` as its draft (Session._lookup_step): proposals chain on
     the draft's own tokens, as the engine's do, so the count of verified rows is exact."""
     idx = NgramIndex(lookup_n, prompt_ids) if lookup_n else None
-    width = max(idx.n_max if idx else 0, store.n_max if store else 0)
+    width = tail_width(idx, store)
     committed = [int(x) for x in prompt_ids]
     out: list[tuple[int, int]] = []
     t, n = 0, len(tokens)
     while t < n:
-        tail, props = committed[-width:] if width else [], []
-        while len(props) < gamma:
-            tok = idx.propose(tail) if idx is not None else None
-            if tok is None and store is not None:
-                tok = store.propose(tail)
-            if tok is None:
-                break
-            props.append(tok)
-            tail.append(tok)
+        props = propose_chain(idx, store, committed[-width:] if width else [], gamma)
         a = 0
         while a < len(props) and t + a < n and props[a] == tokens[t + a]:
             a += 1

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memspec.procs.decoder.datastore import DATASTORE_KIND, Datastore
+from memspec.procs.decoder.datastore import DATASTORE_KIND, Datastore, tail_width
 from memspec.procs.decoder.lookup import NgramIndex
 
 # --------------------------------------------------------------------------- model pass
@@ -110,7 +110,7 @@ def store_table(prompt_ids: Sequence[int], tokens: Sequence[int], gamma: int, lo
     idx = NgramIndex(lookup_n, prompt_ids) if lookup_n else None
     seq = [int(x) for x in prompt_ids] + [int(x) for x in tokens]
     P, n = len(prompt_ids), len(tokens)
-    width = max(idx.n_max if idx is not None else 0, store.n_max)
+    width = tail_width(idx, store)
     out: list[int] = []
     for t in range(n):
         tail = seq[max(0, P + t - width):P + t]

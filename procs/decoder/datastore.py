@@ -141,6 +141,28 @@ class Datastore:
         return None
 
 
+def propose_chain(ngrams, store: Datastore | None, tail: list[int], gamma: int  # noqa: ANN001
+                  ) -> list[int]:
+    """A model-free draft's proposals (the engine's and the replays'): the context lookup's
+    token (``ngrams``, lookup.NgramIndex) where the context repeats, else the store's, each
+    appended to ``tail`` for the next, up to ``gamma`` while one is found."""
+    props: list[int] = []
+    while len(props) < gamma:
+        tok = ngrams.propose(tail) if ngrams is not None else None
+        if tok is None and store is not None:
+            tok = store.propose(tail)
+        if tok is None:
+            break
+        props.append(tok)
+        tail.append(tok)
+    return props
+
+
+def tail_width(ngrams, store: Datastore | None) -> int:  # noqa: ANN001
+    """How many context tokens the chain reads."""
+    return max(ngrams.n_max if ngrams is not None else 0, store.n_max if store else 0)
+
+
 class StoreRunner:
     """What a bound datastore draft holds in place of a forward: the engine runs no model for
     it (Session._lookup_step), only its lookups."""
@@ -150,7 +172,8 @@ class StoreRunner:
 
 
 def read_store_config(model_dir) -> dict:  # noqa: ANN001
-    """A datastore folder's config.json (``memspec_kind = "datastore"`` and its params)."""
+    """A draft folder's config.json as a dict ({} if unreadable); a datastore's says
+    ``memspec_kind = "datastore"`` and holds its params."""
     import json
     from pathlib import Path
 
@@ -160,10 +183,6 @@ def read_store_config(model_dir) -> dict:  # noqa: ANN001
     except (OSError, ValueError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
-
-
-def is_datastore(model_dir) -> bool:  # noqa: ANN001
-    return read_store_config(model_dir).get("memspec_kind") == DATASTORE_KIND
 
 
 def store_params(cfg: Mapping) -> StoreParams:

@@ -33,7 +33,12 @@ from memspec.procs.decoder.acceptance import (
     speculative_accept,
     warp,
 )
-from memspec.procs.decoder.datastore import DATASTORE_KIND, Datastore
+from memspec.procs.decoder.datastore import (
+    DATASTORE_KIND,
+    Datastore,
+    propose_chain,
+    tail_width,
+)
 from memspec.procs.decoder.head import HEAD_KIND, TargetParts
 from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
 from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
@@ -299,16 +304,8 @@ class Session:
         ng, L = self._ngrams, len(self.tokens)
         props: list[int] = []
         if self.params.greedy and (ng is not None or store is not None):
-            width = max(ng.n_max if ng is not None else 0, store.n_max if store else 0)
-            tail = self.tokens[-width:]
-            while len(props) < self.engine.gamma:
-                tok = ng.propose(tail) if ng is not None else None
-                if tok is None and store is not None:
-                    tok = store.propose(tail)
-                if tok is None:
-                    break
-                props.append(tok)
-                tail.append(tok)
+            props = propose_chain(ng, store, self.tokens[-tail_width(ng, store):],
+                                  self.engine.gamma)
         if not props:
             rec = self._target_step(t0)
             rec.draft = name

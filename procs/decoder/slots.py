@@ -21,7 +21,6 @@ from memspec.procs.decoder.datastore import (
     DATASTORE_KIND,
     Datastore,
     StoreRunner,
-    is_datastore,
     read_store_config,
     store_params,
 )
@@ -232,15 +231,16 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         if target_vocab is not None and int(to_target.max()) >= target_vocab:
             raise ModelError(f"draft '{name}' maps to token ids beyond the target's "
                              f"vocabulary of {target_vocab}", "rebuild it for this target")
-    if is_datastore(model_dir):  # tables, not weights: numpy views of the slot's bytes
-        try:
+    store_cfg = read_store_config(model_dir)
+    if store_cfg.get("memspec_kind") == DATASTORE_KIND:  # tables, not weights: numpy views
+        try:  # of the slot's bytes
             store = Datastore({k: v.cpu().numpy() for k, v in weights.items()},
-                              store_params(read_store_config(model_dir)))
+                              store_params(store_cfg))
         except ValueError as exc:
             raise ModelError(f"datastore '{name}': {exc}",
                              "rebuild it with `memspec zoo stores`") from None
         return BoundDraft(name, StoreRunner(store), slot, slot.generation, None, None,
-                          read_store_config(model_dir), weights)
+                          store_cfg, weights)
     if is_head(model_dir):
         arch, config = read_head_config(model_dir)
         if parts is None:
