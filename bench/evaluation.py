@@ -176,7 +176,7 @@ def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
 def sim_config(pool: PoolConfig, cost: CostModel | None = None, **kw: Any) -> SimConfig:
     cfg = SimConfig(tuple(d.name for d in pool.drafts), pool.general, pool.K, pool.N, pool.gamma,
                     pool.max_new_tokens, cost.plan_costs() if cost is not None else None,
-                    pool.spec_gate)
+                    pool.spec_gate, rank_horizon=pool.rank_horizon)
     return replace(cfg, **kw)
 
 

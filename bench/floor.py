@@ -110,11 +110,11 @@ class UpProcess:
 class Server(UpProcess):
     """`memspec up` serving one policy (its own processes), reached with the Python API."""
 
-    def __init__(self, policy: str, pool: str | None, run_dir: str) -> None:
+    def __init__(self, policy: str, pool: str | None, run_dir: str, name: str = "") -> None:
         from memspec.launch.api import Runtime
 
         self.policy, self.rt = policy, None
-        ep = f"ipc://{run_dir}/{policy}.sock"
+        ep = f"ipc://{run_dir}/{name or policy}.sock"
         super().__init__(["--endpoint", ep] + (["--pool", pool] if pool else []))
         self.rt = Runtime(ep).start()
 

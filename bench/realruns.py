@@ -23,7 +23,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,13 +193,16 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
     return {r.key: done[r.key] for r in requests}
 
 
-def pinned_pool(pool_path: str | None, bandwidth_bytes_s: float, out: Path,
-                load_iter_ratio: float | None = None) -> str:
-    """A copy of the pool with the edge-emulated bandwidth fixed (and relative paths made
-    absolute), so every supervisor started for one benchmark loads drafts equally fast;
-    `load_iter_ratio` (the measured one) is what oracle-dynamic then plans loads with."""
+def pool_copy(pool_path: str | None, out: Path, settings: Mapping[str, str]) -> str:
+    """A copy of the pool at `out` with `settings` (TOML values, as text) set in [pool],
+    relative paths made absolute and the pool's predictor head named unless `settings`
+    names one (a head trained beside the pool file would not be found beside the copy)."""
+    from memspec.common.config import load_pool
+    from memspec.procs.predictor.ranker import head_path_for
+
     src = Path(pool_path) if pool_path else DEFAULT_POOL
     base = src.resolve().parent
+    head = head_path_for(load_pool(src, check=False))
 
     def absolute(m: re.Match) -> str:
         value = m.group(2)
@@ -207,14 +210,24 @@ def pinned_pool(pool_path: str | None, bandwidth_bytes_s: float, out: Path,
             return m.group(0)
         return f'{m.group(1)}"{(base / value).resolve()}"'
 
-    text = re.sub(r'^(\s*(?:path|target|predictor_head)\s*=\s*)"([^"]*)"', absolute,
-                  src.read_text(), flags=re.M)
-    drop = ("bandwidth_mb_s", "load_iter_ratio") if load_iter_ratio else ("bandwidth_mb_s",)
-    lines = [ln for ln in text.splitlines() if not ln.strip().startswith(drop)]
+    text = re.sub(r'^(\s*(?:path|target)\s*=\s*)"([^"]*)"', absolute, src.read_text(),
+                  flags=re.M)
+    values = {"predictor_head": f'"{head.resolve()}"', **settings}
+    lines = [ln for ln in text.splitlines()
+             if not ln.strip().startswith(tuple(values))]
     i = next(i for i, ln in enumerate(lines) if ln.strip() == "[pool]")
-    lines.insert(i + 1, f"bandwidth_mb_s = {bandwidth_bytes_s / 1e6:.6f}")
-    if load_iter_ratio:
-        lines.insert(i + 2, f"load_iter_ratio = {load_iter_ratio:.4f}")
+    lines[i + 1:i + 1] = [f"{k} = {v}" for k, v in values.items()]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return str(out)
+
+
+def pinned_pool(pool_path: str | None, bandwidth_bytes_s: float, out: Path,
+                load_iter_ratio: float | None = None) -> str:
+    """A copy of the pool with the edge-emulated bandwidth fixed, so every supervisor
+    started for one benchmark loads drafts equally fast; `load_iter_ratio` (the measured
+    one) is what oracle-dynamic then plans loads with."""
+    settings = {"bandwidth_mb_s": f"{bandwidth_bytes_s / 1e6:.6f}"}
+    if load_iter_ratio:
+        settings["load_iter_ratio"] = f"{load_iter_ratio:.4f}"
+    return pool_copy(pool_path, out, settings)

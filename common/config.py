@@ -40,7 +40,7 @@ TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 _POOL_KEYS = {
     "target", "K", "gamma", "N", "T", "policy", "storage", "general",
     "memory_budget_mb", "load_iter_ratio", "bandwidth_mb_s", "ucb_c", "predictor_head",
-    "max_new_tokens", "dtype", "max_context", "spec_gate", "lookup",
+    "max_new_tokens", "dtype", "max_context", "spec_gate", "lookup", "rank_horizon",
 }
 _DRAFT_KEYS = {"name", "domain", "path", "kind", "description"}
 # model: an independent causal LM sharing the tokenizer; head: a one-layer head over the
@@ -80,6 +80,10 @@ class PoolConfig:
     lookup: int = knob("pool.lookup")  # greedy: a context suffix of >= this many tokens seen before proposes
     # what followed it, in place of the draft's guess (procs/decoder/lookup.py); 0: off
     predictor_head: Path | None = None
+    # tokens still to come for a ranking to be worth asking for (None: the tuned
+    # gate.RANK_HORIZON, chosen on the heads pool): what a right choice gains per token
+    # depends on how much the pool's drafts differ, so a pool may set its own (dev sweep)
+    rank_horizon: int | None = None
     K_from_budget: bool = False  # K was not given: derive it from memory_budget_mb
     source: Path | None = field(default=None, compare=False)
 
@@ -205,6 +209,7 @@ def parse_pool(data: dict[str, Any], base: Path, source: Path | None = None) -> 
         spec_gate=_bool_field(raw, "spec_gate", True),
         lookup=_int_field(raw, "lookup", knob("pool.lookup"), 0),
         predictor_head=expand_path(head, base) if isinstance(head, str) else None,
+        rank_horizon=_int_field(raw, "rank_horizon", 0, 0) if "rank_horizon" in raw else None,
         K_from_budget="K" not in raw and "memory_budget_mb" in raw,
         source=source,
     )

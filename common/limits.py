@@ -131,7 +131,7 @@ def check_stops(stops: Sequence[str]) -> None:
 
 def check_request(req: Submit) -> None:
     """Every field of a request, cheapest first, before it is queued or tokenised: id,
-    policy, length, sizes, roles, sampling, stop strings, gate, ucb_c."""
+    policy, length, sizes, roles, sampling, stop strings, gate, ucb_c, rank_horizon."""
     check_req_id(req.req_id)
     if req.policy and req.policy not in POLICIES:
         raise LimitError("policy", f"unknown policy {shown(req.policy)}",
@@ -156,6 +156,9 @@ def check_request(req: Submit) -> None:
         if req.ucb_c < 0:
             raise LimitError("ucb_c", f"ucb_c {req.ucb_c} is negative",
                              "use 0 or more (default 2.0)")
+    if req.rank_horizon is not None and req.rank_horizon < 0:
+        raise LimitError("rank_horizon", f"rank_horizon {req.rank_horizon} is negative",
+                         "use 0 or more tokens (None: the pool's)")
 
 
 def check_gate(req: Submit) -> None:

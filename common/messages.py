@@ -214,6 +214,9 @@ class Submit(Message):
     # the speculation gate for this request (None: the pool's spec_gate); last, so that a
     # frame from a client that predates it decodes unchanged
     gate: bool | None = None
+    # tokens still to come for a ranking to be asked for (None: the pool's rank_horizon);
+    # for the sweep that chooses a pool's value on dev
+    rank_horizon: int | None = None
 
 
 class Queued(Message):

@@ -277,6 +277,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_tune(args)
+    if args.what == "horizon":
+        from memspec.bench.horizon import main_bench_horizon
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_horizon(args)
     if args.what == "floor":
         from memspec.bench.floor import main_bench_floor
 
@@ -314,7 +319,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return main_bench_faults(args)
 
     raise MemspecError(f"unknown benchmark '{args.what}'",
-                       "use eval, engine, pipeline, messages, gpu, soak, http, floor or faults")
+                       "use eval, engine, pipeline, messages, gpu, soak, http, floor, faults, "
+                       "gate, tune or horizon")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -425,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
                    choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http",
-                            "floor", "faults", "gate", "tune"],
+                            "floor", "faults", "gate", "tune", "horizon"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
@@ -450,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "no real runs)")
     b.add_argument("--real-mixed", type=int, default=30, help="eval: mixed prompts run for real")
     b.add_argument("--repeats", type=int, default=2,
-                   help="eval, floor: real runs per prompt and policy")
+                   help="eval, floor, horizon: real runs per prompt and policy")
     b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
     b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
     b.add_argument("--cost-model", default=None,
@@ -463,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
     b.add_argument("--per-domain", type=int, default=4,
                    help="floor: dev prompts per domain (beside the README's prompt); gate: "
-                        "traced dev prompts per domain; tune: the same")
+                        "traced dev prompts per domain; tune, horizon: the same")
     b.add_argument("--only", default=None,
                    help="tune: comma-separated sections to re-run (gate, ranking, ucb_c, "
                         "chunked_wait, lookup, prefill_chunk); the rest kept from tuned.json")

@@ -63,6 +63,7 @@ class SimConfig:
     # the cost model's own lines, as the decoder's start-up calibration measures them)
     prefill_chunk: int = PREFILL_CHUNK  # the engine's where its target chunks (the native CPU
     # forward: what `memspec bench` measures); 0: a runner that prefills in one piece
+    rank_horizon: int | None = None  # the pool's (None: the tuned gate.RANK_HORIZON)
 
 
 class SimClock:
@@ -311,4 +312,4 @@ def build_policy(name: str, req: SimRequest, cfg: SimConfig, position: Callable[
     plan = make_plan(name, req.tables, cfg.gamma, cfg.N, position, cfg.K, cfg.plan,
                      req.prompt_len)
     return make_policy(name, ucb_c=ucb_c, oracle_plan=plan, costs=cfg.plan, gate=cfg.gate,
-                       gate_costs=cfg.gate_costs)
+                       gate_costs=cfg.gate_costs, rank_horizon=cfg.rank_horizon)

@@ -36,3 +36,20 @@ def test_a_slower_policy_is_caught_by_its_interval():
              "target-only": _row([100.0, 101.0, 99.0])} for i in range(6)]
     s = ratio_summary(runs, "memspec", "target-only")
     assert s["ci95"][1] < 0.9  # clearly below: a bound of 0.97 is not met
+
+
+def test_the_horizon_sweep_chooses_the_fastest_safe_setting_and_its_pool_copy_works(tmp_path):
+    """`bench horizon`: the best geometric mean whose worst prompt clears the floor (ties to
+    the larger horizon: fewer rankings); its pool copies keep the pool's drafts and head."""
+    from memspec.bench.horizon import FLOOR, NEVER, choose, pool_with_horizon
+    from memspec.common.config import load_pool
+    from memspec.procs.predictor.ranker import head_path_for
+
+    by_h = {0: {"gmean": 1.20, "min": FLOOR - 0.01}, 64: {"gmean": 1.15, "min": 0.95},
+            128: {"gmean": 1.1499, "min": 0.97}, NEVER: {"gmean": 1.05, "min": 0.99}}
+    assert choose(by_h) == 128
+    src = load_pool("pools/stores.toml", check=False)
+    copy = load_pool(pool_with_horizon("pools/stores.toml", 64, tmp_path / "p.toml"),
+                     check=False)
+    assert copy.rank_horizon == 64 and copy.drafts == src.drafts and copy.target == src.target
+    assert copy.predictor_head == head_path_for(src)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from memspec.bench.evaluation import _cost_model, calibrated_dir, predictor_metrics
 from memspec.bench.provenance import provenance
-from memspec.bench.realruns import pinned_pool, run_fingerprint
+from memspec.bench.realruns import pool_copy, run_fingerprint
 from memspec.common.config import load_pool
 from memspec.common.paths import PACKAGE_ROOT
 from memspec.procs.predictor.head import FORMAT
@@ -46,11 +46,8 @@ def test_provenance_names_the_commit_and_whether_the_tree_was_clean(tmp_path):
 
 def _pool_with_head(tmp_path: Path, head: Path) -> str:
     """The default pool (paths absolute) ranking with `head`."""
-    path = Path(pinned_pool(None, 3.5e6, tmp_path / "pool.toml"))
-    lines = path.read_text().splitlines()
-    lines.insert(lines.index("[pool]") + 1, f'predictor_head = "{head}"')
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    return pool_copy(None, tmp_path / "pool.toml",
+                     {"bandwidth_mb_s": "3.5", "predictor_head": f'"{head}"'})
 
 
 def _head(path: Path, weights: bytes, **info: object) -> Path:
@@ -91,7 +88,7 @@ def test_table_2_is_of_the_head_the_pool_ranks_with(tmp_path):
     assert committed.get("head", "").startswith("predictor/") or "note" in committed
 
 
-def test_the_cost_model_and_pinned_pool_are_never_another_pools(tmp_path):
+def test_the_cost_model_and_pool_copy_are_never_another_pools(tmp_path):
     home = tmp_path / "bench"
     home.mkdir()
     stale = home / "pool-pinned.toml"  # where an older bench left one, for any pool

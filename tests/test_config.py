@@ -65,6 +65,8 @@ def test_embedded_default_pool_parses():
     ({"storage": "floppy"}, "unknown storage 'floppy'"),
     ({"colour": 1}, "unknown field pool.colour"),
     ({"general": "nope"}, "pool.general = 'nope' names no draft"),
+    ({"rank_horizon": -1}, "pool.rank_horizon = -1 is below 0"),
+    ({"rank_horizon": 1.5}, "pool.rank_horizon must be an integer"),
 ])
 def test_bad_fields_name_the_field(edit, needle):
     data = json.loads(json.dumps(BASE))
@@ -73,6 +75,17 @@ def test_bad_fields_name_the_field(edit, needle):
         parse_pool(data, Path("."))
     msg = str(err.value)
     assert needle in msg and ";" in msg and "\n" not in msg  # problem; fix — one line
+
+
+def test_a_pool_sets_its_own_ranking_horizon_or_takes_the_tuned_one():
+    from memspec.procs.decoder.gate import SpecGate
+
+    assert parse_pool(BASE, Path(".")).rank_horizon is None  # the tuned gate.RANK_HORIZON
+    data = json.loads(json.dumps(BASE))
+    data["pool"]["rank_horizon"] = 64
+    assert parse_pool(data, Path(".")).rank_horizon == 64
+    assert SpecGate(None, rank_horizon=64).horizon == 64
+    assert SpecGate(None).horizon == SpecGate.RANK_HORIZON
 
 
 def test_duplicate_and_missing_draft_fields():

@@ -64,6 +64,7 @@ CASES = [
      {"prompt": "r" * (L.MAX_RANK_CHARS + 1), "messages": _chat(("user", "hi"))}),
     ("max_new_tokens", "max_new_tokens", {"max_new_tokens": L.MAX_NEW_TOKENS},
      {"max_new_tokens": L.MAX_NEW_TOKENS + 1}),
+    ("rank_horizon", "rank_horizon", {"rank_horizon": 0}, {"rank_horizon": -1}),
 ]
 IDS = [c[0] for c in CASES]
 

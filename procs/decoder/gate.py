@@ -140,10 +140,18 @@ class SpecGate:
     # their own domains; on dev a horizon under the request's length loses 6% (tuned.json)
     RANK_HORIZON = knob("gate.RANK_HORIZON")
 
-    def __init__(self, costs: GateCosts | None, lookup: bool = False) -> None:
+    def __init__(self, costs: GateCosts | None, lookup: bool = False,
+                 rank_horizon: int | None = None) -> None:
         self.costs = costs
         self.lookup = lookup  # the engine runs the context lookup (LOOKUP) when asked
+        self.rank_horizon = rank_horizon  # the pool's (None: RANK_HORIZON, tuned on heads)
         self.reset()
+
+    @property
+    def horizon(self) -> int:
+        """Tokens still to come for a ranking to be worth asking for: the pool's own where
+        it sets one (its drafts' spread decides what a right choice gains per token)."""
+        return self.RANK_HORIZON if self.rank_horizon is None else self.rank_horizon
 
     def reset(self) -> None:
         """A new request: nothing of the last one carries over (costs are re-refined)."""
@@ -211,11 +219,27 @@ class SpecGate:
         scale = self.verify_ratio.value if self.verify_ratio is not None else 1.0
         return scale * (a + b * context)
 
+    def scale(self) -> float:
+        """This request's machine against the calibration's: its verifies over the
+        calibrated verify where a draft has run a full one, else its target steps over the
+        calibrated step. A calibration taken on a busier (or quieter) machine moves every
+        line alike, so a draft not measured yet is priced at its calibrated line times this:
+        unscaled, a calibration cached while the machine was loaded made a 1.5-step verify
+        look like 3.7 target steps against this request's measured target, and the gate
+        never looked at the context lookup."""
+        assert self.costs is not None
+        if self.verify_ratio is not None:
+            return self.verify_ratio.value
+        a = self.costs.target[0]
+        if self.target_a is not None and a > 0:
+            return self.target_a.value / a
+        return 1.0
+
     def spec_s(self, draft: str, context: int) -> float:
         assert self.costs is not None
         a, b = self.costs.spec_line(draft)
         est = self.spec_a.get(draft)
-        return (est.value if est else a) + b * context
+        return (est.value if est else a * self.scale()) + b * context
 
     def break_even(self, draft: str) -> float:
         """Tokens per iteration at which `draft` and the target alone decode equally fast."""
@@ -256,14 +280,14 @@ class SpecGate:
 
     def _probe_extra(self, draft: str) -> float:
         """What a probe costs over a target step: as measured in this request, and never
-        below the calibration's (the fastest timings: other work only adds), so that noisy
+        below the calibration's (its fastest timings, scaled to this request's machine), so that noisy
         timings never make probes look free; plus the draft's catch-up on the tokens
         committed since it last ran (a head re-reads each with the target's features: on
         2 cores ~80 tokens cost more than the probe's own iteration)."""
         assert self.costs is not None
         c = self.context
         a, b = self.costs.spec_line(draft)
-        calibrated = a + b * c - self.costs.target_s(c)
+        calibrated = (a + b * c - self.costs.target_s(c)) * self.scale()
         extra = max(0.0, calibrated, self.spec_s(draft, c) - self.target_s(c))
         behind = c - self.seen.get(draft, c)
         if self.catch_token is not None and behind > 0:
@@ -306,7 +330,10 @@ def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: AN
         return decision
     if not gate.any_paid() and gate.costs is not None:
         want = decision.preferred  # loaded only to be looked at now (a load takes a core)
-        keep = None if resident or want is None or not gate.may_look(want) else want
+        # a model-free draft (a datastore) loads in ~2 ms and needs no catch-up: the
+        # ranking's choice replaces a resident one at once
+        blocked = resident and not (want is not None and gate.costs.model_free(want))
+        keep = None if blocked or want is None or not gate.may_look(want) else want
         decision = replace(decision, actions=_only(decision.actions, keep))
         if verdict is None and keep is None and want is not None:  # nothing to run, and
             gate.closed = True  # nothing loads to be looked at: the target alone by choice

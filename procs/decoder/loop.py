@@ -333,7 +333,9 @@ class Controller:
         # probes a resident draft before any load) and a draft is there to be probed, or a
         # closed gate would look at no draft anyway
         looks = getattr(job.policy, "may_look", None)
+        ranks = getattr(job.policy, "ranks_prompt", None)
         if job.policy.uses_predictor and (job.policy.wants_ranking() or (
+                ranks is not None and ranks(job.max_new_tokens, self.drafts)) or (
                 not self.table.resident and (looks is None or looks(self.drafts)))):
             self._snapshot()
             if job.executor is not None or not job.chunks:  # nothing to overlap it with

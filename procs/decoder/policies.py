@@ -279,8 +279,18 @@ class Gated:
     @property
     def ranking_horizon(self) -> int:
         """Tokens a request must still have ahead for a ranking to be worth asking for
-        (`SpecGate.RANK_HORIZON`; none without the gate's costs)."""
-        return self.gate.RANK_HORIZON if self.gate.costs is not None else 0
+        (the pool's `rank_horizon`, else `SpecGate.RANK_HORIZON`; none without the gate's
+        costs)."""
+        return self.gate.horizon if self.gate.costs is not None else 0
+
+    def ranks_prompt(self, tokens: int, drafts: tuple[str, ...]) -> bool:
+        """Rank the prompt before any draft has paid: only for a request long enough to pay
+        a ranking back (`ranking_horizon`; 0 tokens: not known) and where the gate would
+        look at a draft at all; else the resident draft is probed first (the encoding
+        takes a core from the prefill)."""
+        if not self.inner.wants_ranking() or self.gate.costs is None:
+            return self.inner.wants_ranking()
+        return (tokens == 0 or tokens >= self.ranking_horizon) and self.may_look(drafts)
 
     def may_look(self, drafts: tuple[str, ...]) -> bool:
         """Whether the gate would look at one of `drafts` now (a draft has paid, a first
@@ -430,7 +440,7 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
     return cast(OraclePlan, plan)
 
 
-_KW = ("oracle_plan", "costs", "gate", "gate_costs", "lookup")
+_KW = ("oracle_plan", "costs", "gate", "gate_costs", "lookup", "rank_horizon")
 # the policies the pool's spec_gate applies to: every one that runs drafts, so that no
 # baseline lacks a tool memspec has (oracle-dynamic plans the target alone itself)
 GATED = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only",
@@ -468,7 +478,9 @@ def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
     policy = builders[name]()
     gate_costs = kw.get("gate_costs")
     if name in GATED and bool(kw.get("gate", True)) and isinstance(gate_costs, GateCosts):
-        return Gated(policy, SpecGate(gate_costs, lookup=bool(kw.get("lookup", False))))
+        horizon = kw.get("rank_horizon")
+        return Gated(policy, SpecGate(gate_costs, lookup=bool(kw.get("lookup", False)),
+                                      rank_horizon=horizon if isinstance(horizon, int) else None))
     return policy
 
 

@@ -414,7 +414,9 @@ class DecoderService:
         gate = self.pool.spec_gate if req.gate is None else req.gate
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
                              gate=gate, gate_costs=self.gate_costs,
-                             lookup=bool(self.engine.lookup))
+                             lookup=bool(self.engine.lookup),
+                             rank_horizon=(self.pool.rank_horizon if req.rank_horizon is None
+                                           else req.rank_horizon))
 
         def stream(new: list[int]) -> None:
             """The first tokens and, with stop strings, every commit go out at once (time to
