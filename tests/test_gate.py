@@ -537,7 +537,7 @@ def test_a_pool_horizon_under_the_request_ranks_the_prompt_and_a_datastore_loads
         free_first_look):
     """A pool whose drafts differ enough sets a ranking horizon below its requests' length:
     the prompt is ranked although drafts are resident, and a datastore the ranking puts
-    first (a ~2 ms load, no catch-up) replaces a resident one before any draft has paid; a
+    first (a 0.5 MB load, no catch-up) replaces a resident one before any draft has paid; a
     model draft is not loaded for a ranking before one has paid (its load and catch-up cost
     several iterations)."""
     snapshots, ran = _ranked_run(free=True, rank_horizon=16)

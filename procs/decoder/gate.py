@@ -330,8 +330,8 @@ def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: AN
         return decision
     if not gate.any_paid() and gate.costs is not None:
         want = decision.preferred  # loaded only to be looked at now (a load takes a core)
-        # a model-free draft (a datastore) loads in ~2 ms and needs no catch-up: the
-        # ranking's choice replaces a resident one at once
+        # a model-free draft (a datastore, ~0.5 MB) needs no catch-up over the context and
+        # loads in ~2 ms from a local disk: the ranking's choice replaces a resident one at once
         blocked = resident and not (want is not None and gate.costs.model_free(want))
         keep = None if blocked or want is None or not gate.may_look(want) else want
         decision = replace(decision, actions=_only(decision.actions, keep))
