@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,8 +153,13 @@ def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return mid
 
 
+SHOWN = (("memspec/target-only", "memspec", "target-only"),
+         ("pipeline/in-process", "target-only", "in-process"))
+
+
 def interleaved(rows: list[dict], policies: tuple[str, ...], repeats: int, run_one,
-                 label: str) -> list[dict[str, Any]]:
+                label: str, log: Callable[[str], None] | None = None,
+                shown_pairs: tuple[tuple[str, str, str], ...] = SHOWN) -> list[dict[str, Any]]:
     """Every prompt's policies interleaved, the order alternating, `repeats` times; per
     prompt and policy the median repeat (single runs of fresh processes vary by +-15% on a
     busy 2-core VM)."""
@@ -169,10 +175,8 @@ def interleaved(rows: list[dict], policies: tuple[str, ...], repeats: int, run_o
         out.append({"id": r["id"], "domain": r["domain"], **med})
         left = (time.perf_counter() - t0) / (i + 1) * (len(rows) - i - 1)
         shown = [f"{name} {med[a]['e2e_tok_s'] / med[b]['e2e_tok_s']:.3f}"
-                 for name, a, b in (("memspec/target-only", "memspec", "target-only"),
-                                    ("pipeline/in-process", "target-only", "in-process"))
-                 if a in med and b in med]
-        _log(f"{label} {i + 1}/{len(rows)}: {', '.join(shown)} (~{left / 60:.0f} min left)")
+                 for name, a, b in shown_pairs if a in med and b in med]
+        (log or _log)(f"{label} {i + 1}/{len(rows)}: {', '.join(shown)} (~{left / 60:.0f} min left)")
     return out
 
 

@@ -68,8 +68,10 @@ def run(pool: str, per_domain: int, max_new: int, repeats: int,
                 s.generate(rows[0]["prompt"], 8)
             for s in servers.values():
                 s.settle()
+            shown = tuple((f"{v}/target-only", v, "target-only") for v in variants[1:])
             runs = interleaved(rows, variants, repeats,
-                               lambda prompt, v: servers[v].generate(prompt, max_new), "dev")
+                               lambda prompt, v: servers[v].generate(prompt, max_new), "dev",
+                               log=_log, shown_pairs=shown)
         finally:
             for s in servers.values():
                 s.stop()
