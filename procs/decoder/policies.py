@@ -288,9 +288,10 @@ class Gated:
         a ranking back (`ranking_horizon`; 0 tokens: not known) and where the gate would
         look at a draft at all; else the resident draft is probed first (the encoding
         takes a core from the prefill)."""
-        if not self.inner.wants_ranking() or self.gate.costs is None:
+        if self.gate.costs is None:
             return self.inner.wants_ranking()
-        return (tokens == 0 or tokens >= self.ranking_horizon) and self.may_look(drafts)
+        return self.inner.wants_ranking() and self.may_look(drafts) \
+            and (tokens == 0 or tokens >= self.ranking_horizon)
 
     def may_look(self, drafts: tuple[str, ...]) -> bool:
         """Whether the gate would look at one of `drafts` now (a draft has paid, a first
