@@ -11,7 +11,7 @@ import pytest
 
 from memspec.common.metrics import IterationRecord
 from memspec.procs.decoder.loadplan import Key, LoadPlanner, PlanCosts, State, Step
-from memspec.procs.decoder.oracle import PlanCostMeter
+from memspec.procs.decoder.oracle import DynamicPlan, PlanCostMeter
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
 from memspec.zoo.tables import table_from_correct
@@ -307,3 +307,56 @@ def test_oracle_dynamic_is_no_slower_end_to_end_than_any_online_policy(seed):
         for gate in (True, False):
             other = simulate(name, req, c, replace(cfg, gate=gate)).t_e2e
             assert oracle <= other * (1 + 1e-9), (name, gate, oracle, other)
+
+
+# -------------------------------------------------------------- a search within budget
+
+
+def five_striped(seed: int) -> tuple[dict[str, list[int]], PlanCosts]:
+    """Five drafts good in stretches and near-equal overall: the exact search's worst case."""
+    rng = random.Random(seed)
+    drafts = ("general", "code", "math", "law", "medical")
+    tabs = {d: table_from_correct([(p // 8 + i) % 5 < 2 and rng.random() < 0.8
+                                   for p in range(48)], 4) for i, d in enumerate(drafts)}
+    costs = PlanCosts(load={d: rng.uniform(1.0, 2.5) for d in drafts}, target=0.7,
+                      switch=0.05, bind=0.2, per_token=0.001, overhead=0.02, prefill=0.5)
+    return tabs, costs
+
+
+def test_a_search_past_its_budget_plans_over_the_drafts_best_alone():
+    """Where the exact search over every draft outgrows its budget, oracle-dynamic plans
+    over fewer: those that run the trajectory best alone, the best single draft always
+    among them (so never slower than oracle-static in its own costs). Without a budget it
+    is the exact plan over all of them."""
+    tabs, costs = five_striped(0)
+    exact = LoadPlanner(tabs, 4, 4, 2, costs, 20)
+    best = exact.initial().value
+    budget = exact.expanded // 3  # binds over all five
+    free = DynamicPlan(tabs, 4, 4, 2, costs, lambda: 0, 20, budget=None)
+    assert free.initial(frozenset()).value == pytest.approx(best)
+    assert free.width == len(tabs)
+    plan = DynamicPlan(tabs, 4, 4, 2, costs, lambda: 0, 20, budget=budget)
+    value = plan.initial(frozenset()).value
+    assert 1 <= plan.width < len(tabs)
+    top = plan.order[0]
+    alone = LoadPlanner({top: tabs[top]}, 4, 4, 2, costs, 20).initial().value
+    assert best - 1e-9 <= value <= alone + 1e-9
+    assert set(plan.planner.drafts) == set(plan.order[:plan.width])
+    assert plan.width == 1 or plan.planner.expanded <= budget
+
+
+def test_a_re_plan_past_its_budget_narrows_and_keeps_what_is_held():
+    """A re-plan from a state the plan never expected may outgrow the budget: the planner
+    narrows, and still counts the drafts resident or loading (their slots are taken)."""
+    tabs, costs = five_striped(1)
+    plan = DynamicPlan(tabs, 4, 4, 2, costs, lambda: 0, 20, budget=None)
+    plan.initial(frozenset())
+    assert plan.width == len(tabs)
+    plan.planner.budget = plan.budget = 1  # no re-plan fits now
+    held, loading = plan.order[-1], plan.order[-2]  # the drafts worst alone
+    state = (5, held, frozenset({held}), ((loading, 0.5),), 0)
+    move = plan.step(state)
+    assert plan.width == 1  # narrowed down to the search without a budget
+    assert {held, loading} <= set(plan.planner.drafts)
+    after = plan.planner.after(plan.planner.state(*state), move)
+    assert len(after[2]) + len(after[3]) <= 2

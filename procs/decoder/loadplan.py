@@ -108,6 +108,11 @@ Code = tuple[int, tuple[int, ...], int, int, int, int]  # a move coded: (run (-1
 _TARGET: Code = (-1, (), 0, 0, 0, 0)
 
 
+class PlanBudget(Exception):
+    """A search expanded more states than its budget: the caller plans over fewer drafts
+    (oracle.DynamicPlan) rather than stall the decoder, whose heartbeat waits on it."""
+
+
 class LoadPlanner:
     """The plan for one trajectory; `step` answers any state (memoised: re-planning after
     a late load or a state the plan did not expect costs only the new states). The search
@@ -115,8 +120,11 @@ class LoadPlanner:
     decoder solves it when a request starts."""
 
     def __init__(self, tables: Mapping[str, Table], gamma: int, N: int, K: int,
-                 costs: PlanCosts, prompt_len: int = 0) -> None:
+                 costs: PlanCosts, prompt_len: int = 0, budget: int | None = None) -> None:
         self.prompt_len = prompt_len
+        self.budget = budget  # states one search may expand (None: no limit); counted, not
+        # timed, so the decoder and the simulator give up at the same point
+        self.expanded = 0  # states expanded by every search so far
         self.tables = {d: list(tables[d]) for d in sorted(tables)}
         self.drafts = tuple(self.tables)
         self.n = min((len(t) for t in self.tables.values()), default=0)
@@ -293,8 +301,10 @@ class LoadPlanner:
         """A* from `starts` (each reached after that much time) to the end of the
         trajectory under `_bound`: a lower bound, exact on earlier best paths. Records the
         best path's moves and returns the start it leaves from; None (nothing recorded)
-        once every way on is known to take longer than `limit`."""
+        once every way on is known to take longer than `limit`. Raises PlanBudget (nothing
+        recorded) past the budget."""
         g = dict(starts)
+        spent = 0
         parent: dict[Key, tuple[Key, Code]] = {}
         heap = [(t + self._bound(k), -t, i, k) for i, (k, t) in enumerate(sorted(g.items()))]
         heapq.heapify(heap)
@@ -309,6 +319,10 @@ class LoadPlanner:
                 return None  # a lower bound on every path left already exceeds it
             if key[0] >= self.n or key in self._memo:
                 break
+            spent += 1
+            self.expanded += 1
+            if self.budget is not None and spent > self.budget:
+                raise PlanBudget(f"plan search past {self.budget} states")
             gk = g[key]
             for code, nxt, dt in self.successors(key):
                 ng = gk + dt
@@ -472,7 +486,10 @@ class LoadPlanner:
         assert first is not None  # the target alone always reaches the end
         best, code = opening[first][0] + self._memo[first][0], opening[first][1]
         if self.prefill_time() <= 0:  # the prefill's time unknown: what is as fast with a
-            code = self._earlier(opening, code, best)  # load out before it gets its start
+            try:  # load out before it gets its start
+                code = self._earlier(opening, code, best)
+            except PlanBudget:
+                pass  # a tie-break only: `code` is as fast
         return self._step(code, best)
 
     def _earlier(self, opening: Mapping[Key, tuple[float, Code]], code: Code, best: float

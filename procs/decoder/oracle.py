@@ -25,6 +25,7 @@ from memspec.procs.decoder.cache_manager import CacheActions
 from memspec.procs.decoder.loadplan import (
     Loading,
     LoadPlanner,
+    PlanBudget,
     PlanCosts,
     State,
     Step,
@@ -32,7 +33,7 @@ from memspec.procs.decoder.loadplan import (
 )
 from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.policies import Decision, OraclePlan, SchedView
-from memspec.procs.decoder.replay import Table, oracle_static
+from memspec.procs.decoder.replay import Table, oracle_static, replay_static
 from memspec.procs.decoder.tablefiles import (
     pool_fingerprint,
     read_tables,
@@ -43,6 +44,8 @@ from memspec.procs.decoder.tablefiles import (
 )
 
 ORACLE_POLICIES = ("oracle-static", "oracle-dynamic")
+PLAN_BUDGET = 12_000  # states one plan search may expand (~2-3 s of a 2-core CPU, far
+# under the supervisor's 30 s heartbeat): past it oracle-dynamic plans over fewer drafts
 OracleIndex = dict[tuple[int, ...], dict[str, list[int]]]
 
 
@@ -61,28 +64,78 @@ class DynamicPlan:
     runtime is really in. What is left of each queued load is the plan's own expectation,
     in the order the plan queued them; a load the plan expected to have landed by now is
     late and counts as one quantum from landing. The draft that ran last and how far its
-    KV cache is behind come from what really ran (the view says None after target steps)."""
+    KV cache is behind come from what really ran (the view says None after target steps).
 
-    def __init__(self, planner: LoadPlanner, position: Callable[[], int]) -> None:
-        self.planner, self.position = planner, position
+    The exact search can take minutes where many drafts are near-equal (the stores pool's
+    datastores): it plans over the drafts that run this trajectory best alone, adding one at
+    a time while a search stays within `budget` states, and over fewer again should a later
+    re-plan outgrow it. The best single draft is always among them, so the plan stays at
+    least oracle-static's; drafts resident or loading are always among them, so the plan
+    counts every slot. The budget counts states, not seconds: the decoder and the
+    simulator plan alike."""
+
+    def __init__(self, tables: Mapping[str, Table], gamma: int, interval: int, K: int,
+                 costs: PlanCosts, position: Callable[[], int], prompt_len: int = 0,
+                 budget: int | None = PLAN_BUDGET) -> None:
+        self.tables, self.position, self.budget = dict(tables), position, budget
+        self._args = (gamma, interval, K, costs, prompt_len)
+        alone = {d: replay_static(self.tables, d, gamma).iterations for d in self.tables}
+        self.order = sorted(self.tables, key=lambda d: alone[d])  # stable: pool order on ties
+        self.n = min((len(t) for t in self.tables.values()), default=0)
+        self.width = len(self.order)  # the top drafts the planner may use
+        self.planner = self._planner(frozenset(), None)
         self.expected: State | None = None  # the state the plan expects next
         self.last: tuple[str, int, int] | None = None  # (active, position, behind) then
         self.opened = False
 
+    def _planner(self, held: frozenset[str], budget: int | None) -> LoadPlanner:
+        """A planner over the top `width` drafts and those `held` (resident or loading)."""
+        names = set(self.order[:max(1, self.width)]) | (held & self.tables.keys())
+        sub = {d: self.tables[d] for d in self.order if d in names}
+        return LoadPlanner(sub, *self._args[:4], prompt_len=self._args[4], budget=budget)
+
+    def initial(self, resident: frozenset[str]) -> Step:
+        """The opening move of the widest planner whose search fits the budget: one draft
+        (and the residents) without a budget, then one more draft at a time."""
+        self.width = 1
+        self.planner = self._planner(resident, None)
+        move = self.planner.initial(resident)
+        while self.width < len(self.order):
+            self.width += 1
+            wider = self._planner(resident, self.budget)
+            try:
+                move, self.planner = wider.initial(resident), wider
+            except PlanBudget:
+                self.width -= 1
+                break
+        return move
+
+    def step(self, state: State) -> Step:
+        """The move from `state`; a re-plan past the budget narrows the planner."""
+        held = state[2] | {d for d, _ in state[3]}
+        while True:
+            try:
+                return self.planner.step(state)
+            except PlanBudget:
+                self.width -= 1
+                narrowest = self.width <= 1
+                self.planner = self._planner(held, None if narrowest else self.budget)
+
     def __call__(self, view: SchedView) -> Decision | None:
-        p = self.planner
         resident, pos = view.runnable(), self.position()
-        if pos >= p.n:
+        if pos >= self.n:
             return None
         if not self.opened and pos == 0 and view.iteration == 0:
             self.opened = True  # request start: the loads that run during the prefill
-            move = p.initial(resident)
-            self.expected = p.opened(resident, move)
+            move = self.initial(resident)
+            self.expected = self.planner.opened(resident, move)
             return _decision(move, view, move.loads[0] if move.loads else None)
         self.opened = True
         active, behind = self._active(view, pos)
-        state = p.state(pos, active, resident, self._queue(view), behind)
-        move = p.step(state)
+        state = (pos, active, resident, self._queue(view), behind)
+        move = self.step(state)
+        p = self.planner
+        state = p.state(*state)
         self.expected = p.after(state, move)
         waiting = (move.loads + tuple(d for d, _ in state[3]))[:1]
         return _decision(move, view, waiting[0] if waiting else None)
@@ -108,7 +161,7 @@ class DynamicPlan:
         expected = [(d, left) for d, left in queue if d in flying]
         known = {d for d, _ in expected}
         q = self.planner.costs.quantum
-        late = [(d, q) for d in sorted(flying - known) if d in self.planner.tables]
+        late = [(d, q) for d in sorted(flying - known) if d in self.tables]
         return (*late, *expected)
 
 
@@ -129,7 +182,7 @@ def dynamic_plan(tables: Mapping[str, Table], gamma: int, interval: int, K: int,
                  costs: PlanCosts, position: Callable[[], int], prompt_len: int = 0
                  ) -> DynamicPlan:
     """oracle-dynamic: runs and loads planned together from the tables (loadplan.py)."""
-    return DynamicPlan(LoadPlanner(tables, gamma, interval, K, costs, prompt_len), position)
+    return DynamicPlan(tables, gamma, interval, K, costs, position, prompt_len)
 
 
 def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None) -> PlanCosts:
