@@ -561,3 +561,21 @@ def test_a_calibration_from_a_busier_machine_scales_every_line_alike(free_first_
     assert gate.spec_s(LOOKUP, 100) == pytest.approx(0.015)
     assert gate.break_even(LOOKUP) == pytest.approx(1.5)
     assert gate.verdict(LOOKUP) == "probe"
+
+
+def test_a_stale_calibration_scales_its_slope_too():
+    """The same, 500 tokens in, where the stale calibration's slope is as steep as its
+    intercept is high (the busier machine slowed attention too): the whole line scales, so
+    the lookup's break-even is the calibration's ratio at that context, under PRIOR_TAU,
+    and its first look is free. With only the intercept scaled it read 2.3 target steps
+    here and the gate ran the target alone for the whole request (seen on the stores
+    pool: a warm request after a calibration taken while the predictor loaded)."""
+    slow = GateCosts(target=(0.024, 3e-5), verify=(0.034, 4e-5))
+    gate = SpecGate(slow, lookup=True)
+    for _ in range(3):  # this request's own target steps: a third of the calibration's
+        gate.observe(rec(None, 0, (0.024 + 3e-5 * 500) / 3, context=500))
+    ratio = (0.034 + 4e-5 * 500) / (0.024 + 3e-5 * 500)  # 1.38
+    assert gate.scale() == pytest.approx(1 / 3, rel=0.01)  # (a token later)
+    assert gate.break_even(LOOKUP) == pytest.approx(ratio, rel=0.01)
+    assert gate.break_even(LOOKUP) < SpecGate.PRIOR_TAU
+    assert gate.verdict(LOOKUP) == "probe"

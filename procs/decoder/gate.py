@@ -222,24 +222,26 @@ class SpecGate:
     def scale(self) -> float:
         """This request's machine against the calibration's: its verifies over the
         calibrated verify where a draft has run a full one, else its target steps over the
-        calibrated step. A calibration taken on a busier (or quieter) machine moves every
-        line alike, so a draft not measured yet is priced at its calibrated line times this:
-        unscaled, a calibration cached while the machine was loaded made a 1.5-step verify
-        look like 3.7 target steps against this request's measured target, and the gate
-        never looked at the context lookup."""
+        calibrated step at this context. A calibration taken on a busier (or quieter)
+        machine moves every line alike, intercept and slope, so a draft not measured yet is
+        priced at its whole calibrated line times this: unscaled, a calibration cached while
+        the machine was loaded made a 1.5-step verify look like 3.7 target steps against
+        this request's measured target, and one with only its intercept scaled still priced
+        the lookup at 2.3 steps 500 tokens in (its slope, 3x too steep, stayed), so the gate
+        never looked at it."""
         assert self.costs is not None
         if self.verify_ratio is not None:
             return self.verify_ratio.value
-        a = self.costs.target[0]
-        if self.target_a is not None and a > 0:
-            return self.target_a.value / a
+        calibrated = self.costs.target_s(self.context)
+        if self.target_a is not None and calibrated > 0:
+            return max(0.0, self.target_s(self.context)) / calibrated
         return 1.0
 
     def spec_s(self, draft: str, context: int) -> float:
         assert self.costs is not None
         a, b = self.costs.spec_line(draft)
         est = self.spec_a.get(draft)
-        return (est.value if est else a * self.scale()) + b * context
+        return est.value + b * context if est else self.scale() * (a + b * context)
 
     def break_even(self, draft: str) -> float:
         """Tokens per iteration at which `draft` and the target alone decode equally fast."""
