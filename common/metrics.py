@@ -33,6 +33,8 @@ class IterationRecord(msgspec.Struct, forbid_unknown_fields=True):
     context: int = 0  # tokens before the iteration (prompt + generated): what it attends to
     shared: bool = False  # a helper (a load, the predictor) held a core: the decoder ran on
     # fewer threads, so the iteration does not tell what one costs on a quiet machine
+    store_led: bool = False  # a datastore's token came first: the context lookup alone
+    # would have run a target step here
 
     @property
     def duration(self) -> float:

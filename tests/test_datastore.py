@@ -128,6 +128,8 @@ def test_engine_output_is_target_only_greedy_with_a_good_and_a_wrong_store(tiny_
         assert out == ref
         if lookup == 0:
             assert sum(r.accepted for r in stats.records) == 0
+            # with no lookup, every proposal is the store's own
+            assert all(r.store_led == (r.proposed > 0) for r in stats.records)
         walk = store_walk(prompt, ref, eng.drafts["good"].runner.store, 4, lookup)
         _, stats = eng.generate(prompt, 40, select=lambda s: "good")
         assert [(r.proposed, r.accepted) for r in stats.records] == walk  # the replay is
@@ -220,3 +222,18 @@ def test_two_pools_on_one_target_keep_their_own_tables(tmp_path, tiny_dir, monke
     tablefiles.tables_path(pools[1], "dev-L256", "int4-x").write_text("{}")
     assert tablefiles.traced_sets(pools[0], "int4-x") == ["dev"]
     assert tablefiles.traced_sets(pools[1], "int4-x") == ["dev-L256"]
+
+
+def test_a_chain_says_whether_the_store_led_it():
+    """The gate weighs a store against the lookup alone by the iterations its own token
+    led: the lookup's token goes first where the context repeats."""
+    from memspec.procs.decoder.datastore import led_chain
+    from memspec.procs.decoder.lookup import NgramIndex
+
+    store = Datastore(build_tables(stream(DOCS), 1, 3, 1))
+    idx = NgramIndex(2, [7, 8, 9, 5, 7, 8])  # "7 8" was followed by 9
+    props, led = led_chain(idx, store, [7, 8], 4)
+    assert props[0] == 9 and not led
+    props, led = led_chain(idx, store, [1, 2], 4)
+    assert props and props[0] == store.propose([1, 2]) and led
+    assert led_chain(None, None, [1, 2], 4) == ([], False)

@@ -551,31 +551,84 @@ def test_a_pool_horizon_under_the_request_ranks_the_prompt_and_a_datastore_loads
 def test_a_calibration_from_a_busier_machine_scales_every_line_alike(free_first_look):
     """A calibration cached while the machine was loaded (steps 3x what this request
     measures) must not price an unmeasured draft at its stale line against the request's
-    measured target: the ratio stays the calibration's, and the context lookup (a verify
-    at 1.5 target steps) still gets its free first look."""
-    slow = GateCosts(target=(0.030, 0.0), verify=(0.045, 0.0))
+    measured target: the ratio stays the calibration's, and a datastore (a verify at 1.5
+    target steps) still gets its free first look."""
+    slow = GateCosts(target=(0.030, 0.0), verify=(0.045, 0.0), free=frozenset({"code"}))
     gate = SpecGate(slow, lookup=True)
     for _ in range(3):  # this request's own target steps: 10 ms
         gate.observe(rec(None, 0, 0.010))
     assert gate.target_s(100) == pytest.approx(0.010)
-    assert gate.spec_s(LOOKUP, 100) == pytest.approx(0.015)
-    assert gate.break_even(LOOKUP) == pytest.approx(1.5)
-    assert gate.verdict(LOOKUP) == "probe"
+    assert gate.spec_s("code", 100) == pytest.approx(0.015)
+    assert gate.break_even("code") == pytest.approx(1.5)
+    assert gate.verdict("code") == "probe"
 
 
 def test_a_stale_calibration_scales_its_slope_too():
     """The same, 500 tokens in, where the stale calibration's slope is as steep as its
     intercept is high (the busier machine slowed attention too): the whole line scales, so
-    the lookup's break-even is the calibration's ratio at that context, under PRIOR_TAU,
+    a datastore's break-even is the calibration's ratio at that context, under PRIOR_TAU,
     and its first look is free. With only the intercept scaled it read 2.3 target steps
     here and the gate ran the target alone for the whole request (seen on the stores
     pool: a warm request after a calibration taken while the predictor loaded)."""
-    slow = GateCosts(target=(0.024, 3e-5), verify=(0.034, 4e-5))
+    slow = GateCosts(target=(0.024, 3e-5), verify=(0.034, 4e-5), free=frozenset({"code"}))
     gate = SpecGate(slow, lookup=True)
     for _ in range(3):  # this request's own target steps: a third of the calibration's
         gate.observe(rec(None, 0, (0.024 + 3e-5 * 500) / 3, context=500))
     ratio = (0.034 + 4e-5 * 500) / (0.024 + 3e-5 * 500)  # 1.38
     assert gate.scale() == pytest.approx(1 / 3, rel=0.01)  # (a token later)
-    assert gate.break_even(LOOKUP) == pytest.approx(ratio, rel=0.01)
-    assert gate.break_even(LOOKUP) < SpecGate.PRIOR_TAU
-    assert gate.verdict(LOOKUP) == "probe"
+    assert gate.break_even("code") == pytest.approx(ratio, rel=0.01)
+    assert gate.break_even("code") < SpecGate.PRIOR_TAU
+    assert gate.verdict("code") == "probe"
+
+
+def store_rec(accepted: int, led: bool, seconds: float = 0.0075) -> IterationRecord:
+    return IterationRecord("code", 4, accepted, accepted + 1, 0.0, t_verify=seconds,
+                           context=100, store_led=led)
+
+
+def test_a_store_whose_own_proposals_do_not_pay_gives_way_to_the_lookup(free_first_look):
+    """Where the context repeats, a datastore draft proposes the lookup's tokens; only the
+    iterations its own token led tell it from the lookup alone, and there the lookup would
+    have run a target step. A store that pays overall only on the lookup's tokens runs the
+    lookup instead (the interval ends, and the next runs the lookup); judged on its whole
+    record until LED_LOOKS such iterations, and never without the lookup on."""
+    from memspec.procs.decoder.cache_manager import CacheActions
+    from memspec.procs.decoder.gate import gate_decision
+    from memspec.procs.decoder.policies import Decision
+
+    costs = GateCosts(target=(0.005, 0.0), verify=(0.0075, 0.0), free=frozenset({"code"}))
+    for lookup in (True, False):
+        gate = SpecGate(costs, lookup=lookup)
+        for i in range(8):  # the lookup's tokens: all accepted; the store's own: none
+            gate.observe(store_rec(4 if i % 2 else 0, led=not i % 2))
+        assert gate.tau["code"].value > gate.break_even("code")  # pays on its whole record
+        assert gate.led["code"].n == 4 and gate.led["code"].value == 1.0
+        assert gate.keeps("code") is not lookup  # inside its interval
+        run = gate_decision(gate, Decision("code", "code", CacheActions()), resident=True).run
+        assert run == (LOOKUP if lookup else "code")  # the next
+    gate = SpecGate(costs, lookup=True)
+    for _ in range(SpecGate.LED_LOOKS - 1):
+        gate.observe(store_rec(0, led=True))
+        gate.observe(store_rec(4, led=False))
+    assert gate.store_pays("code")  # too few of its own to judge by
+    gate.observe(store_rec(4, led=True))
+    gate.observe(store_rec(3, led=True))
+    assert gate.store_pays("code") and gate.verdict("code") == "run"
+
+
+def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look):
+    """The lookup costs nothing where the context does not repeat and pays in bursts: its
+    first LOOKUP_LOOKS proposals run whatever they accept; after that a lookup whose record
+    does not pay is gated like a draft (and one that pays runs on)."""
+    costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0))
+    gate = SpecGate(costs, lookup=True)
+    miss = IterationRecord(LOOKUP, 4, 0, 1, 0.0, t_verify=0.0085, context=100)
+    for _ in range(SpecGate.LOOKUP_LOOKS - 1):
+        gate.observe(miss)
+        assert gate.verdict(LOOKUP) == "run" and gate.keeps(LOOKUP)
+    gate.observe(miss)
+    assert gate.verdict(LOOKUP) != "run" and not gate.keeps(LOOKUP)
+    hit = IterationRecord(LOOKUP, 4, 4, 5, 0.0, t_verify=0.0085, context=100)
+    for _ in range(SpecGate.LOOKUP_LOOKS):
+        gate.observe(hit)
+    assert gate.verdict(LOOKUP) == "run"

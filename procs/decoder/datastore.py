@@ -146,16 +146,26 @@ def propose_chain(ngrams, store: Datastore | None, tail: list[int], gamma: int  
     """A model-free draft's proposals (the engine's and the replays'): the context lookup's
     token (``ngrams``, lookup.NgramIndex) where the context repeats, else the store's, each
     appended to ``tail`` for the next, up to ``gamma`` while one is found."""
+    return led_chain(ngrams, store, tail, gamma)[0]
+
+
+def led_chain(ngrams, store: Datastore | None, tail: list[int], gamma: int  # noqa: ANN001
+              ) -> tuple[list[int], bool]:
+    """propose_chain's proposals, and whether the store led them (its token came first: the
+    lookup alone would have proposed nothing here, so the gate weighs these iterations
+    against a target step, not against the lookup)."""
     props: list[int] = []
+    led = False
     while len(props) < gamma:
         tok = ngrams.propose(tail) if ngrams is not None else None
         if tok is None and store is not None:
             tok = store.propose(tail)
+            led = led or not props
         if tok is None:
             break
         props.append(tok)
         tail.append(tok)
-    return props
+    return props, led and bool(props)
 
 
 def tail_width(ngrams, store: Datastore | None) -> int:  # noqa: ANN001

@@ -36,7 +36,7 @@ from memspec.procs.decoder.acceptance import (
 from memspec.procs.decoder.datastore import (
     DATASTORE_KIND,
     Datastore,
-    propose_chain,
+    led_chain,
     tail_width,
 )
 from memspec.procs.decoder.head import HEAD_KIND, TargetParts
@@ -303,9 +303,10 @@ class Session:
         sampling) is a plain target step. Nothing runs but the verify."""
         ng, L = self._ngrams, len(self.tokens)
         props: list[int] = []
+        led = False
         if self.params.greedy and (ng is not None or store is not None):
-            props = propose_chain(ng, store, self.tokens[-tail_width(ng, store):],
-                                  self.engine.gamma)
+            props, led = led_chain(ng, store, self.tokens[-tail_width(ng, store):],
+                                   self.engine.gamma)
         if not props:
             rec = self._target_step(t0)
             rec.draft = name
@@ -320,7 +321,7 @@ class Session:
         self._sync()
         t1 = time.perf_counter()
         return IterationRecord(name, len(props), n, emitted, t0, t_draft=t_draft_end - t0,
-                               t_verify=t1 - t_draft_end, context=L)
+                               t_verify=t1 - t_draft_end, context=L, store_led=led)
 
     def _draft_cache(self, bound: BoundDraft) -> _DraftCache:
         dc = self._drafts.get(bound.name)
