@@ -346,3 +346,24 @@ def test_cache_invariants_random_states() -> None:
         assert set(a.prefetch) <= working and not a.cancel
         left = len(v.resident) - len(a.evict) + len(v.loading)
         assert left + len(a.prefetch) <= v.capacity
+
+
+def test_oracle_dynamic_runs_the_lookup_where_its_plan_runs_the_target_alone():
+    """The plan's target steps run the context lookup when the engine has one (a step
+    where the context does not repeat; a gain where it does), keeping what the plan waits
+    for as a fallback; a planned draft runs as planned; without the lookup, the target."""
+    acts = CacheActions(prefetch=("math",))
+    moves = {"chosen": Decision(None, None, CacheActions()),
+             "waiting": Decision(None, "math", acts),
+             "draft": Decision("code", "code", CacheActions())}
+    for lookup in (True, False):
+        for what, move in moves.items():
+            p = make_policy("oracle-dynamic", oracle_plan=lambda _v, m=move: m, lookup=lookup)
+            d = p.decide(view(resident={"code"}))
+            if what == "draft":
+                assert d.run == "code"
+            else:
+                assert d.run == (LOOKUP if lookup else None)
+                assert d.preferred == ("math" if what == "waiting" else
+                                       LOOKUP if lookup else None)
+                assert d.actions == move.actions

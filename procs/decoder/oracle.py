@@ -148,7 +148,7 @@ class DynamicPlan:
         exp = self.expected
         if exp is not None and exp[0] == pos and view.active in (None, exp[1]):
             self.last = (exp[1], pos, exp[4]) if exp[1] is not None else None
-        elif view.active is not None:
+        elif view.active is not None and view.active in self.tables:  # (not the lookup)
             self.last = (view.active, pos, 1)
         if self.last is None:
             return None, 0

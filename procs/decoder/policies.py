@@ -312,19 +312,26 @@ class Gated:
 class OracleDynamic(TargetOnly):
     """Future knowledge of acceptance *and* of loads: the plan (procs/decoder/oracle.py)
     picks each interval's draft and starts every load early enough, under the same K and
-    loader. An upper bound for the online policies, not a competitor to tune."""
+    loader. An upper bound for the online policies, not a competitor to tune. Where the
+    plan runs the target alone (by choice, or while a load it waits for lands) it runs the
+    context lookup when the engine has one, as the gated policies do: an iteration without
+    a match is that target step, so the plan's clock holds, and one with a match gains
+    what the online policies gain there (without it, a prompt whose context repeats ran at
+    half oracle-static's speed)."""
 
     name = "oracle-dynamic"
 
-    def __init__(self, plan: OraclePlan) -> None:
-        self.plan = plan
+    def __init__(self, plan: OraclePlan, lookup: bool = False) -> None:
+        self.plan, self.lookup = plan, lookup
 
     def decide(self, view: SchedView) -> Decision:
         d = self.plan(view)
         if not isinstance(d, Decision):
-            return Decision(None, None, NO_ACTIONS)
+            d = Decision(None, None, NO_ACTIONS)
         if d.run is not None and d.run not in _after(view, d.actions):
-            return replace(d, run=None)  # guard: only resident drafts run
+            d = replace(d, run=None)  # guard: only resident drafts run
+        if d.run is None and self.lookup:
+            d = replace(d, run=LOOKUP, preferred=LOOKUP if d.preferred is None else d.preferred)
         return d
 
 
@@ -473,7 +480,8 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
 def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
     costs = kw.get("costs")
     builders = _builders(name, c, kw.get("oracle_plan"),
-                         costs if isinstance(costs, PlanCosts) else None)
+                         costs if isinstance(costs, PlanCosts) else None,
+                         bool(kw.get("lookup", False)))
     if name not in builders:
         raise ConfigError(f"unknown policy '{name}'", f"valid: {', '.join(builders)}")
     policy = builders[name]()
@@ -485,8 +493,8 @@ def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
     return policy
 
 
-def _builders(name: str, c: float, plan: object, costs: PlanCosts | None = None
-              ) -> dict[str, Callable[[], Policy]]:
+def _builders(name: str, c: float, plan: object, costs: PlanCosts | None = None,
+              lookup: bool = False) -> dict[str, Callable[[], Policy]]:
     """Every policy by config name; oracle plans are checked only when an oracle is built."""
     return {
         "target-only": TargetOnly,
@@ -497,7 +505,7 @@ def _builders(name: str, c: float, plan: object, costs: PlanCosts | None = None
         "mab-async": lambda: MabAsync(c),
         "prediction-only": PredictionOnly,
         "memspec": MemSpec,
-        "oracle-dynamic": lambda: OracleDynamic(_need_plan(name, plan)),
+        "oracle-dynamic": lambda: OracleDynamic(_need_plan(name, plan), lookup),
     }
 
 
