@@ -84,8 +84,8 @@ class DynamicPlan:
         alone = {d: replay_static(self.tables, d, gamma).iterations for d in self.tables}
         self.order = sorted(self.tables, key=lambda d: alone[d])  # stable: pool order on ties
         self.n = min((len(t) for t in self.tables.values()), default=0)
-        self.width = len(self.order)  # the top drafts the planner may use
-        self.planner = self._planner(frozenset(), None)
+        self.width = len(self.order)  # the top drafts the planner may use (a request met
+        self.planner = self._planner(frozenset(), budget)  # mid-way narrows it in `step`)
         self.expected: State | None = None  # the state the plan expects next
         self.last: tuple[str, int, int] | None = None  # (active, position, behind) then
         self.opened = False
