@@ -360,3 +360,13 @@ def test_a_re_plan_past_its_budget_narrows_and_keeps_what_is_held():
     assert {held, loading} <= set(plan.planner.drafts)
     after = plan.planner.after(plan.planner.state(*state), move)
     assert len(after[2]) + len(after[3]) <= 2
+
+
+def test_a_plan_met_mid_request_is_budgeted_too():
+    """A request the plan first sees mid-way (no opening move: a resumed one) re-plans
+    under the budget like any other, narrowing as far as it must."""
+    tabs, costs = five_striped(2)
+    plan = DynamicPlan(tabs, 4, 4, 2, costs, lambda: 0, 20, budget=1)
+    assert plan.planner.budget == 1
+    move = plan.step((6, None, frozenset(), (), 0))
+    assert plan.width == 1 and move.value > 0
