@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +55,8 @@ class Loader:
     """A spawned loader process plus the decoder-side and supervisor-side sockets."""
 
     def __init__(self, tmp: Path, *args: str) -> None:
-        self.run_dir = sockets.make_run_dir(tmp)
+        self.run_dir = sockets.make_run_dir()  # short: under pytest's numbered tmp folders
+        # an ipc path outgrew sun_path once pytest's counter reached three digits
         self.ctx = zmq.Context()
         self.control = sockets.configure(self.ctx.socket(zmq.PULL))
         control_ep = sockets.endpoint(self.run_dir, "control")
@@ -112,6 +114,7 @@ class Loader:
                 self.proc.wait()
         self.ctx.destroy(0)
         self.stderr.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         return self.proc.returncode
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,7 +217,7 @@ def proc(tmp_path_factory, tiny_dir):
     root = tmp_path_factory.mktemp("predictor")
     head = root / "head.safetensors"
     save_head(_random_head(seed=3), head)
-    run_dir = make_run_dir(root)
+    run_dir = make_run_dir()  # short: ipc paths are limited to 107 bytes
     ep, cp = endpoint(run_dir, "predictor"), endpoint(run_dir, "control")
     ctx = zmq.Context()
     control = configure(ctx.socket(zmq.PULL))
@@ -237,6 +238,7 @@ def proc(tmp_path_factory, tiny_dir):
         p.wait()
     p.stderr.close()
     ctx.destroy(linger=0)
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _replies(dealer: zmq.Socket, quiet_s: float = 1.0) -> list:
@@ -330,7 +332,7 @@ def test_shutdown_message_is_rejected_and_sigterm_exits_cleanly(proc):
 
 
 def test_missing_head_is_a_one_line_error(tmp_path, tiny_dir):
-    run_dir = make_run_dir(tmp_path)
+    run_dir = make_run_dir()  # short: ipc paths are limited to 107 bytes
     ep, cp = endpoint(run_dir, "predictor"), endpoint(run_dir, "control")
     ctx = zmq.Context()
     control = configure(ctx.socket(zmq.PULL))
@@ -345,3 +347,4 @@ def test_missing_head_is_a_one_line_error(tmp_path, tiny_dir):
         assert msg is not None and "memspec predictor train" in msg.message
     finally:
         ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
