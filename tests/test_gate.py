@@ -618,17 +618,29 @@ def test_a_store_whose_own_proposals_do_not_pay_gives_way_to_the_lookup(free_fir
 
 def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look):
     """The lookup costs nothing where the context does not repeat and pays in bursts: its
-    first LOOKUP_LOOKS proposals run whatever they accept; after that a lookup whose record
-    does not pay is gated like a draft (and one that pays runs on)."""
+    first LOOKUP_LOOKS proposals run even where its record (here 1.5 tokens an iteration,
+    under the 1.7 break-even) does not pay; after that it is gated like a draft (and one
+    that pays runs on). One that accepts almost nothing stops after LOOKUP_FAILING's
+    count: a context that repeats words but not what follows them."""
     costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0))
     gate = SpecGate(costs, lookup=True)
-    miss = IterationRecord(LOOKUP, 4, 0, 1, 0.0, t_verify=0.0085, context=100)
-    for _ in range(SpecGate.LOOKUP_LOOKS - 1):
-        gate.observe(miss)
+
+    def look(accepted: int) -> IterationRecord:
+        return IterationRecord(LOOKUP, 4, accepted, accepted + 1, 0.0, t_verify=0.0085,
+                               context=100)
+
+    for i in range(SpecGate.LOOKUP_LOOKS - 1):
+        gate.observe(look(i % 2))  # 0.5 accepted a proposal
         assert gate.verdict(LOOKUP) == "run" and gate.keeps(LOOKUP)
-    gate.observe(miss)
+    gate.observe(look(1))
     assert gate.verdict(LOOKUP) != "run" and not gate.keeps(LOOKUP)
-    hit = IterationRecord(LOOKUP, 4, 4, 5, 0.0, t_verify=0.0085, context=100)
     for _ in range(SpecGate.LOOKUP_LOOKS):
-        gate.observe(hit)
+        gate.observe(look(4))
     assert gate.verdict(LOOKUP) == "run"
+    failing = SpecGate(costs, lookup=True)
+    looks, _ = SpecGate.LOOKUP_FAILING
+    for _ in range(looks - 1):
+        failing.observe(look(0))
+        assert failing.verdict(LOOKUP) == "run"
+    failing.observe(look(0))
+    assert failing.verdict(LOOKUP) != "run" and not failing.keeps(LOOKUP)

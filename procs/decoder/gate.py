@@ -143,6 +143,9 @@ class SpecGate:
     LOOKUP_LOOKS = 32  # the context lookup's proposing iterations before its record judges
     # it (A/B on dev, real runs: unjudged >= judged after 8 > judged from the first; a
     # 128-token request makes ~30 lookup proposals, so 32 is unjudged there)
+    LOOKUP_FAILING = (8, 1.25)  # ... unless after this many it accepts under 0.25 tokens
+    # a proposal: a context that repeats words but never what follows them (a verify costs
+    # ~1.7 target steps on 2 cores: 32 such proposals would cost ~22 steps, 8 cost ~6)
 
     def __init__(self, costs: GateCosts | None, lookup: bool = False,
                  rank_horizon: int | None = None) -> None:
@@ -311,11 +314,16 @@ class SpecGate:
         memspec with the lookup judged so ran at 0.955x lookup-only and unjudged at 0.971x,
         its worst prompt 0.87x instead of 0.50x; on 30 others, judged after 8 proposals
         0.997x, unjudged 1.037x. After LOOKUP_LOOKS proposals a lookup that does not pay (a
-        text that repeats words but not what follows them) is gated like any draft."""
+        text that repeats words but not what follows them) is gated like any draft, and
+        after LOOKUP_FAILING's first count one that accepts almost nothing is, so that such a
+        text costs a few wide verifies, not thirty."""
         if draft != LOOKUP:
             return False
         tau = self.tau.get(LOOKUP)
-        return tau is None or tau.n < self.LOOKUP_LOOKS
+        if tau is None:
+            return True
+        looks, floor = self.LOOKUP_FAILING
+        return tau.n < self.LOOKUP_LOOKS and not (tau.n >= looks and tau.value < floor)
 
     def _probe_extra(self, draft: str) -> float:
         """What a probe costs over a target step: as measured in this request, and never
