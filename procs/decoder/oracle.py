@@ -13,6 +13,7 @@ decoding.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -80,7 +81,8 @@ class DynamicPlan:
                  costs: PlanCosts, position: Callable[[], int], prompt_len: int = 0,
                  budget: int | None = PLAN_BUDGET) -> None:
         self.tables, self.position, self.budget = dict(tables), position, budget
-        self._args = (gamma, interval, K, costs, prompt_len)
+        self._planner_of = functools.partial(LoadPlanner, gamma=gamma, N=interval, K=K,
+                                             costs=costs, prompt_len=prompt_len)
         alone = {d: replay_static(self.tables, d, gamma).iterations for d in self.tables}
         self.order = sorted(self.tables, key=lambda d: alone[d])  # stable: pool order on ties
         self.n = min((len(t) for t in self.tables.values()), default=0)
@@ -94,7 +96,7 @@ class DynamicPlan:
         """A planner over the top `width` drafts and those `held` (resident or loading)."""
         names = set(self.order[:max(1, self.width)]) | (held & self.tables.keys())
         sub = {d: self.tables[d] for d in self.order if d in names}
-        return LoadPlanner(sub, *self._args[:4], prompt_len=self._args[4], budget=budget)
+        return self._planner_of(sub, budget=budget)
 
     def initial(self, resident: frozenset[str]) -> Step:
         """The opening move of the widest planner whose search fits the budget: one draft
