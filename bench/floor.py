@@ -18,6 +18,7 @@ and its share of decode time.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,10 +83,11 @@ def settle(rt, what: str, bound_s: float = 120.0) -> None:  # noqa: ANN001
 class UpProcess:
     """`memspec up` in a subprocess, its stderr collected, ready once it says so."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.p = subprocess.Popen([*MEMSPEC, "up", "--no-stdin", *args],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE)
+                                  stderr=subprocess.PIPE,
+                                  env=None if env is None else {**os.environ, **env})
         self.err = bytearray()
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + 300
@@ -111,12 +113,13 @@ class UpProcess:
 class Server(UpProcess):
     """`memspec up` serving one policy (its own processes), reached with the Python API."""
 
-    def __init__(self, policy: str, pool: str | None, run_dir: str, name: str = "") -> None:
+    def __init__(self, policy: str, pool: str | None, run_dir: str, name: str = "",
+                 env: dict[str, str] | None = None) -> None:
         from memspec.launch.api import Runtime
 
         self.policy, self.rt = policy, None
         ep = f"ipc://{run_dir}/{name or policy}.sock"
-        super().__init__(["--endpoint", ep] + (["--pool", pool] if pool else []))
+        super().__init__(["--endpoint", ep] + (["--pool", pool] if pool else []), env)
         self.rt = Runtime(ep).start()
 
     def settle(self) -> None:

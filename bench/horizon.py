@@ -16,24 +16,20 @@ horizon, fewer rankings); test prompts are never read.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.floor import Server, interleaved, ratio_summary
 from memspec.bench.plotting import save_outputs
 from memspec.bench.realruns import pool_copy
+from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info, machine_line
-from memspec.zoo.prompts import load_prompts
 
 NEVER = 10**6  # no ranking at all: the general draft (what memspec runs before any ranking)
 GRID = (0, 64, 128, NEVER)  # seven servers in all (~1.5 GB each)
 BASELINES = ("target-only", "lookup-only", "general-static")
-DOMAINS = ("general", "code", "math", "law", "medical")
-FLOOR = 0.9  # a setting with a prompt below this share of target-only is not chosen
 
 
 def _log(msg: str) -> None:
@@ -51,53 +47,23 @@ def pool_with_horizon(pool_path: str, horizon: int, out: Path) -> str:
 
 def run(pool: str, per_domain: int, max_new: int, repeats: int,
         grid: tuple[int, ...] = GRID) -> dict[str, Any]:
-    rows = [{"id": r["id"], "domain": r["domain"], "prompt": r["prompt"]}
-            for r in load_prompts("dev", DOMAINS, per_domain=per_domain)]
-    variants = (*BASELINES, *(variant(h) for h in grid))
-    _log(f"{len(rows)} dev prompts, {max_new} new tokens, {repeats} repeats; one warm server "
-         f"per variant: {', '.join(variants)}")
+    rows = dev_rows(per_domain)
     with tempfile.TemporaryDirectory(prefix="memspec-horizon-") as tmp:
-        servers: dict[str, Server] = {}
-        try:
-            for p in BASELINES:
-                servers[p] = Server(p, pool, tmp)
-            for h in grid:
-                copy = pool_with_horizon(pool, h, Path(tmp) / f"pool-{h}.toml")
-                servers[variant(h)] = Server("memspec", copy, tmp, name=variant(h))
-            for s in servers.values():  # each server's first request is its own warm-up
-                s.generate(rows[0]["prompt"], 8)
-            for s in servers.values():
-                s.settle()
-            shown = tuple((f"{v}/target-only", v, "target-only") for v in variants[1:])
-            runs = interleaved(rows, variants, repeats,
-                               lambda prompt, v: servers[v].generate(prompt, max_new), "dev",
-                               log=_log, shown_pairs=shown)
-        finally:
-            for s in servers.values():
-                s.stop()
-    summary = {v: {**ratio_summary(runs, v, "target-only"),
-                   "snapshots_per_request": statistics.fmean(r[v]["snapshots"] for r in runs),
-                   "mean_acceptance_length": statistics.fmean(
-                       r[v]["mean_acceptance_length"] for r in runs)}
-               for v in variants if v != "target-only"}
-    for s in summary.values():
-        s.pop("paired_per_prompt", None)
-    chosen = choose({h: summary[variant(h)] for h in grid})
+        settings = {p: Setting(p, pool) for p in BASELINES}
+        for h in grid:
+            copy = pool_with_horizon(pool, h, Path(tmp) / f"pool-{h}.toml")
+            settings[variant(h)] = Setting("memspec", copy)
+        res = run_settings(settings, rows, max_new, repeats, _log)
+    chosen = choose({h: res["summary"][variant(h)] for h in grid})
     return {"machine": machine_line(), "machine_info": machine_info(), "pool": pool,
             "split": "dev", "prompts": len(rows), "max_new_tokens": max_new,
-            "repeats": repeats, "grid": list(grid), "floor": FLOOR, "summary": summary,
-            "chosen": chosen, "identical_tokens": all(
-                r[v]["ids"] == r["target-only"]["ids"] for r in runs for v in variants),
-            "runs": [{k: ({kk: vv for kk, vv in v.items() if kk != "ids"}
-                          if isinstance(v, dict) else v) for k, v in r.items()} for r in runs]}
+            "repeats": repeats, "grid": list(grid), "floor": FLOOR, **res, "chosen": chosen}
 
 
 def choose(by_h: dict[int, dict[str, Any]]) -> int:
     """The horizon with the highest geometric mean over target-only and no prompt below
     FLOOR (else the highest of all); ties within 0.1% go to the larger horizon."""
-    safe = {h: s for h, s in by_h.items() if s["min"] >= FLOOR} or by_h
-    top = max(s["gmean"] for s in safe.values())
-    return max(h for h, s in safe.items() if s["gmean"] >= top * 0.999)
+    return choose_setting(by_h, prefer=lambda h: h)
 
 
 def _print(res: dict[str, Any]) -> None:

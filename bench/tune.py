@@ -15,7 +15,10 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
 - **CHUNKED_WAIT_S**: how long a prefill goes on in chunks awaiting the first ranking,
   simulated with the measured predictor and with one ten times slower;
 - **PREFILL_CHUNK**: the prefill piece while a ranking is awaited, timed for real in
-  process: the smallest piece costing at most `CHUNK_COST` over one whole prefill.
+  process: the smallest piece costing at most `CHUNK_COST` over one whole prefill;
+- **lookup_gate** (LOOKUP_LOOKS, LOOKUP_FAILING): when the gate starts to judge the context
+  lookup, in real runs, one warm server per setting (bench/tune_lookup_gate.py: the
+  simulator has no table for the lookup run alone).
 
 The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
 model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
@@ -347,6 +350,15 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                          "bracketed": u["bracketed"],
                          "dev": f"MAB policies / target-only e2e "
                                 f"{u['figure']['over_scales']:.3f} (gmean of both)"}
+    lg = res["lookup_gate"]
+    f = lg["figure"]
+    for i, k in enumerate(("LOOKUP_LOOKS", "LOOKUP_FAILING")):
+        out[f"gate.{k}"] = {
+            "value": lg["chosen"][i], "grid": lg["grid"][k], "chosen_by": "lookup_gate",
+            "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
+                   f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real runs, "
+                   f"{lg['prompts']} prompts x {lg['repeats']}; lookup-only "
+                   f"{lg['lookup_only']['gmean']:.3f})"}
     lk = res["lookup"]
     out["pool.lookup"] = {
         "value": lk["chosen"], "grid": lk["grid"], "chosen_by": "lookup",
@@ -355,16 +367,23 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate")
+
+
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
-        only: Sequence[str] | None = None, previous: Mapping[str, Any] | None = None
-        ) -> dict[str, Any]:
+        only: Sequence[str] | None = None, previous: Mapping[str, Any] | None = None,
+        repeats: int = 1) -> dict[str, Any]:
     from memspec.bench.evaluation import read_cost_model, set_prompts, sim_config, traced_requests
 
     pool = load_pool(str(pool_file))
     cost = read_cost_model(Path(cost_path))
     cfg = sim_config(pool, cost, max_new_tokens=max_new)
     res: dict[str, Any] = dict((previous or {}).get("sections", {}))
-    want = set(only or ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk"))
+    want = set(only or SECTIONS)
+    unknown = want - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"unknown tune section(s) {', '.join(sorted(unknown))}",
+                          f"valid: {', '.join(SECTIONS)}")
     t0 = time.perf_counter()
     plain = scored = None
     if want & {"gate", "ucb_c", "lookup"}:
@@ -389,11 +408,16 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         texts = [p["prompt"] for p in set_prompts(pool, "dev", per_domain)]
         res["prefill_chunk"] = tune_prefill_chunk(pool, texts)
         _log(f"prefill chunk: {res['prefill_chunk']['chosen']}")
-    missing = {"gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk"} - set(res)
+    if "lookup_gate" in want:
+        from memspec.bench.tune_lookup_gate import tune_lookup_gate
+
+        res["lookup_gate"] = tune_lookup_gate(pool_file, per_domain, max_new, repeats)
+    missing = set(SECTIONS) - set(res)
     if missing:
         raise ConfigError(f"no earlier tune holds {', '.join(sorted(missing))}",
                           "run `memspec bench tune` without --only once")
-    return {"split": "dev", "prompts": len(plain or scored or []) or None,
+    return {"split": "dev",
+            "prompts": len(plain or scored or []) or (previous or {}).get("prompts"),
             "per_domain": per_domain, "max_new_tokens": max_new, "cost_model": cost_path,
             "pool": str(pool_file.resolve().relative_to(PACKAGE_ROOT))
             if pool_file.resolve().is_relative_to(PACKAGE_ROOT) else str(pool_file),
@@ -415,7 +439,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
+    fig, axes = plt.subplots(1, 6, figsize=(20, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -435,7 +459,18 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     ax.axhline(CHUNK_COST, color="r", ls="--", lw=0.8)
     ax.set_ylim(0.9, max(1.1, *(r["over_whole"] for r in rows)))
     ax.set_title("PREFILL_CHUNK: chunked / whole")
-    for ax in axes[:4]:
+    ax = axes[5]
+    lg = s["lookup_gate"]
+    rows = lg["rows"]
+    ax.errorbar(range(len(rows)), [r["gmean"] for r in rows],
+                yerr=[[r["gmean"] - r["ci95"][0] for r in rows],
+                      [r["ci95"][1] - r["gmean"] for r in rows]], fmt="o", capsize=3)
+    ax.axhline(lg["lookup_only"]["gmean"], color="#888", ls=":", lw=0.8, label="lookup-only")
+    ax.set_xticks(range(len(rows)), [r["variant"].split("@")[1] for r in rows], rotation=30,
+                  fontsize=7)
+    ax.set_title("LOOKUP_LOOKS/FAILING (real runs)")
+    ax.legend(fontsize=6)
+    for ax in (*axes[:4], axes[5]):
         ax.axhline(1.0, color="k", lw=0.6)
     axes[0].set_ylabel("over target-only, e2e (simulated, dev)")
     fig.tight_layout()
@@ -452,7 +487,8 @@ def main_bench_tune(args) -> int:  # noqa: ANN001
     pool_file = Path(args.pool) if args.pool else DEFAULT_POOL
     only = [s.strip() for s in args.only.split(",")] if getattr(args, "only", None) else None
     previous = json.loads(TUNED_FILE.read_text()) if only and TUNED_FILE.is_file() else None
-    res = run(pool_file, args.cost_model, args.per_domain, args.max_new_tokens, only, previous)
+    res = run(pool_file, args.cost_model, args.per_domain, args.max_new_tokens, only, previous,
+              repeats=max(1, args.repeats))
     res["provenance"] = provenance()
     TUNED_FILE.write_text(json.dumps(res, indent=1) + "\n")
     _print(res)

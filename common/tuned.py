@@ -5,12 +5,17 @@ memory, how often the predictor ranks, the prefill chunk) reads its value from h
 every such value names the dev sweep that chose it and a re-tune changes one file. The
 pool-level knobs (`lookup`, `ucb_c`) stay in the pool file a user edits; tuned.json
 records what the default pool should say, and a test keeps the two equal.
+
+A real-run sweep (`memspec bench tune`'s lookup_gate section) starts each setting's
+server with ``MEMSPEC_TUNED`` naming a scratch copy of the file with that setting in it,
+so that the runtime under test is the one users run, not a patched one.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,7 @@ from memspec.common.errors import ConfigError
 from memspec.common.paths import PACKAGE_ROOT
 
 TUNED_FILE = PACKAGE_ROOT / "tuned.json"
+TUNED_ENV = "MEMSPEC_TUNED"  # another tuned.json, for a sweep's setting
 FIX = "restore tuned.json from the checkout (git checkout tuned.json) or run `memspec bench tune`"
 
 
@@ -34,9 +40,15 @@ def tuned_knobs(path: Path = TUNED_FILE) -> dict[str, dict[str, Any]]:
     return knobs
 
 
+def tuned_path() -> Path:
+    """The file knobs are read from: ``MEMSPEC_TUNED`` where a sweep sets it."""
+    return Path(os.environ[TUNED_ENV]) if os.environ.get(TUNED_ENV) else TUNED_FILE
+
+
 def knob(name: str) -> Any:
     """The tuned value of `name` (e.g. ``gate.ALPHA``)."""
-    knobs = tuned_knobs()
+    path = tuned_path()
+    knobs = tuned_knobs(path)
     if name not in knobs:
-        raise ConfigError(f"tuned.json has no knob {name!r}", FIX)
+        raise ConfigError(f"{path.name} has no knob {name!r}", FIX)
     return knobs[name]["value"]

@@ -456,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "no real runs)")
     b.add_argument("--real-mixed", type=int, default=30, help="eval: mixed prompts run for real")
     b.add_argument("--repeats", type=int, default=2,
-                   help="eval, floor, horizon: real runs per prompt and policy")
+                   help="eval, floor, horizon, tune (lookup_gate): real runs per "
+                        "prompt and policy")
     b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
     b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
     b.add_argument("--cost-model", default=None,
@@ -472,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "traced dev prompts per domain; tune, horizon: the same")
     b.add_argument("--only", default=None,
                    help="tune: comma-separated sections to re-run (gate, ranking, ucb_c, "
-                        "chunked_wait, lookup, prefill_chunk); the rest kept from tuned.json")
+                        "chunked_wait, lookup, prefill_chunk, lookup_gate); the rest kept "
+                        "from tuned.json")
     b.add_argument("--no-warm", action="store_true", help="floor: fresh processes only")
     b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
     b.add_argument("--target", default=None,

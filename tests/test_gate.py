@@ -616,12 +616,15 @@ def test_a_store_whose_own_proposals_do_not_pay_gives_way_to_the_lookup(free_fir
     assert gate.store_pays("code") and gate.verdict("code") == "run"
 
 
-def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look):
+def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look, monkeypatch):
     """The lookup costs nothing where the context does not repeat and pays in bursts: its
     first LOOKUP_LOOKS proposals run even where its record (here 1.5 tokens an iteration,
     under the 1.7 break-even) does not pay; after that it is gated like a draft (and one
     that pays runs on). One that accepts almost nothing stops after LOOKUP_FAILING's
-    count: a context that repeats words but not what follows them."""
+    count: a context that repeats words but not what follows them (the mechanism, at
+    fixed settings; tuned.json chooses them)."""
+    monkeypatch.setattr(SpecGate, "LOOKUP_LOOKS", 32)
+    monkeypatch.setattr(SpecGate, "LOOKUP_FAILING", (8, 1.25))
     costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0))
     gate = SpecGate(costs, lookup=True)
 
@@ -644,3 +647,8 @@ def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look):
         assert failing.verdict(LOOKUP) == "run"
     failing.observe(look(0))
     assert failing.verdict(LOOKUP) != "run" and not failing.keeps(LOOKUP)
+    monkeypatch.setattr(SpecGate, "LOOKUP_FAILING", None)  # never gated early
+    patient = SpecGate(costs, lookup=True)
+    for _ in range(SpecGate.LOOKUP_LOOKS - 1):
+        patient.observe(look(0))
+        assert patient.verdict(LOOKUP) == "run"

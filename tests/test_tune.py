@@ -4,6 +4,7 @@ chose it, and the runtime runs the values the file holds."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -23,6 +24,8 @@ RUNTIME = {  # knob -> the value the runtime runs
     "gate.PROBE_SHARE": lambda: SpecGate.PROBE_SHARE,
     "gate.PRIOR_TAU": lambda: SpecGate.PRIOR_TAU,
     "gate.RANK_HORIZON": lambda: SpecGate.RANK_HORIZON,
+    "gate.LOOKUP_LOOKS": lambda: SpecGate.LOOKUP_LOOKS,
+    "gate.LOOKUP_FAILING": lambda: SpecGate.LOOKUP_FAILING,
     "loop.PREDICTOR_SHARE": lambda: loop.PREDICTOR_SHARE,
     "loop.CHUNKED_WAIT_S": lambda: loop.CHUNKED_WAIT_S,
     "engine.PREFILL_CHUNK": lambda: engine.PREFILL_CHUNK,
@@ -55,6 +58,27 @@ def test_a_missing_or_broken_tuned_file_is_a_one_line_error(tmp_path):
         tuned_knobs(bad)
     with pytest.raises(ConfigError, match="no knob 'gate.NOPE'"):
         knob("gate.NOPE")
+
+
+def test_a_sweep_setting_runs_from_its_own_tuned_file(tmp_path):
+    """MEMSPEC_TUNED names the file a sweep's server reads (the setting under test), and
+    the lookup gate's grid holds only settings that differ in what they do."""
+    import subprocess
+    import sys
+
+    from memspec.bench import tune_lookup_gate as lg
+    from memspec.common.tuned import TUNED_ENV
+
+    path = lg.tuned_with(json.loads(TUNED_FILE.read_text()),
+                         {"gate.LOOKUP_LOOKS": 8, "gate.LOOKUP_FAILING": None},
+                         tmp_path / "t.json")
+    code = ("from memspec.procs.decoder.gate import SpecGate as G; "
+            "print(G.LOOKUP_LOOKS, G.LOOKUP_FAILING, G.ALPHA)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, TUNED_ENV: str(path)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["8", "None", str(knob("gate.ALPHA"))]
+    assert (0, None) in lg.grid() and (8, (8, 1.25)) not in lg.grid()
+    assert all(f is None or f[0] < looks for looks, f in lg.grid())
 
 
 def _row(value, score, worst=1.0):

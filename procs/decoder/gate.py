@@ -140,12 +140,14 @@ class SpecGate:
     # their own domains; on dev a horizon under the request's length loses 6% (tuned.json)
     RANK_HORIZON = knob("gate.RANK_HORIZON")
     LED_LOOKS = 3  # a datastore's iterations led by its own token before those alone judge it
-    LOOKUP_LOOKS = 32  # the context lookup's proposing iterations before its record judges
-    # it (A/B on dev, real runs: unjudged >= judged after 8 > judged from the first; a
-    # 128-token request makes ~30 lookup proposals, so 32 is unjudged there)
-    LOOKUP_FAILING = (8, 1.25)  # ... unless after this many it accepts under 0.25 tokens
-    # a proposal: a context that repeats words but never what follows them (a verify costs
-    # ~1.7 target steps on 2 cores: 32 such proposals would cost ~22 steps, 8 cost ~6)
+    # the context lookup's proposing iterations before its record judges it, chosen in
+    # real runs on dev (tuned.json's lookup_gate section: judged from the first look, the
+    # gate closed it after a couple of misses; a 128-token request makes ~30 proposals)
+    LOOKUP_LOOKS = knob("gate.LOOKUP_LOOKS")
+    # ... unless after this many it accepts under this many tokens per iteration (None:
+    # never early): a context that repeats words but never what follows them costs a
+    # verify (~1.7 target steps on 2 cores) per proposal
+    LOOKUP_FAILING = knob("gate.LOOKUP_FAILING")
 
     def __init__(self, costs: GateCosts | None, lookup: bool = False,
                  rank_horizon: int | None = None) -> None:
@@ -322,8 +324,9 @@ class SpecGate:
         tau = self.tau.get(LOOKUP)
         if tau is None:
             return True
-        looks, floor = self.LOOKUP_FAILING
-        return tau.n < self.LOOKUP_LOOKS and not (tau.n >= looks and tau.value < floor)
+        failing = self.LOOKUP_FAILING
+        return tau.n < self.LOOKUP_LOOKS and not (
+            failing is not None and tau.n >= failing[0] and tau.value < failing[1])
 
     def _probe_extra(self, draft: str) -> float:
         """What a probe costs over a target step: as measured in this request, and never
