@@ -141,8 +141,8 @@ class SpecGate:
     RANK_HORIZON = knob("gate.RANK_HORIZON")
     LED_LOOKS = 3  # a datastore's iterations led by its own token before those alone judge it
     # the context lookup's proposing iterations before its record judges it, chosen in
-    # real runs on dev (tuned.json's lookup_gate section: judged from the first look, the
-    # gate closed it after a couple of misses; a 128-token request makes ~30 proposals)
+    # real runs on dev (tuned.json's lookup_gate section; a 128-token request makes ~30
+    # proposals, so 128 leaves a short request's lookup unjudged unless it is failing)
     LOOKUP_LOOKS = knob("gate.LOOKUP_LOOKS")
     # ... unless after this many it accepts under this many tokens per iteration (None:
     # never early): a context that repeats words but never what follows them costs a
@@ -312,13 +312,12 @@ class SpecGate:
         nothing where the context does not repeat, and its worth comes in bursts (a list,
         a restated clause) that two early misses say nothing about. Judged from the first
         look, as a draft is, it was closed after a couple of misses and the target ran
-        alone: on 40 dev prompts of the stores pool (avx512-bf16, real runs, interleaved)
-        memspec with the lookup judged so ran at 0.955x lookup-only and unjudged at 0.971x,
-        its worst prompt 0.87x instead of 0.50x; on 30 others, judged after 8 proposals
-        0.997x, unjudged 1.037x. After LOOKUP_LOOKS proposals a lookup that does not pay (a
-        text that repeats words but not what follows them) is gated like any draft, and
-        after LOOKUP_FAILING's first count one that accepts almost nothing is, so that such a
-        text costs a few wide verifies, not thirty."""
+        alone (`memspec bench tune`'s real-run sweep on 20 dev prompts, avx512-bf16:
+        judged from the first look 1.117x target-only, after 128 proposals or 8 failing ones
+        1.170x, lookup-only 1.178x). After LOOKUP_LOOKS proposals a lookup that does not pay
+        (a text that repeats words but not what follows them) is gated like any draft, and
+        after LOOKUP_FAILING's first count one that accepts almost nothing is, so that such
+        a text costs a few wide verifies, not thirty (without that rule: 1.140x)."""
         if draft != LOOKUP:
             return False
         tau = self.tau.get(LOOKUP)
