@@ -30,13 +30,15 @@ FIX = "restore tuned.json from the checkout (git checkout tuned.json) or run `me
 @functools.cache
 def tuned_knobs(path: Path = TUNED_FILE) -> dict[str, dict[str, Any]]:
     """Every knob's record ({value, grid, chosen_by, dev}), by name."""
+    fix = FIX if Path(path) == TUNED_FILE else \
+        f"point {TUNED_ENV} at a tuned.json that `memspec bench tune` wrote, or unset it"
     try:
         knobs = json.loads(Path(path).read_text())["knobs"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"cannot read the tuned knobs in {path}: {exc}", FIX) from None
+        raise ConfigError(f"cannot read the tuned knobs in {path}: {exc}", fix) from None
     if not isinstance(knobs, dict) or not all(isinstance(v, dict) and "value" in v
                                               for v in knobs.values()):
-        raise ConfigError(f"{path} has a knob without a value", FIX)
+        raise ConfigError(f"{path} has a knob without a value", fix)
     return knobs
 
 
