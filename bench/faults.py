@@ -28,9 +28,8 @@ from typing import Any
 from memspec.common.errors import MemspecError
 from memspec.common.messages import Done, Message, Submit, Tokens
 from memspec.launch.supervisor import Supervisor
-from memspec.zoo.prompts import load_prompts
+from memspec.zoo.prompts import DOMAINS, load_prompts
 
-DOMAINS = ("general", "code", "math", "law", "medical")
 GOAL_S = 3.0  # median decoder recovery the runtime aims for on a CPU
 
 

@@ -32,11 +32,10 @@ from typing import Any
 from memspec.bench.plotting import save_outputs
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
-from memspec.zoo.prompts import load_prompts
+from memspec.zoo.prompts import DOMAINS, load_prompts
 
 MEMSPEC = [sys.executable, "-m", "memspec"]
 README_PROMPT = "Write a Python function that returns the factorial of n."
-DOMAINS = ("general", "code", "math", "law", "medical")
 COLD = ("target-only", "memspec", "general-static")
 
 

@@ -1,21 +1,25 @@
 """`memspec bench pipeline`: what the three-process design costs, measured side by side.
 
 1. tokens/s of the multi-process pipeline over the in-process engine, same prompts, same
-   policy (general-static, draft already resident) — the target ratio is >= 0.97;
+   policy (general-static, draft already resident, no speculation gate in either: the same
+   computation), steady;
 2. snapshot -> ranking round trip to the predictor process over ZeroMQ;
 3. loader fill bandwidth (file -> slot through the loader process) over the raw cold-read
    bandwidth of the same file in this process;
 4. interference: decode iterations with the predictor and loader processes busy (a snapshot
    every scheduling interval, loads streaming back to back at the edge-emulated bandwidth)
-   over the same iterations with them idle, interleaved per prompt.
+   over the same iterations with them idle, interleaved per prompt;
+5. target-only end to end through the three processes over the engine in process on every
+   core (the fastest target-only the machine has): a fresh process's only request and a
+   warm `memspec up`, each with its 95% interval against the bound (>= 0.95, lower end).
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +27,11 @@ from typing import Any
 import torch
 import zmq
 
-from memspec.bench.floor import README_PROMPT, generate, interleaved, ratio_summary
+from memspec.bench.floor import DOMAINS, Server, generate, interleaved, ratio_summary
+from memspec.bench.floor import prompts as floor_prompts
+from memspec.bench.plotting import save_outputs
 from memspec.common.config import load_pool
+from memspec.common.machine import machine_info, machine_line
 from memspec.common.messages import (
     LOADER_REPLIES,
     PREDICTOR_REPLIES,
@@ -38,7 +45,6 @@ from memspec.common.messages import (
     Snapshot,
     Submit,
 )
-from memspec.common.metrics import as_json
 from memspec.common.safetensors_layout import read_layout
 from memspec.common.slotmem import SlotMemory, choose_transport, new_run_token, shm_name
 from memspec.common.sockets import configure, recv, send
@@ -49,7 +55,8 @@ from memspec.procs.decoder.threads import decoder_threads
 from memspec.procs.loader.reader import ColdReader
 from memspec.zoo.prompts import load_prompts
 
-DOMAINS = ("general", "code", "math", "law", "medical")
+BOUND = 0.95  # target-only through the pipeline over in process, end to end: the 95%
+# interval's lower end must clear it, fresh and warm
 
 
 def _log(msg: str) -> None:
@@ -62,9 +69,10 @@ def _prompts(n: int) -> list[str]:
     return [by[DOMAINS[i % 5]][i // 5] for i in range(n)]
 
 
-def _request(sup: Supervisor, prompt: str, policy: str, max_new: int) -> Done:
+def _request(sup: Supervisor, prompt: str, policy: str, max_new: int,
+             gate: bool | None = None) -> Done:
     msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=prompt, policy=policy,
-                         max_new_tokens=max_new))
+                         max_new_tokens=max_new, gate=gate))
     if not isinstance(msg, Done):
         raise RuntimeError(getattr(msg, "message", "no reply"))
     return msg
@@ -237,17 +245,12 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
         for i, p in enumerate(prompts):  # interleaved, so load drift hits both alike
             a = [run_request(rt, p, "general-static", max_new)["stats"]["tokens_per_s_steady"]
                  for _ in range(reps)]
-            b = [_request(sup, p, "general-static", max_new).stats.tokens_per_s_steady
+            b = [_request(sup, p, "general-static", max_new, gate=False  # as in process
+                          ).stats.tokens_per_s_steady
                  for _ in range(reps)]
             inproc.append(statistics.median(a))
             multi.append(statistics.median(b))
             _log(f"prompt {i + 1}/{len(prompts)}: {multi[-1] / inproc[-1]:.3f}")
-        _log("target-only end to end, warm: this server against the in-process engine")
-        to_prompts = [README_PROMPT, *prompts]
-        warm = _target_only_pairs(
-            to_prompts, reps,
-            lambda p: _as_json(_request(sup, p, "target-only", max_new)),
-            lambda p, rt=rt: run_request(rt, p, "target-only", max_new), "warm")
         _log("interference of a busy predictor and loader with decode iterations")
         inter = interference(sup, rt, pool, prompts, max_new)
         del rt
@@ -257,48 +260,106 @@ def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> d
         fill = fill_vs_cold_read(sup, pool.target / "model.safetensors")
     finally:
         sup.shutdown()
-    _log("target-only end to end, fresh processes: `memspec generate` against `--in-process`")
-    cold = _target_only_pairs(
-        to_prompts, reps, lambda p: generate(p, "target-only", max_new, pool_path),
-        lambda p: generate(p, "target-only", max_new, pool_path, in_process=True), "fresh")
     ratios = [m / i for m, i in zip(multi, inproc)]
-    return {"prompts": n_prompts, "max_new_tokens": max_new,
+    return {"machine": machine_line(), "machine_info": machine_info(),
+            "prompts": n_prompts, "max_new_tokens": max_new,
             "in_process_tok_s": inproc, "pipeline_tok_s": multi,
             "pipeline_over_in_process": statistics.geometric_mean(ratios),
-            "target_only_e2e": {"warm": warm, "fresh_process": cold,
-                                "threads": decoder_threads()[0]},
+            "target_only_e2e": target_only_e2e(pool_path, n_prompts, max_new, reps),
             "ranking": rank, "fill": fill, "interference": inter}
 
 
-def _as_json(done: Done) -> dict[str, Any]:
-    return {"token_ids": done.token_ids, "stats": as_json(done.stats)}
+def target_only_e2e(pool_path: str | None, n_prompts: int, max_new: int, reps: int
+                    ) -> dict[str, Any]:
+    """target-only end to end through the three processes over the engine in process on
+    every core (the fastest target-only this machine has), on the README's prompt and dev
+    prompts across the domains, interleaved per prompt as `bench floor` does: as a fresh
+    process's only request (`memspec generate` against `--in-process`) and warm (a
+    `memspec up` serving only target-only, reached as users reach it, against an engine
+    in this process). Each with its 95% interval: the bound is met when its lower end
+    clears BOUND."""
+    rows = floor_prompts(-(-n_prompts // len(DOMAINS)))[:n_prompts + 1]
+    _log(f"target-only end to end, fresh processes: {len(rows)} prompts x {reps}")
+    fresh = interleaved(rows, ("target-only", "in-process"), reps,
+                        lambda p, policy: generate(p, "target-only", max_new, pool_path,
+                                                   in_process=policy == "in-process"),
+                        "fresh")
+    _log("target-only end to end, warm: a `memspec up` against an in-process engine")
+    torch.set_num_threads(decoder_threads()[0])
+    local = build_local(load_pool(pool_path), with_drafts=False)
+    with tempfile.TemporaryDirectory(prefix="memspec-pipeline-") as tmp:
+        server = Server("target-only", pool_path, tmp)
+        try:
+            server.generate(rows[0]["prompt"], 8)  # its first request is its own warm-up
+            server.settle()
+            run_request(local, rows[0]["prompt"], "target-only", 8)
+            warm = interleaved(
+                rows, ("target-only", "in-process"), reps,
+                lambda p, policy: server.generate(p, max_new) if policy == "target-only"
+                else run_request(local, p, "target-only", max_new), "warm")
+        finally:
+            server.stop()
+    out: dict[str, Any] = {"threads_in_process": decoder_threads()[0], "bound": BOUND,
+                           "repeats": reps}
+    for phase, runs in (("fresh_process", fresh), ("warm", warm)):
+        s = ratio_summary(runs, "target-only", "in-process")
+        out[phase] = {"prompts": [r["id"] for r in runs],
+                      "pipeline_tok_s": [r["target-only"]["e2e_tok_s"] for r in runs],
+                      "in_process_tok_s": [r["in-process"]["e2e_tok_s"] for r in runs],
+                      "pipeline_over_in_process": s, "met": s["ci95"][0] >= BOUND,
+                      "identical_tokens": all(r["target-only"]["ids"] == r["in-process"]["ids"]
+                                              for r in runs)}
+    return out
 
 
-def _target_only_pairs(prompts: list[str], reps: int, pipeline, in_process,  # noqa: ANN001
-                       label: str) -> dict[str, Any]:
-    """target-only end to end through the three processes and in process (every core: the
-    fastest target-only this machine has), interleaved as `bench floor` does; `pipeline` and
-    `in_process` answer a prompt with a `generate --json` object."""
-    rows = [{"id": f"p{i}", "domain": "", "prompt": p} for i, p in enumerate(prompts)]
-    runs = interleaved(rows, ("target-only", "in-process"), reps,
-                        lambda p, policy: pipeline(p) if policy == "target-only"
-                        else in_process(p), label)
-    return {"pipeline_tok_s": [r["target-only"]["e2e_tok_s"] for r in runs],
-            "in_process_tok_s": [r["in-process"]["e2e_tok_s"] for r in runs],
-            "pipeline_over_in_process": ratio_summary(runs, "target-only", "in-process")}
+def _plot(res: dict[str, Any], folder: Path) -> Path:
+    """Per prompt, target-only through the pipeline over in process, fresh and warm, with
+    each phase's geometric mean, 95% interval and the bound."""
+    from memspec.bench.plotting import pyplot
+
+    plt = pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    t = res["target_only_e2e"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, phase in zip(axes, ("fresh_process", "warm")):
+        s = t[phase]["pipeline_over_in_process"]
+        ax.bar(range(len(s["per_prompt"])), s["per_prompt"], 0.7, color="tab:blue",
+               label="per prompt (median repeat)")
+        ax.axhspan(*s["ci95"], color="tab:green", alpha=0.2,
+                   label=f"gmean {s['gmean']:.3f}, 95% [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]")
+        ax.axhline(s["gmean"], color="tab:green", lw=1)
+        ax.axhline(t["bound"], color="r", ls="--", lw=0.8, label=f"bound {t['bound']}")
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_xticks(range(len(s["per_prompt"])), [p[-8:] for p in t[phase]["prompts"]],
+                      rotation=90, fontsize=6)
+        ax.set_ylim(0.6, 1.2)
+        ax.set_title(f"{phase.replace('_', ' ')}: target-only e2e, pipeline / in process "
+                     f"({t['threads_in_process']} threads)", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(res["machine"], fontsize=9)
+    fig.tight_layout()
+    out = folder / "bench_pipeline.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 def main_bench_pipeline(args) -> int:
-    res = run(args.pool, args.prompts, args.max_new_tokens)
+    res = run(args.pool, args.prompts, args.max_new_tokens, max(1, args.repeats))
+    print(f"machine: {res['machine']}")
     print(f"pipeline / in-process tokens/s: {res['pipeline_over_in_process']:.3f} "
           f"(gmean over {res['prompts']} prompts, {res['max_new_tokens']} new tokens)")
     for i, (a, b) in enumerate(zip(res["in_process_tok_s"], res["pipeline_tok_s"])):
         print(f"  prompt {i}: in-process {a:6.1f} tok/s   pipeline {b:6.1f} tok/s   {b / a:.3f}")
-    for k, label in (("warm", "warm server"), ("fresh_process", "fresh process")):
-        t = res["target_only_e2e"][k]["pipeline_over_in_process"]
-        print(f"target-only end to end, pipeline / in-process ({label}, "
-              f"{res['target_only_e2e']['threads']} threads): GMEAN {t['gmean']:.3f}, "
-              f"worst {t['min']:.3f}")
+    to = res["target_only_e2e"]
+    for k, label in (("fresh_process", "fresh process"), ("warm", "warm server")):
+        t = to[k]["pipeline_over_in_process"]
+        print(f"target-only end to end, pipeline / in-process on {to['threads_in_process']} "
+              f"threads ({label}, {len(t['per_prompt'])} prompts x {to['repeats']}): gmean "
+              f"{t['gmean']:.3f} [{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}], worst "
+              f"{t['min']:.3f}; paired {t['paired_gmean']:.3f}; >= {to['bound']}: "
+              f"{'met' if to[k]['met'] else 'NOT met'}; identical tokens "
+              f"{to[k]['identical_tokens']}")
     r = res["ranking"]
     print(f"snapshot->ranking round trip: {r['round_trip_ms']:.1f} ms "
           f"(predictor compute {r['predictor_compute_ms']:.1f} ms)")
@@ -309,6 +370,5 @@ def main_bench_pipeline(args) -> int:
     print(f"decode iteration with predictor + loader busy / idle: {x['busy_over_idle']:.3f} "
           f"(snapshot every {x['snapshot_interval_ms']:.0f} ms, loads at "
           f"{x['load_bandwidth_MB_s']:.0f} MB/s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    save_outputs(res, args, _plot, indent=2)
     return 0

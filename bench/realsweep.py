@@ -17,10 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from memspec.bench.floor import Server, interleaved, ratio_summary
+from memspec.bench.floor import DOMAINS, Server, interleaved, ratio_summary
 from memspec.zoo.prompts import load_prompts
 
-DOMAINS = ("general", "code", "math", "law", "medical")
 FLOOR = 0.9  # a setting with a prompt below this share of target-only is not chosen
 
 

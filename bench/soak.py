@@ -21,9 +21,8 @@ from memspec.common.errors import MemspecError
 from memspec.common.memory import process_rss_mb
 from memspec.common.messages import Done, Submit
 from memspec.launch.supervisor import PROCS, Supervisor
-from memspec.zoo.prompts import load_prompts
+from memspec.zoo.prompts import DOMAINS, load_prompts
 
-DOMAINS = ("general", "code", "math", "law", "medical")
 POLICIES = ("memspec", "mab-async", "general-static", "target-only")
 CHECKPOINTS = (20, 100, 200)
 LIMIT = 1.05  # decoder RSS after the last checkpoint / after the first

@@ -37,8 +37,8 @@ from random import Random
 from typing import Any
 
 from memspec.common.paths import memspec_home
+from memspec.zoo.prompts import DOMAINS
 
-DOMAINS = ("general", "code", "math", "law", "medical")
 SPLITS = ("train", "heldout")
 SEED = "memspec-corpora-v1"
 HELDOUT_FRAC = {"general": 0.12, "code": 0.10, "math": 0.15, "law": 0.10, "medical": 0.10}

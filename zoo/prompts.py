@@ -17,6 +17,8 @@ from pathlib import Path
 from memspec.common.errors import ConfigError
 from memspec.common.paths import PACKAGE_ROOT
 
+DOMAINS = ("general", "code", "math", "law", "medical")  # the corpora's, in table order
+
 PROMPTS_DIR = PACKAGE_ROOT / "prompts"
 SPLITS = ("train", "dev", "test", "mixed")
 

@@ -40,8 +40,8 @@ from memspec.procs.decoder.datastore import (
     tail_width,
 )
 from memspec.procs.decoder.lookup import NgramIndex
+from memspec.zoo.prompts import DOMAINS
 
-DOMAINS = ("general", "code", "math", "law", "medical")
 RESPONSE_TOKENS = 128  # new tokens per train response in the store
 N_MIN = 1
 GRID_N_MAX = (4, 6, 8)
