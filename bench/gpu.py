@@ -31,7 +31,7 @@ from memspec.procs.decoder.cudagraph import GraphLM
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.lean import LeanLM
 from memspec.procs.decoder.models import build_target, load_causal_lm
-from memspec.procs.decoder.runners import HFRunner, lean_arch, read_config
+from memspec.procs.decoder.runners import HFRunner, lean_arch, read_config, set_feature_layers
 from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -116,26 +116,45 @@ def costs(pool, target_dir: Path, ctx: int, random_weights: bool, gamma: int) ->
     out["graphs_step_over_floor"] = g["step_ms"] / out["floor_step_ms"]
     out["graphs_verify_over_step"] = g["verify_ms"] / g["step_ms"]
     out["eager_over_graphs_step"] = out["lean_eager"]["step_ms"] / g["step_ms"]
-    out["draft"] = draft_costs(pool, graph, ctx)
-    out["draft_gamma_over_step"] = gamma * out["draft"]["graphs_step_ms"] / g["step_ms"]
+    out["draft"] = draft_costs(pool, graph, lean, ctx)
+    out["draft_gamma_over_step"] = gamma * out["draft"]["step_ms"] / g["step_ms"]
     out["decode"] = decode_rates(graph, lean, ctx)
     return out
 
 
 @torch.inference_mode()
-def draft_costs(pool, target, ctx: int) -> dict:
-    """The pool's general draft bound in a GPU slot: one draft step, eager and as a graph."""
+def draft_costs(pool, target, lean, ctx: int) -> dict:
+    """The pool's general draft bound in a GPU slot: one draft step, eager and as a graph
+    (a model draft); a head runs eagerly on the target's features (it has no graph path),
+    as the engine runs it."""
     spec = pool.general_draft
     size = draft_weights_file(spec.path).stat().st_size
-    res = {"draft": spec.name}
+    res: dict[str, Any] = {"draft": spec.name, "kind": spec.kind}
+    one = torch.randint(0, 1000, (1,), device="cuda")
+    if spec.kind == "head":
+        eng = SpecEngine(lean, (), gamma=pool.gamma, max_context=ctx + 64)
+        bound = load_into_slot(spec.name, spec.path, SlotBuffer(size, device="cuda"),
+                               target.vocab, parts=eng.target_parts)
+        eng.add_draft(bound)  # the target now keeps the features the head reads
+        ids = torch.randint(0, 1000, (ctx + 1,), device="cuda")
+        tcache = lean.new_cache(ctx + 64)
+        lean.forward(ids[:-1], 0, tcache, last_only=True)
+        feats = torch.cat([torch.zeros_like(tcache.feat[:1]), tcache.feat[:ctx - 1]])
+        dcache = bound.runner.new_cache(ctx + 64)
+        _, hidden = bound.runner.teacher(ids[:ctx], 0, dcache, feats)
+        res["eager_step_ms"] = _ms(lambda: bound.runner.step(one, ctx, dcache, hidden))
+        res["step_ms"] = res["eager_step_ms"]
+        set_feature_layers(lean, [])
+        _log(f"draft {res}")
+        return res
     for label, fast in (("eager", False), ("graphs", True)):
         slot = SlotBuffer(size, device="cuda")
         bound = load_into_slot(spec.name, spec.path, slot, target.vocab)
         runner = bound.runner if fast else getattr(bound.runner, "lean", bound.runner)
         cache = runner.new_cache(ctx + 64)
         runner.forward(torch.randint(0, 1000, (ctx,), device="cuda"), 0, cache, last_only=True)
-        one = torch.randint(0, 1000, (1,), device="cuda")
         res[f"{label}_step_ms"] = _ms(lambda r=runner, c=cache, x=one: r.forward(x, ctx, c))
+    res["step_ms"] = res["graphs_step_ms"]
     _log(f"draft {res}")
     return res
 
