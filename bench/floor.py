@@ -143,7 +143,7 @@ def _row(res: dict[str, Any]) -> dict[str, Any]:
             "tokens": s["generated_tokens"], "time": t, "drafted": s["num_draft_tokens"],
             "mean_acceptance_length": s["mean_acceptance_length"], "loads": s["loads"],
             "snapshots": s.get("snapshots", 0), "predictor_s": s.get("predictor_s", 0.0),
-            "ids": res["token_ids"]}
+            "accepted_counts": s.get("accepted_counts", []), "ids": res["token_ids"]}
 
 
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:

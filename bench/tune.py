@@ -18,7 +18,10 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   process: the smallest piece costing at most `CHUNK_COST` over one whole prefill;
 - **lookup_gate** (LOOKUP_LOOKS, LOOKUP_FAILING): when the gate starts to judge the context
   lookup, in real runs, one warm server per setting (bench/tune_lookup_gate.py: the
-  simulator has no table for the lookup run alone).
+  simulator has no table for the lookup run alone);
+- **lookup_depth** (DEPTH_PRIOR, DEPTH_WEIGHT): how long the context lookup's proposals are
+  (procs/decoder/lookup_depth.py): the prior from lookup-only's accepted counts on dev, the
+  prior's weight in real runs, one warm server per setting (bench/tune_lookup_depth.py).
 
 The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
 model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
@@ -359,6 +362,14 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                    f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real runs, "
                    f"{lg['prompts']} prompts x {lg['repeats']}; lookup-only "
                    f"{lg['lookup_only']['gmean']:.3f})"}
+    ld = res["lookup_depth"]
+    f = ld["figure"]
+    dev = (f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], "
+           f"worst prompt {f['min']:.3f} (real runs, {ld['prompts']} prompts x {ld['repeats']})")
+    out["lookup.DEPTH_PRIOR"] = {"value": ld["prior"], "grid": None, "chosen_by": "lookup_depth",
+                                 "dev": f"lookup-only's accepted counts {ld['counts']} on dev"}
+    out["lookup.DEPTH_WEIGHT"] = {"value": ld["chosen"], "grid": ld["grid"]["DEPTH_WEIGHT"],
+                                  "chosen_by": "lookup_depth", "dev": dev}
     lk = res["lookup"]
     out["pool.lookup"] = {
         "value": lk["chosen"], "grid": lk["grid"], "chosen_by": "lookup",
@@ -367,7 +378,8 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate")
+SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
+            "lookup_depth")
 
 
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
@@ -412,6 +424,11 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         from memspec.bench.tune_lookup_gate import tune_lookup_gate
 
         res["lookup_gate"] = tune_lookup_gate(pool_file, per_domain, max_new, repeats)
+    if "lookup_depth" in want:
+        from memspec.bench.tune_lookup_depth import tune_lookup_depth
+
+        res["lookup_depth"] = tune_lookup_depth(pool_file, per_domain, max_new, repeats,
+                                                pool.gamma)
     missing = set(SECTIONS) - set(res)
     if missing:
         raise ConfigError(f"no earlier tune holds {', '.join(sorted(missing))}",
@@ -439,7 +456,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 6, figsize=(20, 3.4))
+    fig, axes = plt.subplots(1, 7, figsize=(23, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -470,7 +487,15 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
                   fontsize=7)
     ax.set_title("LOOKUP_LOOKS/FAILING (real runs)")
     ax.legend(fontsize=6)
-    for ax in (*axes[:4], axes[5]):
+    ax = axes[6]
+    rows = s["lookup_depth"]["rows"] if "lookup_depth" in s else []
+    ax.errorbar(range(len(rows)), [r["gmean"] for r in rows],
+                yerr=[[r["gmean"] - r["ci95"][0] for r in rows],
+                      [r["ci95"][1] - r["gmean"] for r in rows]], fmt="o", capsize=3)
+    ax.set_xticks(range(len(rows)), [r["variant"].split("@")[1] for r in rows], rotation=30,
+                  fontsize=7)
+    ax.set_title("lookup DEPTH_WEIGHT (real runs)")
+    for ax in (*axes[:4], *axes[5:]):
         ax.axhline(1.0, color="k", lw=0.6)
     axes[0].set_ylabel("over target-only, e2e (simulated, dev)")
     fig.tight_layout()

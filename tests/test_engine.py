@@ -290,3 +290,28 @@ def test_lookup_only_is_lossless_and_speculates_on_repeats(tiny_dir, dtype):
         assert all(r.emitted == 1 and r.t_draft == 0.0 for r in empty)
         assert stats.summary()["num_drafts"] == len(stats.records) - len(empty)
     assert proposed > 0
+
+
+@pytest.mark.parametrize("verify_steps", [1.0, 8.0])
+def test_lookup_depth_keeps_output_identical_and_follows_the_row_cost(tiny_dir, verify_steps):
+    """With calibrated costs the lookup's proposals are only as long as pay for their rows:
+    free rows -> up to gamma tokens, costly rows -> one token; either way the output is the
+    target's own greedy output."""
+    from memspec.procs.decoder.lookup import LOOKUP
+    from memspec.procs.decoder.lookup_depth import LookupDepth
+
+    eng = engine_with(tiny_dir, [], lookup=1)
+    refs = [eng.generate(p, 60)[0] for p in PROMPTS]
+    eng.depth_costs = ((1e-3, 0.0), (verify_steps * 1e-3, 0.0))
+    old = LookupDepth.PRIOR, LookupDepth.WEIGHT
+    LookupDepth.PRIOR, LookupDepth.WEIGHT = [0.6, 0.75, 0.75, 0.75], 8
+    try:
+        lengths = set()
+        for prompt, ref in zip(PROMPTS, refs):
+            out, stats = eng.generate(prompt, 60, select=lambda s: LOOKUP)
+            assert out == ref
+            lengths |= {r.proposed for r in stats.records if r.proposed}
+    finally:
+        LookupDepth.PRIOR, LookupDepth.WEIGHT = old
+    assert lengths, "the lookup never proposed"
+    assert lengths == {1} if verify_steps > 1.5 else max(lengths) == eng.gamma

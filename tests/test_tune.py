@@ -15,6 +15,7 @@ from memspec.common.paths import DEFAULT_POOL
 from memspec.common.tuned import TUNED_FILE, knob, tuned_knobs
 from memspec.procs.decoder import engine, loop
 from memspec.procs.decoder.gate import SpecGate
+from memspec.procs.decoder.lookup_depth import LookupDepth
 
 RUNTIME = {  # knob -> the value the runtime runs
     "gate.ALPHA": lambda: SpecGate.ALPHA,
@@ -31,7 +32,10 @@ RUNTIME = {  # knob -> the value the runtime runs
     "engine.PREFILL_CHUNK": lambda: engine.PREFILL_CHUNK,
     "pool.ucb_c": lambda: load_pool(str(DEFAULT_POOL)).ucb_c,
     "pool.lookup": lambda: load_pool(str(DEFAULT_POOL)).lookup,
+    "lookup.DEPTH_PRIOR": lambda: LookupDepth.PRIOR,
+    "lookup.DEPTH_WEIGHT": lambda: LookupDepth.WEIGHT,
 }
+MEASURED = {"lookup.DEPTH_PRIOR": "prior"}  # estimated on dev, not chosen from a grid
 
 
 def test_every_knob_was_chosen_on_dev_from_its_grid():
@@ -39,8 +43,11 @@ def test_every_knob_was_chosen_on_dev_from_its_grid():
     assert data["split"] == "dev"
     assert set(data["knobs"]) == set(RUNTIME)
     for name, k in data["knobs"].items():
-        assert k["value"] in k["grid"], name
         assert k["dev"] and k["chosen_by"] in data["sections"], name
+        if name in MEASURED:
+            assert k["value"] == data["sections"][k["chosen_by"]][MEASURED[name]], name
+        else:
+            assert k["value"] in k["grid"], name
 
 
 @pytest.mark.parametrize("name", sorted(RUNTIME))

@@ -41,6 +41,7 @@ from memspec.procs.decoder.datastore import (
 )
 from memspec.procs.decoder.head import HEAD_KIND, TargetParts
 from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
+from memspec.procs.decoder.lookup_depth import Line, LookupDepth
 from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
 from memspec.procs.decoder.slots import BoundDraft
 
@@ -104,6 +105,10 @@ class SpecEngine:
         self.max_len = min(int(limit), int(max_context))
         self.drafts: dict[str, BoundDraft] = {}
         self._parts: TargetParts | None = None
+        # a target step and a verify of gamma+1 rows (the decoder's calibration): with them
+        # each context-lookup proposal is as long as pays for its rows (lookup_depth.py);
+        # without, it is gamma tokens
+        self.depth_costs: tuple[Line, Line] | None = None
 
     @property
     def exact_chunks(self) -> bool:
@@ -208,6 +213,8 @@ class Session:
                                                      else torch.seed())
         self._ngrams = NgramIndex(engine.lookup, self.tokens) \
             if engine.lookup and params.greedy else None
+        self._depth = LookupDepth.tuned(*engine.depth_costs, engine.gamma) \
+            if engine.depth_costs is not None and self._ngrams is not None else None
         self._drafts: dict[str, _DraftCache] = {}
         self._last_draft: str | None = None  # the last draft that ran (switch count)
         self._prev: str | None = None  # the previous iteration's draft (None: the target)
@@ -304,9 +311,10 @@ class Session:
         ng, L = self._ngrams, len(self.tokens)
         props: list[int] = []
         led = False
+        depth = self._depth if store is None else None  # a datastore's chain: its own
         if self.params.greedy and (ng is not None or store is not None):
             props, led = led_chain(ng, store, self.tokens[-tail_width(ng, store):],
-                                   self.engine.gamma)
+                                   depth.choose(L) if depth else self.engine.gamma)
         if not props:
             rec = self._target_step(t0)
             rec.draft = name
@@ -320,6 +328,8 @@ class Session:
         emitted = self._commit(props[:n] + [nxt])
         self._sync()
         t1 = time.perf_counter()
+        if depth is not None:
+            depth.observe(len(props), n)
         return IterationRecord(name, len(props), n, emitted, t0, t_draft=t_draft_end - t0,
                                t_verify=t1 - t_draft_end, context=L, store_led=led)
 

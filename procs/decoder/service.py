@@ -330,6 +330,8 @@ class DecoderService:
         # request on: the target timed at start (cached per machine and build); a draft's
         # own cost is measured by its first iteration in each request (the gate's first look)
         self.gate_costs = gate_costs if gate_costs is not None else self._calibrate()
+        if self.gate_costs is not None and self.gate_costs.verify is not None:
+            engine.depth_costs = (self.gate_costs.target, self.gate_costs.verify)
         self.crash_on = os.environ.get(CRASH_ON_ENV, "")
 
     def _calibrate(self) -> GateCosts | None:

@@ -1,0 +1,89 @@
+"""`memspec bench tune`'s lookup_depth section: how long the context lookup's proposals are,
+chosen on dev by real runs.
+
+Each proposal is as long as pays for its verify rows at the costs the decoder calibrated
+(procs/decoder/lookup_depth.py), from how often the lookup's j-th token is accepted once the
+ones before it were. That prior comes from dev: lookup-only on its own warm server with
+every proposal gamma tokens long, its accepted counts per verify. Then memspec runs on one
+server per prior weight (how many observations the prior is worth before the request's own
+verifies move it; off: every proposal gamma tokens) beside target-only, every dev prompt's
+variants back to back. The chosen weight scores most over target-only with no prompt below
+the floor; ties go to off (the simpler engine), then to the heavier prior.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
+from memspec.bench.tune_lookup_gate import tuned_with
+from memspec.common.tuned import TUNED_ENV, tuned_path
+
+WEIGHTS = (None, 2, 8, 32)  # observations the dev prior is worth (None: depth off)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench tune] lookup depth: {msg}", file=sys.stderr, flush=True)
+
+
+def prior_from_counts(counts: Sequence[int], gamma: int) -> list[float]:
+    """q_j = P(token j accepted | tokens 1..j-1 were) from accepted-count histograms of
+    gamma-token proposals ([k]: verifies that accepted k)."""
+    n = [0] * (gamma + 1)
+    for k, c in enumerate(counts[:gamma + 1]):
+        n[k] += int(c)
+    at_least = [sum(n[k:]) for k in range(gamma + 1)]  # [j]: accepted >= j
+    return [round(at_least[j] / at_least[j - 1], 4) if at_least[j - 1] else 0.5
+            for j in range(1, gamma + 1)]
+
+
+def variant(weight: int | None) -> str:
+    return "memspec@depth-off" if weight is None else f"memspec@depth-w{weight}"
+
+
+def tune_lookup_depth(pool_file: Path, per_domain: int, max_new: int, repeats: int,
+                      gamma: int) -> dict[str, Any]:
+    base = json.loads(tuned_path().read_text())
+    rows = dev_rows(per_domain)
+    with tempfile.TemporaryDirectory(prefix="memspec-tune-") as tmp:
+        off = tuned_with(base, {"lookup.DEPTH_WEIGHT": None}, Path(tmp) / "off.json")
+        _log("the prior: lookup-only with gamma-token proposals on dev")
+        first = run_settings({"target-only": Setting("target-only", str(pool_file)),
+                              "lookup-only": Setting("lookup-only", str(pool_file),
+                                                     {TUNED_ENV: str(off)})},
+                             rows, max_new, 1, _log)
+        counts = [0] * (gamma + 1)
+        for r in first["runs"]:
+            for k, c in enumerate(r["lookup-only"]["accepted_counts"][:gamma + 1]):
+                counts[k] += c
+        prior = prior_from_counts(counts, gamma)
+        _log(f"accepted counts {counts}: q = {prior}")
+        settings = {"target-only": Setting("target-only", str(pool_file))}
+        for w in WEIGHTS:
+            path = tuned_with(base, {"lookup.DEPTH_PRIOR": prior, "lookup.DEPTH_WEIGHT": w},
+                              Path(tmp) / f"w{w}.json")
+            settings[variant(w)] = Setting("memspec", str(pool_file), {TUNED_ENV: str(path)})
+        res = run_settings(settings, rows, max_new, repeats, _log)
+    summary = res["summary"]
+    best = choose_setting({w: summary[variant(w)] for w in WEIGHTS},
+                          prefer=lambda w: (w is None, w or 0))
+    fig = summary[variant(best)]
+    _log(f"chosen DEPTH_WEIGHT = {best} (memspec / target-only {fig['gmean']:.3f}, worst "
+         f"prompt {fig['min']:.3f})")
+    return {"grid": {"DEPTH_WEIGHT": list(WEIGHTS)}, "prior": prior, "counts": counts,
+            "rows": [{"value": w, "variant": variant(w), **_brief(summary[variant(w)])}
+                     for w in WEIGHTS],
+            "chosen": best, "figure": _brief(fig), "floor": FLOOR, "prompts": len(rows),
+            "repeats": repeats, "identical_tokens": res["identical_tokens"]
+            and first["identical_tokens"]}
+
+
+def _brief(s: Mapping[str, Any]) -> dict[str, Any]:
+    return {"gmean": s["gmean"], "ci95": s["ci95"], "min": s["min"],
+            "paired_gmean": s["paired_gmean"],
+            "mean_acceptance_length": s["mean_acceptance_length"]}
