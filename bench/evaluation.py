@@ -253,6 +253,13 @@ def aggregate(stats: Sequence[RunStats | Summary]) -> dict[str, Any]:
     out["fallback_of_decode"] = fallback / decode if decode else 0.0
     out["prediction_of_decode"] = sum(s.time.prediction for s in sums) / decode if decode \
         else 0.0
+    # the predictor's own encoding for rankings after the prompt's (the prompt's overlaps
+    # the prefill): what it takes from the decoder's cores, how often it ranked, how long
+    own = sum(s.predictor_s for s in sums)
+    later = sum(max(0, s.snapshots - 1) for s in sums)
+    out["predictor_of_decode"] = own / decode if decode else 0.0
+    out["snapshots_per_request"] = sum(s.snapshots for s in sums) / len(sums) if sums else 0.0
+    out["predictor_s_per_ranking"] = own / later if later else None
     gaps = [g for g in map(parts_gap, sums) if g is not None]
     out["parts_gap_max"] = max(gaps) if gaps else None
     measured = sum(v for w in parts for k, v in w.items() if k != "other")
@@ -261,7 +268,8 @@ def aggregate(stats: Sequence[RunStats | Summary]) -> dict[str, Any]:
 
 
 BREAKDOWN_KEYS = (*(f"{k}_frac" for k in SPLIT), "fallback_resident_frac",
-                  "fallback_of_decode", "prediction_of_decode", "parts_gap_max",
+                  "fallback_of_decode", "prediction_of_decode", "predictor_of_decode",
+                  "snapshots_per_request", "predictor_s_per_ranking", "parts_gap_max",
                   "parts_gap_pooled")
 
 

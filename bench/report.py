@@ -132,6 +132,12 @@ MUST_HOLD: tuple[Bound, ...] = (
     Bound("mixed: memspec prediction on the critical path, share of decode (real)",
           lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "prediction_of_decode"),
           "<", 0.039),
+    Bound("test: the predictor's own encoding, share of memspec's decode (real)",
+          lambda r: _num(r, "real", "test", "breakdown", "memspec", "predictor_of_decode"),
+          "<=", 0.05),
+    Bound("mixed: the predictor's own encoding, share of memspec's decode (real)",
+          lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "predictor_of_decode"),
+          "<=", 0.05),
     Bound("every headline ratio: |simulator / real - 1| (steady)",
           lambda r: _num(r, "sim_vs_real", "max_rel_error"), "<=", 0.03),
     _ratio("#11 test: memspec / target-only (real, steady)", "test",
@@ -183,6 +189,11 @@ def _f(v: Any, fmt: str = "{:.3f}") -> str:
 
 def _pct(v: Any) -> str:
     return _f(v if v is None else 100 * v, "{:.1f}%")
+
+
+def _ms(v: Any) -> str:
+    """Seconds as milliseconds (n/a: nothing was measured, e.g. no ranking after the prompt's)."""
+    return _f(v if v is None else 1e3 * v, "{:.1f} ms")
 
 
 def _ci(ci: Any) -> str:
@@ -313,6 +324,11 @@ def ablation_lines(r: dict[str, Any]) -> list[str]:
             f"target alone (of decode) {_pct(bm.get('fallback_of_decode'))} vs "
             f"{_pct(bp.get('fallback_of_decode'))}, prediction (of decode) "
             f"{_pct(bm.get('prediction_of_decode'))} vs {_pct(bp.get('prediction_of_decode'))}"
+            f", the predictor's own encoding (of decode) {_pct(bm.get('predictor_of_decode'))}"
+            f" vs {_pct(bp.get('predictor_of_decode'))} ({_f(bm.get('snapshots_per_request'))}"
+            f" vs {_f(bp.get('snapshots_per_request'))} snapshots a request, the prompt's "
+            f"included; {_ms(bm.get('predictor_s_per_ranking'))} vs "
+            f"{_ms(bp.get('predictor_s_per_ranking'))} a later ranking)"
             f", catch-up (of wall time) {_pct(bm.get('catchup_frac'))} vs "
             f"{_pct(bp.get('catchup_frac'))}; mean acceptance length "
             f"{_f(sec['mean_acceptance_length'].get('memspec'))} vs "

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
-from memspec.bench.tune_lookup_gate import tuned_with
+from memspec.bench.tune_lookup_gate import _brief, tuned_with
 from memspec.common.tuned import TUNED_ENV, tuned_path
 
 WEIGHTS = (None, 2, 8, 32)  # observations the dev prior is worth (None: depth off)
@@ -82,8 +82,3 @@ def tune_lookup_depth(pool_file: Path, per_domain: int, max_new: int, repeats: i
             "repeats": repeats, "identical_tokens": res["identical_tokens"]
             and first["identical_tokens"]}
 
-
-def _brief(s: Mapping[str, Any]) -> dict[str, Any]:
-    return {"gmean": s["gmean"], "ci95": s["ci95"], "min": s["min"],
-            "paired_gmean": s["paired_gmean"],
-            "mean_acceptance_length": s["mean_acceptance_length"]}

@@ -389,3 +389,26 @@ def test_cached_real_runs_are_kept_only_for_the_same_code_and_pool(tmp_path):
     path.write_text("\n".join(_json.dumps({"key": k, "stats": stats, "fingerprint": f})
                               for k, f in (("a", fp), ("b", "stale"))) + "\n")
     assert set(read_results(path, fp)) == {"a"} and set(read_results(path)) == {"a", "b"}
+
+
+def test_the_predictor_own_cost_is_reported_per_ranking():
+    """The predictor's encoding beside the decoder (its rankings after the prompt's): share
+    of decode time, snapshots a request, seconds a later ranking; none ranked: n/a."""
+    from memspec.common.metrics import Summary, TimeBreakdown
+
+    def summary(snapshots: int, predictor_s: float) -> Summary:
+        t = TimeBreakdown(prefill=0.1, draft=0.0, verify=1.0, catchup=0.0, desired=1.0,
+                          fallback=0.0, target_fallback=0.0, load_wait=0.0, prediction=0.0,
+                          decode=1.0, e2e=1.1)
+        return Summary(generated_tokens=100, prompt_tokens=10, iterations=50,
+                       tokens_per_s_steady=100.0, tokens_per_s_e2e=90.0, num_drafts=50,
+                       num_draft_tokens=200, num_accepted_tokens=50,
+                       mean_acceptance_length=2.0, acceptance_rate=0.25, time=t, loads=0,
+                       evictions=0, switches=0, bytes_loaded=0, drafts_used={},
+                       snapshots=snapshots, predictor_s=predictor_s)
+
+    a = aggregate([summary(3, 0.04), summary(1, 0.0)])
+    assert a["predictor_of_decode"] == pytest.approx(0.02)
+    assert a["snapshots_per_request"] == pytest.approx(2.0)
+    assert a["predictor_s_per_ranking"] == pytest.approx(0.02)
+    assert aggregate([summary(1, 0.0)])["predictor_s_per_ranking"] is None
