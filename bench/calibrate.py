@@ -68,10 +68,15 @@ def draft_architectures(pool: PoolConfig) -> dict[str, str]:
 
 def calibrate(pool: PoolConfig, pool_path: str | None, prompts: Sequence[dict],
               max_new_tokens: int, out: Path,
-              policies: Sequence[str] = ("target-only", "general-static", "memspec", "mab-async")
+              policies: Sequence[str] = ("target-only", "general-static-ungated",
+                                         "memspec-ungated", "mab-async-ungated")
               ) -> CostModel:
     """Fit the cost model from traced requests of `policies` on `prompts` (training set);
-    target-only runs give the target step its own samples (not only cold-start steps)."""
+    target-only runs give the target step its own samples (not only cold-start steps). The
+    drafting policies run ungated: the model prices what a draft's iteration, a load and a
+    ranking cost, and on a machine where no draft pays a gated run has none of them to time
+    (the gate loads nothing and asks for no ranking until a draft pays: on the 2-core EPYC
+    all four calibration requests of each policy ran the target and the lookup alone)."""
     reqs = [RealRequest(pol, p["id"], p["domain"], p["prompt"], max_new_tokens)
             for pol in policies for p in prompts]
     runs = run_real(reqs, out, pool_path)

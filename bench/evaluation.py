@@ -747,10 +747,16 @@ def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate
         if cached.get("fingerprint") == fp and cached.get("storage") == pool.storage \
                 and cached.get("numerics") == runtime_key(pool):
             cost = CostModel.from_json(cached["cost"])
+            if not cost.mean_iteration_s:  # fitted from gated runs that never drafted
+                cost = None
     if cost is None:
         train = prompt_set(pool, "train", 0)
         calib = [next(p for p in train if p["domain"] == d) for d in pool_domains(pool)]
         cost = calibrate(pool, real_pool, calib, max_new, home / "calibration.jsonl")
+        if not cost.mean_iteration_s:
+            raise MemspecError("the calibration requests timed no draft iteration",
+                               "check that the pool's drafts load (`memspec status`), then "
+                               "run `memspec bench --recalibrate`")
         keyed.mkdir(parents=True, exist_ok=True)
         cost_path.write_text(json.dumps({"fingerprint": fp, "storage": pool.storage,
                                          "numerics": runtime_key(pool),
