@@ -39,9 +39,10 @@ from memspec.procs.decoder.datastore import (
     led_chain,
     tail_width,
 )
+from memspec.procs.decoder.gate import Line
 from memspec.procs.decoder.head import HEAD_KIND, TargetParts
 from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
-from memspec.procs.decoder.lookup_depth import Line, LookupDepth
+from memspec.procs.decoder.lookup_depth import LookupDepth
 from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
 from memspec.procs.decoder.slots import BoundDraft
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memspec.common.tuned import knob
-
-Line = tuple[float, float]  # seconds = a + b * context tokens
+from memspec.procs.decoder.gate import Line
 
 
 class LookupDepth:
