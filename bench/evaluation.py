@@ -83,14 +83,16 @@ POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "predict
 SIM_POLICIES = ("target-only", *POLICIES)
 # bench variants (bench/realruns.py `variant`): a drafting policy's own name runs gated,
 # `-ungated` without the gate
-REAL_POLICIES = ("target-only", "lookup-only", "general-static", "general-static-ungated",
-                 "oracle-static", "mab-async", "mab-async-ungated", "prediction-only",
-                 "memspec", "memspec-ungated", "oracle-dynamic")
+REAL_POLICIES = ("target-only", "target-only-1t", "lookup-only", "general-static",
+                 "general-static-ungated", "oracle-static", "mab-async", "mab-async-ungated",
+                 "prediction-only", "memspec", "memspec-ungated", "oracle-dynamic")
 ONLINE = ("general-static", "mab-sync", "mab-async", "prediction-only", "memspec")
 # real variants that oracle-dynamic must not trail (the baselines that plan no oracle)
-NOT_ONLINE = ("target-only", "oracle-static", "oracle-dynamic")
+NOT_ONLINE = ("target-only", "target-only-1t", "oracle-static", "oracle-dynamic")
 NOT_SIMULATED = {"lookup-only": "real runs only: the simulator has no acceptance table of "
-                                "the context lookup alone (sim/simulate.py refuses it)"}
+                                "the context lookup alone (sim/simulate.py refuses it)",
+                 "target-only-1t": "real runs only: the cost model is timed with the "
+                                   "decoder's own thread setting"}
 UCB_C = TUNE_UCB_C  # `bench tune`'s grid: it brackets the optimum on dev
 SWEEP_N = (2, 4, 8, 16)
 SWEEP_LEN = (64, 128, 256)
@@ -694,7 +696,7 @@ def real_section(reqs: Sequence[SimRequest], rows: Mapping[str, RealResult],
         "mean_acceptance_length": {p: agg[p]["mean_acceptance_length"] for p in policies},
         "breakdown": {p: breakdown(stats[p]) for p in policies},
         "first_draft_token_s": {p: _median(first_draft_token_s(s) for s in stats[p])
-                                for p in policies if p != "target-only"},
+                                for p in policies if variant(p)[0] != "target-only"},
         "token_mismatches": mismatches,
     }
     return real, sim_beside(reqs, real, policies, cost, cfg, ucb)

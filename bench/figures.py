@@ -13,9 +13,10 @@ from typing import Any
 from memspec.bench.plotting import pyplot
 from memspec.bench.stats import HEADLINE
 
-POLICY_ORDER = ("target-only", "lookup-only", "general-static", "general-static-ungated",
-                "oracle-static", "mab-sync", "mab-async", "mab-async-ungated",
-                "prediction-only", "memspec", "memspec-ungated", "oracle-dynamic")
+POLICY_ORDER = ("target-only", "target-only-1t", "lookup-only", "general-static",
+                "general-static-ungated", "oracle-static", "mab-sync", "mab-async",
+                "mab-async-ungated", "prediction-only", "memspec", "memspec-ungated",
+                "oracle-dynamic")
 RATIO_LABELS = {k: f"{a} / {b}" for k, (a, b) in HEADLINE.items()}
 # the wall-time split (bench/evaluation.py SPLIT) as the figures and tables name its parts
 SPLIT_LABELS = {"pre": "pre", "prefill": "prefill", "draft": "draft", "catchup": "catch-up",

@@ -11,8 +11,10 @@ jobs, thermal state) then fall on every policy alike instead of on one policy's 
 
 A request's `policy` is a bench variant's name: a drafting policy under its own name runs
 with the speculation gate on, `<policy>-ungated` with it off (:func:`variant`), so that
-every baseline is measured with the tool memspec has and without it; the name and the gate
-are in the cache key, so runs of two variants never stand in for each other.
+every baseline is measured with the tool memspec has and without it; `<policy>-1t` runs it
+on one decoder thread (what the pipeline gave the decoder before threads followed the work,
+so the speed-up is shown against both baselines). The name and the gate are in the cache
+key, so runs of two variants never stand in for each other.
 """
 
 from __future__ import annotations
@@ -39,16 +41,23 @@ from memspec.launch.supervisor import Supervisor
 from memspec.procs.decoder.policies import GATED
 
 UNGATED = "-ungated"
+ONE_THREAD = "-1t"  # the decoder on one thread throughout (the pipeline's old setting)
 
 
 def variant(name: str) -> tuple[str, bool | None]:
     """(the policy the decoder runs, its gate) for a bench variant's name: `X-ungated`
     runs drafting policy X with the gate off, a drafting policy's own name with it on
     (explicitly: a pool that turns it off changes no figure's meaning), any other policy
-    with no gate (None)."""
+    with no gate (None); `X-1t` is X on one decoder thread."""
+    name = name.removesuffix(ONE_THREAD)
     if name.endswith(UNGATED) and name[:-len(UNGATED)] in GATED:
         return name[:-len(UNGATED)], False
     return name, (True if name in GATED else None)
+
+
+def variant_threads(name: str) -> int | None:
+    """The decoder threads a variant is capped at (None: the runtime's own choice)."""
+    return 1 if name.endswith(ONE_THREAD) else None
 
 
 @dataclass(frozen=True)
@@ -147,7 +156,7 @@ def _one(sup: Supervisor, req: RealRequest) -> Done:
     policy, gate = variant(req.policy)
     msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=req.prompt, policy=policy,
                          max_new_tokens=req.max_new_tokens, trace=True, ucb_c=req.ucb_c,
-                         gate=gate))
+                         gate=gate, threads=variant_threads(req.policy)))
     if not isinstance(msg, Done):
         reason = msg.message if isinstance(msg, Error) else "no reply"
         raise MemspecError(f"real run {req.key} failed: {reason}",

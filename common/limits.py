@@ -35,6 +35,7 @@ MAX_PROMPT_CHARS = 1 << 18  # the prompt, or all turns' contents together (262,1
 MAX_STOPS = 4  # as the OpenAI API
 MAX_STOP_CHARS = 256
 MAX_NEW_TOKENS = 1 << 20  # the target's context bounds it further (checked by the engine)
+MAX_THREADS = 1024  # decoder threads a request may ask for (the cores bound them further)
 # The text the predictor ranks from: it reads the head and the tail of the prompt (what its
 # encoder's 256 word pieces can hold, at 16 characters a piece), joined by one space.
 RANK_TEXT_CHARS = 4096
@@ -131,7 +132,8 @@ def check_stops(stops: Sequence[str]) -> None:
 
 def check_request(req: Submit) -> None:
     """Every field of a request, cheapest first, before it is queued or tokenised: id,
-    policy, length, sizes, roles, sampling, stop strings, gate, ucb_c, rank_horizon."""
+    policy, length, sizes, roles, sampling, stop strings, gate, ucb_c, rank_horizon,
+    threads."""
     check_req_id(req.req_id)
     if req.policy and req.policy not in POLICIES:
         raise LimitError("policy", f"unknown policy {shown(req.policy)}",
@@ -159,6 +161,9 @@ def check_request(req: Submit) -> None:
     if req.rank_horizon is not None and req.rank_horizon < 0:
         raise LimitError("rank_horizon", f"rank_horizon {req.rank_horizon} is negative",
                          "use 0 or more tokens (None: the pool's)")
+    if req.threads is not None and not 1 <= req.threads <= MAX_THREADS:
+        raise LimitError("threads", f"threads {req.threads} is outside 1 to {MAX_THREADS}",
+                         "ask for 1 or more decoder threads (None: every core)")
 
 
 def check_gate(req: Submit) -> None:

@@ -217,6 +217,10 @@ class Submit(Message):
     # tokens still to come for a ranking to be asked for (None: the pool's rank_horizon);
     # for the sweep that chooses a pool's value on dev
     rank_horizon: int | None = None
+    # at most this many decoder threads for this request (None: every core while the
+    # helpers rest, procs/decoder/threads.py); how the bench measures the old one-thread
+    # pipeline beside today's, and for a user who shares the machine with other work
+    threads: int | None = None
 
 
 class Queued(Message):

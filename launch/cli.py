@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_max_new(args.max_new_tokens)
     max_new = args.max_new_tokens or pool.max_new_tokens
     check_request(Submit(req_id="generate", prompt=args.prompt, max_new_tokens=max_new,
-                         policy=policy))  # every front door's limits, --in-process too
+                         policy=policy, threads=args.threads))  # every front door's limits
     if args.in_process:
         out = _generate_in_process(pool, args, policy, max_new)
     else:
@@ -48,7 +48,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         logs.setup("supervisor")  # its notes on stderr, beside the streamed text
         out = generate(args.pool, args.prompt, stream=not args.json, policy=policy,
                        max_new_tokens=max_new, temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p)
+                       top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p,
+                       threads=args.threads)
     if args.json:
         print(json.dumps(out))
     else:
@@ -67,6 +68,10 @@ def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: i
     from memspec.procs.decoder.inprocess import build_local, run_request
 
     rt = build_local(pool, with_drafts=policy != "target-only")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     stream = None
     detok = StreamDecoder(rt.tokenizer)
     if not args.json:
@@ -120,7 +125,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     _check_max_new(args.max_new_tokens)
     kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-          "top_k": args.top_k, "min_p": args.min_p}
+          "top_k": args.top_k, "min_p": args.min_p, "threads": args.threads}
     done = submit(args.endpoint, args.prompt,
                   None if args.json else lambda tok: CONSOLE.text(tok.text),
                   _timeouts(args), **kw)
@@ -204,6 +209,9 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off, 1 = greedy")
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="at most this many decoder threads (default: every core while the "
+                        "predictor and loader rest)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -35,7 +35,14 @@ from memspec.bench.evaluation import (
     sweep,
     wall_split,
 )
-from memspec.bench.realruns import RealRequest, RealResult, interleaved, pinned_pool, variant
+from memspec.bench.realruns import (
+    RealRequest,
+    RealResult,
+    interleaved,
+    pinned_pool,
+    variant,
+    variant_threads,
+)
 from memspec.bench.report import (
     README_BEGIN,
     README_END,
@@ -156,6 +163,8 @@ def test_variants_name_their_policy_and_gate_and_never_share_a_cache_key():
     assert variant("target-only") == ("target-only", None)
     assert variant("lookup-only") == ("lookup-only", None)
     assert variant("oracle-dynamic") == ("oracle-dynamic", None)  # it plans the target itself
+    assert variant("target-only-1t") == ("target-only", None)  # on one decoder thread
+    assert variant_threads("target-only-1t") == 1 and variant_threads("target-only") is None
     keys = {RealRequest(v, "p", "x", "?", 16).key for v in REAL_POLICIES}
     assert len(keys) == len(REAL_POLICIES)
     assert "gate=off" in RealRequest("mab-async-ungated", "p", "x", "?", 16).key
@@ -244,12 +253,13 @@ def test_bench_json_holds_the_issues_must_hold_keys(result):
             assert sum(b[f"{k}_frac"] for k in SPLIT) == pytest.approx(1.0), pol
             assert 0 <= b["parts_gap_max"] <= 0.02, pol
         first = sec["first_draft_token_s"]  # None: a gate that never opened
-        assert set(first) == set(sec["breakdown"]) - {"target-only"}
+        assert set(first) == set(sec["breakdown"]) - {"target-only", "target-only-1t"}
         assert all(v is None or v > 0 for v in first.values())
         # the simulator cannot run lookup-only: every other ratio beside the real one
         svr = result["sim_vs_real"][which]
-        assert set(svr["ratios"]) == set(HEADLINE) - {"memspec_over_lookup_only"}
-        assert set(svr["not_simulated"]) == {"lookup-only"}
+        assert set(svr["ratios"]) == set(HEADLINE) - {"memspec_over_lookup_only", "memspec_over_target_only_1t",
+                                                   "target_only_over_target_only_1t"}
+        assert set(svr["not_simulated"]) == {"lookup-only", "target-only-1t"}
         assert "lookup-only" in result["sim"][which]["not_simulated"]
         for row in ("prompt_only", "recent_only", "prompt_recent", "domain_rule"):
             assert set(result["predictor"][which][row]) >= {"top1", "top2"}

@@ -488,6 +488,28 @@ def test_the_simulator_makes_the_runtime_loops_decisions(policy, monkeypatch):
         assert len({d for d, *_ in decisions(real)["intervals"]}) > 2, "a scenario that switches"
 
 
+def test_a_requests_thread_cap_holds_through_helper_changes_and_ends_with_it(monkeypatch):
+    """`Submit.threads` caps the decoder at once (before its prefill asks), whatever the
+    helpers do; the next request without a cap gets every core back."""
+    import torch
+
+    from memspec.procs.decoder.threads import ThreadPlan
+
+    set_to: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    plan = ThreadPlan(4, 3)
+    plan(False)
+    plan.limit(1)
+    plan(True)
+    plan(False)
+    assert set_to == [4, 1] and plan.current == 1
+    plan.limit(None)
+    assert set_to[-1] == 4
+    plan(True)
+    plan.limit(2)
+    assert set_to[-2:] == [3, 2]
+
+
 def test_threads_follow_the_helpers():
     """The decoder is told before every interval whether the predictor is encoding (a
     snapshot not answered yet, for at most SNAPSHOT_STALE_S) or the loader works (a load in

@@ -65,6 +65,8 @@ CASES = [
     ("max_new_tokens", "max_new_tokens", {"max_new_tokens": L.MAX_NEW_TOKENS},
      {"max_new_tokens": L.MAX_NEW_TOKENS + 1}),
     ("rank_horizon", "rank_horizon", {"rank_horizon": 0}, {"rank_horizon": -1}),
+    ("threads", "threads", {"threads": 1}, {"threads": 0}),
+    ("threads many", "threads", {"threads": L.MAX_THREADS}, {"threads": L.MAX_THREADS + 1}),
 ]
 IDS = [c[0] for c in CASES]
 

@@ -17,6 +17,7 @@ from hostile import hostile_frames
 
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
+from memspec.common.limits import LimitError
 from memspec.common.messages import (
     CLIENT_REPLIES,
     DECODER_REPLIES,
@@ -147,6 +148,19 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
         assert t.pre + t.prefill + t.decode + t.sched + t.bind + t.other == \
             pytest.approx(t.e2e)
     assert used, f"{policy} never ran a draft"
+
+
+def test_a_thread_cap_changes_no_token_and_a_bad_one_costs_one_reply(sup, reference):
+    """`Submit.threads = 1` (the bench's one-thread baseline) decodes the same tokens; a cap
+    of 0 is refused with a line naming the field, and the next request runs uncapped."""
+    prompt = first_prompts()["code"]
+    for policy in ("target-only", "memspec"):
+        done = run(sup, prompt, policy, threads=1)
+        assert isinstance(done, Done) and done.token_ids == reference["code"], (policy, done)
+    with pytest.raises(LimitError, match="threads 0 is outside"):
+        run(sup, prompt, "target-only", threads=0)
+    done = run(sup, prompt, "target-only")
+    assert isinstance(done, Done) and done.token_ids == reference["code"]
 
 
 def test_streamed_text_adds_up_to_the_final_text(sup, reference):

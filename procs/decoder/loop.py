@@ -396,7 +396,8 @@ class Controller:
 
     def _ranking_in_budget(self, ex: Executor) -> bool:
         """Another snapshot keeps the predictor's encoding within PREDICTOR_SHARE of the
-        request's decode time (its next ranking priced as its last)."""
+        request's decode time (its next ranking, and any still in flight, priced as its
+        last)."""
         run = self.running
         assert run is not None
         horizon = getattr(run.job.policy, "ranking_horizon", 0)
@@ -405,7 +406,10 @@ class Controller:
             if left < horizon:
                 return False
         decode = sum(r.duration for r in ex.stats.records)
-        return run.encode_s + run.last_encode_s <= PREDICTOR_SHARE * decode
+        # snapshots still unanswered will cost the predictor too (unless it drops them as
+        # stale): counting only answered ones let a request overrun the share by a ranking
+        pending = run.seq - max(run.rank_seq, 0)
+        return run.encode_s + (pending + 1) * run.last_encode_s <= PREDICTOR_SHARE * decode
 
     def step(self) -> Summary | None:
         """One scheduling interval; the request's summary once it is done, else None."""

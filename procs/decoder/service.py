@@ -65,6 +65,7 @@ from memspec.procs.decoder.policies import make_policy
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft, draft_weights_file
 from memspec.procs.decoder.stops import StopMatcher
 from memspec.procs.decoder.tablefiles import runtime_key
+from memspec.procs.decoder.threads import ThreadPlan
 
 Emit = Callable[[Message], None]
 # a test hook: a decoder whose environment sets this kills itself (SIGKILL) during any
@@ -414,6 +415,9 @@ class DecoderService:
                              self.K, costs, len(ids))
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         gate = self.pool.spec_gate if req.gate is None else req.gate
+        threads = self.controller.on_helpers
+        if isinstance(threads, ThreadPlan):  # (a CPU decoder's; every request sets its own)
+            threads.limit(req.threads)
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
                              gate=gate, gate_costs=self.gate_costs,
                              lookup=bool(self.engine.lookup),

@@ -50,15 +50,25 @@ def decoder_threads() -> tuple[int, int]:
 
 class ThreadPlan:
     """The loop's `on_helpers` hook: every core while the helpers rest, one fewer while
-    one of them works."""
+    one of them works; never more than the running request's cap (`Submit.threads`)."""
 
     def __init__(self, idle: int, shared: int) -> None:
         self.idle, self.shared = idle, shared
         self.current = 0
         self.switches = 0
+        self.cap: int | None = None
+        self.busy = False
+
+    def limit(self, cap: int | None) -> None:
+        """A request's cap, applied at once (its prefill may start before the loop asks)."""
+        self.cap = cap
+        self(self.busy)
 
     def __call__(self, helpers_busy: bool) -> None:
+        self.busy = helpers_busy
         n = self.shared if helpers_busy else self.idle
+        if self.cap is not None:
+            n = min(n, self.cap)
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n
