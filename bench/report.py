@@ -427,7 +427,10 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
           "interval over prompts; the simulator's value of the steady statistic on the same "
           "prompts last (its error in brackets). A drafting policy under its own name runs "
           "with the speculation gate, `-ungated` without it; lookup-only runs the context "
-          "lookup alone (no draft; real runs only).", ""]
+          "lookup alone (no draft; real runs only); target-only-1t is target-only on one "
+          "decoder thread, the pipeline's setting before its threads followed the work "
+          "(earlier figures' baseline; real runs only): target-only is the fastest plain "
+          "decoding the pipeline has.", ""]
     L += headline_lines(r)
     for s, sec in (r.get("real") or {}).items():
         L += ["", f"### {s}: {sec['prompts']} prompts, {sec['repeats']} repeats, "
