@@ -23,7 +23,8 @@ from typing import Any
 from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
 from memspec.common.tuned import TUNED_ENV, tuned_path
 
-LOOKS = (0, 8, 32, 128)  # proposals the lookup runs unjudged
+LOOKS = (0, 8, 32, 128, 1_000_000)  # proposals the lookup runs unjudged (the last: never
+# judged, its proposal lengths alone weigh what it costs: lookup_depth.py)
 FAILING = (None, (8, 1.25))  # None: never gated early; else (after n proposals, under tau)
 BASELINES = ("target-only", "lookup-only")
 

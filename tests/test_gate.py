@@ -652,3 +652,33 @@ def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look, m
     for _ in range(SpecGate.LOOKUP_LOOKS - 1):
         patient.observe(look(0))
         assert patient.verdict(LOOKUP) == "run"
+
+
+def test_a_head_that_pays_stops_where_the_lookup_alone_was_faster(free_first_look):
+    """With the lookup on, what the gate runs instead of a draft is the lookup: a head
+    whose record pays against the target alone but brings fewer tokens a second than the
+    lookup's record (FIRST_LOOK proposals or more, paying) stops; with no such record, or
+    a lookup that does not pay, the head is judged against the target as before."""
+    costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0),
+                      spec={"general": (0.011, 0.0)})
+
+    def look(accepted: int) -> IterationRecord:
+        return IterationRecord(LOOKUP, 4, accepted, accepted + 1, 0.0, t_verify=0.0085,
+                               context=100)
+
+    gate = SpecGate(costs, lookup=True)
+    for _ in range(8):
+        gate.observe(rec("general", 2, 0.011))  # 3 tokens in 2.2 steps: pays on its own
+    assert gate.pays("general")
+    for _ in range(SpecGate.FIRST_LOOK - 1):
+        gate.observe(look(3))  # 4 tokens in 1.7 steps
+    assert gate.pays("general")  # the lookup's record is too short to say yet
+    gate.observe(look(3))
+    assert gate.pays(LOOKUP) and not gate.pays("general") and gate.verdict("general") != "run"
+    weak = SpecGate(costs, lookup=True)
+    for _ in range(8):
+        weak.observe(rec("general", 2, 0.011))
+    for _ in range(2 * SpecGate.FIRST_LOOK):
+        weak.observe(look(0))  # a lookup that does not pay: the head stands
+    assert not weak.pays(LOOKUP) and weak.pays("general")
+    assert SpecGate(costs).pays("general") is False  # (no record yet)

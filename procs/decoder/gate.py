@@ -141,8 +141,8 @@ class SpecGate:
     RANK_HORIZON = knob("gate.RANK_HORIZON")
     LED_LOOKS = 3  # a datastore's iterations led by its own token before those alone judge it
     # the context lookup's proposing iterations before its record judges it, chosen in
-    # real runs on dev (tuned.json's lookup_gate section; a 128-token request makes ~30
-    # proposals, so 128 leaves a short request's lookup unjudged unless it is failing)
+    # real runs on dev (tuned.json's lookup_gate section: with proposal lengths chosen per
+    # cost and heads judged against the lookup, from its first look)
     LOOKUP_LOOKS = knob("gate.LOOKUP_LOOKS")
     # ... unless after this many it accepts under this many tokens per iteration (None:
     # never early): a context that repeats words but never what follows them costs a
@@ -268,7 +268,22 @@ class SpecGate:
     def pays(self, draft: str) -> bool:
         tau = self.tau.get(draft)  # a draft that accepts nothing pays on no machine
         return tau is not None and tau.value > 1.0 and tau.value >= self.break_even(draft) \
-            and self.store_pays(draft)
+            and self.store_pays(draft) and self.beats_lookup(draft)
+
+    def beats_lookup(self, draft: str) -> bool:
+        """A model draft pays only while it brings at least as many tokens a second as the
+        context lookup did in this request, once the lookup has a record (FIRST_LOOK
+        proposals) that pays: what the gate runs instead of a draft is the lookup, not the
+        target alone. Judged against the target only, a head that paid was kept where the
+        lookup alone was faster (dev, law: 3.59 tokens an iteration with the head and its
+        draft steps, 3.93 with the lookup's verifies alone; 332 against 429 tok/s)."""
+        if not self.lookup or self.costs is None or self.costs.model_free(draft):
+            return True
+        look, tau = self.tau.get(LOOKUP), self.tau.get(draft)
+        if look is None or tau is None or look.n < self.FIRST_LOOK or not self.pays(LOOKUP):
+            return True
+        c = self.context
+        return tau.value / self.spec_s(draft, c) >= look.value / self.spec_s(LOOKUP, c)
 
     def store_pays(self, draft: str) -> bool:
         """A datastore's own proposals pay for their verify, against the context lookup
@@ -309,15 +324,12 @@ class SpecGate:
 
     def _lookup_young(self, draft: str) -> bool:
         """The context lookup runs unjudged for its first LOOKUP_LOOKS proposals: it costs
-        nothing where the context does not repeat, and its worth comes in bursts (a list,
-        a restated clause) that two early misses say nothing about. Judged from the first
-        look, as a draft is, it was closed after a couple of misses and the target ran
-        alone (`memspec bench tune`'s real-run sweep on 20 dev prompts, avx512-bf16:
-        judged from the first look 1.117x target-only, after 128 proposals or 8 failing ones
-        1.170x, lookup-only 1.178x). After LOOKUP_LOOKS proposals a lookup that does not pay
+        nothing where the context does not repeat, and its worth can come in bursts (a
+        list, a restated clause). After LOOKUP_LOOKS proposals a lookup that does not pay
         (a text that repeats words but not what follows them) is gated like any draft, and
-        after LOOKUP_FAILING's first count one that accepts almost nothing is, so that such
-        a text costs a few wide verifies, not thirty (without that rule: 1.140x)."""
+        after LOOKUP_FAILING's first count one that accepts almost nothing is. Both are
+        chosen in real runs on dev (`memspec bench tune`'s lookup_gate section; the figures
+        are in tuned.json and docs/DESIGN.md)."""
         if draft != LOOKUP:
             return False
         tau = self.tau.get(LOOKUP)
