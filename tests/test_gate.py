@@ -657,7 +657,7 @@ def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look, m
 def test_a_head_that_pays_stops_where_the_lookup_alone_was_faster(free_first_look):
     """With the lookup on, what the gate runs instead of a draft is the lookup: a head
     whose record pays against the target alone but brings fewer tokens a second than the
-    lookup's record (FIRST_LOOK proposals or more, paying) stops; with no such record, or
+    lookup's record (LED_LOOKS proposals or more, paying) stops; with no such record, or
     a lookup that does not pay, the head is judged against the target as before."""
     costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0),
                       spec={"general": (0.011, 0.0)})
@@ -670,7 +670,7 @@ def test_a_head_that_pays_stops_where_the_lookup_alone_was_faster(free_first_loo
     for _ in range(8):
         gate.observe(rec("general", 2, 0.011))  # 3 tokens in 2.2 steps: pays on its own
     assert gate.pays("general")
-    for _ in range(SpecGate.FIRST_LOOK - 1):
+    for _ in range(SpecGate.LED_LOOKS - 1):
         gate.observe(look(3))  # 4 tokens in 1.7 steps
     assert gate.pays("general")  # the lookup's record is too short to say yet
     gate.observe(look(3))
@@ -682,3 +682,17 @@ def test_a_head_that_pays_stops_where_the_lookup_alone_was_faster(free_first_loo
         weak.observe(look(0))  # a lookup that does not pay: the head stands
     assert not weak.pays(LOOKUP) and weak.pays("general")
     assert SpecGate(costs).pays("general") is False  # (no record yet)
+
+
+def test_no_free_look_at_a_head_that_cannot_beat_a_paying_lookup(monkeypatch):
+    """A head's first look is free where the pool's drafts could pay (PRIOR_TAU), measured
+    against the higher bar: the target alone, or a paying lookup's record in this request."""
+    monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)
+    costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0),
+                      spec={"general": (0.0095, 0.0)})  # break-even 1.9: under PRIOR_TAU
+    gate = SpecGate(costs, lookup=True)
+    assert gate.may_look("general")
+    for _ in range(SpecGate.LED_LOOKS):
+        gate.observe(IterationRecord(LOOKUP, 4, 3, 4, 0.0, t_verify=0.0085, context=100))
+    assert gate.lookup_bar("general") == pytest.approx(4 * 0.0095 / 0.0085)
+    assert not gate._free_look("general")

@@ -139,7 +139,8 @@ class SpecGate:
     # 2-core CPU, and the pool's domain heads accept ~2% more than the general head on
     # their own domains; on dev a horizon under the request's length loses 6% (tuned.json)
     RANK_HORIZON = knob("gate.RANK_HORIZON")
-    LED_LOOKS = 3  # a datastore's iterations led by its own token before those alone judge it
+    LED_LOOKS = 3  # a datastore's iterations led by its own token before those alone judge
+    # it, and the lookup's proposals before a head is judged against them (hand-set)
     # the context lookup's proposing iterations before its record judges it, chosen in
     # real runs on dev (tuned.json's lookup_gate section: with proposal lengths chosen per
     # cost and heads judged against the lookup, from its first look)
@@ -272,18 +273,27 @@ class SpecGate:
 
     def beats_lookup(self, draft: str) -> bool:
         """A model draft pays only while it brings at least as many tokens a second as the
-        context lookup did in this request, once the lookup has a record (FIRST_LOOK
-        proposals) that pays: what the gate runs instead of a draft is the lookup, not the
-        target alone. Judged against the target only, a head that paid was kept where the
-        lookup alone was faster (dev, law: 3.59 tokens an iteration with the head and its
-        draft steps, 3.93 with the lookup's verifies alone; 332 against 429 tok/s)."""
+        context lookup did in this request (`lookup_bar`): what the gate runs instead of a
+        draft is the lookup, not the target alone. Judged against the target only, a head
+        that paid was kept where the lookup alone was faster (dev, law: 3.59 tokens an
+        iteration with the head and its draft steps, 3.93 with the lookup's verifies
+        alone; 332 against 429 tok/s)."""
+        tau = self.tau.get(draft)
+        return tau is None or tau.value >= self.lookup_bar(draft)
+
+    def lookup_bar(self, draft: str) -> float:
+        """Tokens per iteration `draft` needs to match the lookup's record in this request,
+        once that record has LED_LOOKS proposals and pays (0: no such record, or `draft`
+        is model-free). A resident head's free first look came after three proposals;
+        FIRST_LOOK's eight were never reached."""
         if not self.lookup or self.costs is None or self.costs.model_free(draft):
-            return True
-        look, tau = self.tau.get(LOOKUP), self.tau.get(draft)
-        if look is None or tau is None or look.n < self.FIRST_LOOK or not self.pays(LOOKUP):
-            return True
+            return 0.0
+        look = self.tau.get(LOOKUP)
+        if look is None or look.n < self.LED_LOOKS or not self.pays(LOOKUP):
+            return 0.0
         c = self.context
-        return tau.value / self.spec_s(draft, c) >= look.value / self.spec_s(LOOKUP, c)
+        spec = self.spec_s(LOOKUP, c)
+        return look.value * self.spec_s(draft, c) / spec if spec > 0 else 0.0
 
     def store_pays(self, draft: str) -> bool:
         """A datastore's own proposals pay for their verify, against the context lookup
@@ -366,12 +376,15 @@ class SpecGate:
         return self.probe_cost + extra <= self.PROBE_SHARE * self.elapsed
 
     def _free_look(self, draft: str) -> bool:
+        """Against the higher of the two bars: the target alone, and the lookup's record
+        (a head that cannot beat a paying lookup is not looked at for free)."""
         tau = self.tau.get(draft)
+        bar = max(self.break_even(draft), self.lookup_bar(draft))
         if tau is None:
-            return self.break_even(draft) <= self.PRIOR_TAU
+            return bar <= self.PRIOR_TAU
         if tau.n >= self.FIRST_LOOK or (tau.n >= 2 and tau.value <= 1.0):
             return False  # looked enough; or two looks without one token: pays nowhere
-        return tau.value >= self.NEAR_MISS * self.break_even(draft)
+        return tau.value >= self.NEAR_MISS * bar
 
 
 def gate_decision(gate: SpecGate, decision, resident: bool = False):  # noqa: ANN001
