@@ -468,8 +468,12 @@ def lookup_rec(proposed, accepted, seconds, context=100):
 def test_a_closed_gate_runs_the_context_lookup_while_it_pays(monkeypatch):
     """Where the target would run alone by choice, the context lookup runs instead (its
     iterations without a proposal are plain target steps); a lookup whose record stops
-    paying for its wider verifies stops inside the interval and is skipped after that."""
+    paying for its wider verifies stops inside the interval and is skipped after that,
+    once it is judged at all (the mechanism at a fixed LOOKUP_LOOKS; tuned.json chooses it,
+    and as tuned, never: then it runs on, its proposal lengths weighing its cost)."""
     monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)  # drafts: no free look (break-even 2.2)
+    monkeypatch.setattr(SpecGate, "LOOKUP_LOOKS", 8)
+    monkeypatch.setattr(SpecGate, "LOOKUP_FAILING", None)
     view = SchedView(iteration=0, drafts=DRAFTS, general="general", capacity=2,
                      resident=frozenset(), loading=frozenset(), failed=frozenset(),
                      active=None, scores=None)
