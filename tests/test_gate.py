@@ -700,3 +700,20 @@ def test_no_free_look_at_a_head_that_cannot_beat_a_paying_lookup(monkeypatch):
         gate.observe(IterationRecord(LOOKUP, 4, 3, 4, 0.0, t_verify=0.0085, context=100))
     assert gate.lookup_bar("general") == pytest.approx(4 * 0.0095 / 0.0085)
     assert not gate._free_look("general")
+
+
+def test_two_target_steps_do_not_outweigh_many_verifies():
+    """A request's target cost comes from its own target steps once it has three; with
+    fewer, and three or more full verifies, from the calibration scaled by those verifies
+    (a resident head looked at after two steps was priced on a stale step and paid on
+    paper at 2.4 target steps an iteration)."""
+    costs = GateCosts(target=(0.005, 0.0), verify=(0.008, 0.0), spec={"general": (0.012, 0.0)})
+    gate = SpecGate(costs)
+    gate.observe(rec(None, 0, 0.005))
+    gate.observe(rec(None, 0, 0.005))
+    assert gate.target_s(100) == pytest.approx(0.005)  # no verify yet: its own steps
+    for _ in range(3):  # verifies at 0.6x the calibration's: this machine is faster now
+        gate.observe(IterationRecord("general", 4, 1, 2, 0.0, t_verify=0.0048, context=100))
+    assert gate.target_s(100) == pytest.approx(0.003)
+    gate.observe(rec(None, 0, 0.004))  # a third step of its own: those decide again
+    assert gate.target_s(100) == pytest.approx(0.005)

@@ -227,8 +227,13 @@ class SpecGate:
         so the gate's ratio stays right)."""
         assert self.costs is not None
         a, b = self.costs.target
-        if self.target_a is not None:
-            return self.target_a.value + b * context
+        measured = self.target_a
+        if measured is not None and (measured.n >= 3 or self.verify_ratio is None
+                                     or self.verify_ratio.n < 3):
+            return measured.value + b * context
+        # two target steps and the calibration's, against this request's many verifies:
+        # the verifies say more (a resident head looked at after two steps was priced on
+        # the calibration's step, ran at 2.4 target steps an iteration, and paid on paper)
         scale = self.verify_ratio.value if self.verify_ratio is not None else 1.0
         return scale * (a + b * context)
 
