@@ -273,18 +273,16 @@ class SpecGate:
 
     def pays(self, draft: str) -> bool:
         tau = self.tau.get(draft)  # a draft that accepts nothing pays on no machine
-        return tau is not None and tau.value > 1.0 and tau.value >= self.break_even(draft) \
-            and self.store_pays(draft) and self.beats_lookup(draft)
+        return tau is not None and tau.value > 1.0 and tau.value >= self.bar(draft) \
+            and self.store_pays(draft)
 
-    def beats_lookup(self, draft: str) -> bool:
-        """A model draft pays only while it brings at least as many tokens a second as the
-        context lookup did in this request (`lookup_bar`): what the gate runs instead of a
-        draft is the lookup, not the target alone. Judged against the target only, a head
-        that paid was kept where the lookup alone was faster (dev, law: 3.59 tokens an
-        iteration with the head and its draft steps, 3.93 with the lookup's verifies
-        alone; 332 against 429 tok/s)."""
-        tau = self.tau.get(draft)
-        return tau is None or tau.value >= self.lookup_bar(draft)
+    def bar(self, draft: str) -> float:
+        """Tokens per iteration `draft` must bring: the higher of break-even with the target
+        alone and the lookup's record (`lookup_bar`), since what the gate runs instead of a
+        draft is the lookup. Judged against the target only, a head that paid was kept where
+        the lookup alone was faster (dev, law: 3.59 tokens an iteration with the head and
+        its draft steps, 3.93 with the lookup's verifies alone; 332 against 429 tok/s)."""
+        return max(self.break_even(draft), self.lookup_bar(draft))
 
     def lookup_bar(self, draft: str) -> float:
         """Tokens per iteration `draft` needs to match the lookup's record in this request,
@@ -381,10 +379,10 @@ class SpecGate:
         return self.probe_cost + extra <= self.PROBE_SHARE * self.elapsed
 
     def _free_look(self, draft: str) -> bool:
-        """Against the higher of the two bars: the target alone, and the lookup's record
-        (a head that cannot beat a paying lookup is not looked at for free)."""
+        """Against `bar` (a head that cannot beat a paying lookup is not looked at for
+        free)."""
         tau = self.tau.get(draft)
-        bar = max(self.break_even(draft), self.lookup_bar(draft))
+        bar = self.bar(draft)
         if tau is None:
             return bar <= self.PRIOR_TAU
         if tau.n >= self.FIRST_LOOK or (tau.n >= 2 and tau.value <= 1.0):
