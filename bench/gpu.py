@@ -124,26 +124,35 @@ def costs(pool, target_dir: Path, ctx: int, random_weights: bool, gamma: int) ->
 
 @torch.inference_mode()
 def draft_costs(pool, target, lean, ctx: int) -> dict:
-    """The pool's general draft bound in a GPU slot: one draft step, eager and as a graph
-    (a model draft); a head runs eagerly on the target's features (it has no graph path),
-    as the engine runs it."""
+    """The pool's general draft bound in a GPU slot: one draft step, eager and as a CUDA
+    graph. A head reads the target's features and runs as the engine runs it: graphs when
+    the target replays graphs, eager launches when it does not."""
     spec = pool.general_draft
     size = draft_weights_file(spec.path).stat().st_size
     res: dict[str, Any] = {"draft": spec.name, "kind": spec.kind}
     one = torch.randint(0, 1000, (1,), device="cuda")
     if spec.kind == "head":
-        eng = SpecEngine(lean, (), gamma=pool.gamma, max_context=ctx + 64)
-        bound = load_into_slot(spec.name, spec.path, SlotBuffer(size, device="cuda"),
-                               target.vocab, parts=eng.target_parts)
-        eng.add_draft(bound)  # the target now keeps the features the head reads
+        feeder = SpecEngine(lean, (), gamma=pool.gamma, max_context=ctx + 64)
+        feeder.add_draft(load_into_slot(spec.name, spec.path, SlotBuffer(size, device="cuda"),
+                                        target.vocab, parts=feeder.target_parts))
         ids = torch.randint(0, 1000, (ctx + 1,), device="cuda")
-        tcache = lean.new_cache(ctx + 64)
+        tcache = lean.new_cache(ctx + 64)  # the target now keeps the features the head reads
         lean.forward(ids[:-1], 0, tcache, last_only=True)
         feats = torch.cat([torch.zeros_like(tcache.feat[:1]), tcache.feat[:ctx - 1]])
-        dcache = bound.runner.new_cache(ctx + 64)
-        _, hidden = bound.runner.teacher(ids[:ctx], 0, dcache, feats)
-        res["eager_step_ms"] = _ms(lambda: bound.runner.step(one, ctx, dcache, hidden))
-        res["step_ms"] = res["eager_step_ms"]
+        for label, runner in (("eager", lean), ("graphs", target)):
+            eng = SpecEngine(runner, (), gamma=pool.gamma, max_context=ctx + 64)
+            bound = load_into_slot(spec.name, spec.path, SlotBuffer(size, device="cuda"),
+                                   target.vocab, parts=eng.target_parts)
+            dcache = bound.runner.new_cache(ctx + 64)
+            _, hidden = bound.runner.teacher(ids[:ctx], 0, dcache, feats)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            bound.runner.step(one, ctx, dcache, hidden)  # with graphs: the capture
+            torch.cuda.synchronize()
+            res[f"{label}_first_step_ms"] = 1e3 * (time.perf_counter() - t0)
+            res[f"{label}_step_ms"] = _ms(
+                lambda r=bound.runner, c=dcache, h=hidden: r.step(one, ctx, c, h))
+        res["step_ms"] = res["graphs_step_ms"]
         set_feature_layers(lean, [])
         _log(f"draft {res}")
         return res
@@ -189,7 +198,8 @@ def lossless_tiny() -> dict:
     save_model(make_tiny(0), root / "self")
     save_model(make_tiny(1, layers=1), root / "random")
     make_tiny_head(root / "head", seed=3)
-    prompts = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7]]
+    # the last is longer than a graph's rows: an eager prefill, then the first capture
+    prompts = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7], list(range(3, 40))]
     res = {}
     for fast in (False, True):
         eng = SpecEngine(build_target(root / "target", "bfloat16", "cuda", fast=fast), (), gamma=4)

@@ -132,3 +132,36 @@ def test_draft_index_marks_out_of_vocabulary():
     inv = draft_index(np.array([7, 3, 9]), 12)
     assert inv[[7, 3, 9]].tolist() == [0, 1, 2]
     assert int((inv == -1).sum()) == 9
+
+
+def test_the_graph_step_is_the_eager_step(tiny_dir, rt, tmp_path):
+    """What a CUDA graph captures for a head step (position as data, the whole cache read
+    with later keys masked) gives the eager step's logits and output, writes the same K/V
+    row, and leaves every other row as it was. Run eagerly here, so any CPU checks it."""
+    path = make_tiny_head(tmp_path / "h", seed=4, feature_layers=rt.layers, vocab=48)
+    eng = SpecEngine(build_target(tiny_dir / "target", "bfloat16", fast=False), (), gamma=4)
+    bound = load_into_slot("h", path, SlotBuffer(1 << 20), TINY_VOCAB, eng.target_parts)
+    head = bound.runner
+    assert head.native is None  # the PyTorch forward: what runs on a GPU
+    ids = torch.tensor([1, 5, 9, 22, 30, 31, 32, 40, 41, 50])
+    L = 7
+    feats = torch.randn(L, head.arch.features, generator=torch.Generator().manual_seed(0))
+    eager, graph = bound.new_cache(32), head.new_cache(32)
+    _, hidden = head.teacher(ids[:L], 0, eager, feats[:L])
+    graph.k.copy_(eager.k)
+    graph.v.copy_(eager.v)
+    graph.k[:, :, L + 1:] = 7.0  # stale rows past the position: masked, never read
+    tables = head.graph_tables(graph.capacity)
+    for s in range(3):
+        tok, pos = ids[L + s:L + s + 1], L + s
+        before = graph.k.clone()
+        want, want_h = head.step(tok, pos, eager, hidden)
+        got, got_h = head.graph_step(tok, torch.tensor(pos), graph, hidden, tables)
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+        torch.testing.assert_close(got_h, want_h, rtol=0.02, atol=0.02)
+        assert torch.equal(graph.k[:, :, pos], eager.k[:, :, pos])
+        assert torch.equal(graph.v[:, :, pos], eager.v[:, :, pos])
+        untouched = torch.ones(graph.capacity, dtype=torch.bool)
+        untouched[pos] = False
+        assert torch.equal(graph.k[:, :, untouched], before[:, :, untouched])
+        hidden = want_h

@@ -16,6 +16,8 @@ one reuses can never replay a graph into memory it no longer owns.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from memspec.procs.decoder.lean import KVCache, LeanLM
@@ -33,11 +35,18 @@ def storage_key(cache: KVCache) -> Key:
 
 
 class _Graph:
-    def __init__(self, lean: LeanLM, cache: KVCache, rows: int) -> None:
+    """Captured on the call that first needs it, with that call's inputs: the warm-up runs
+    the body for real, so it writes what that call's replay writes (placeholder inputs
+    would write K/V and features over positions the cache already holds)."""
+
+    def __init__(self, lean: LeanLM, cache: KVCache, rows: int, ids: torch.Tensor,
+                 pos: int) -> None:
         dev = lean.device
         self.cache = cache  # kept alive: its memory is what the graph writes
         self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
+        self.ids[:ids.numel()].copy_(ids)
+        self.pos.fill_(pos)
         self.rows = rows
         keys = cache.capacity
         # the graph reads these by address: they live as long as the graph
@@ -93,7 +102,7 @@ class GraphLM:
         key = storage_key(cache)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _Graph(self.lean, cache, self.rows)
+            graph = self._graphs[key] = _Graph(self.lean, cache, self.rows, ids, pos)
         out = graph(ids, pos)
         return out[-1:] if last_only else out
 
@@ -104,3 +113,62 @@ class GraphLM:
 
 def accelerate_cuda(lean: LeanLM) -> LeanLM | GraphLM:
     return GraphLM(lean) if lean.device.type == "cuda" else lean
+
+
+class _HeadStep:
+    """One head step captured over one cache, warmed up on its first call's real inputs
+    (as :class:`_Graph`)."""
+
+    def __init__(self, runner: Any, cache: KVCache, token: torch.Tensor, pos: int,
+                 hidden: torch.Tensor) -> None:
+        dev = hidden.device
+        self.cache = cache  # kept alive: its memory is what the graph writes
+        self.token = token.detach().reshape(1).clone()
+        self.pos = torch.full((), pos, dtype=torch.long, device=dev)
+        self.hidden = hidden.detach().float().clone()
+        self.tables = runner.graph_tables(cache.capacity)
+
+        def body() -> tuple[torch.Tensor, torch.Tensor]:
+            return runner.graph_step(self.token, self.pos, cache, self.hidden, self.tables)
+
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = body()
+
+    def __call__(self, token: torch.Tensor, pos: int, hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.token.copy_(token.reshape(1))
+        self.pos.fill_(pos)
+        self.hidden.copy_(hidden)
+        self.graph.replay()
+        return self.out
+
+
+class HeadSteps:
+    """A draft head's one-token steps as CUDA graph replays, keyed by cache memory like
+    :class:`GraphLM`. The outputs are the graph's own buffers, overwritten by the next
+    replay: the engine reads a step's proposal before it asks for the next one.
+
+    A decoder binds a head into the same slot (and so the same cache memory) over and
+    over, so a few graphs cover a run; past ``limit`` the oldest is dropped, and with it
+    the cache it kept alive."""
+
+    def __init__(self, runner: Any, limit: int = 4) -> None:
+        self.runner, self.limit = runner, limit
+        self._graphs: dict[Key, _HeadStep] = {}
+
+    def __call__(self, token: torch.Tensor, pos: int, cache: KVCache, hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = storage_key(cache)
+        graph = self._graphs.get(key)
+        if graph is None:
+            while len(self._graphs) >= self.limit:
+                self._graphs.pop(next(iter(self._graphs)))
+            graph = self._graphs[key] = _HeadStep(self.runner, cache, token, pos, hidden)
+        return graph(token, pos, hidden)

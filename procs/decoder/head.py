@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from memspec.common.errors import ModelError
+from memspec.procs.decoder.cudagraph import GraphLM, HeadSteps
 from memspec.procs.decoder.lean import (
     Arch,
     KVCache,
@@ -207,6 +208,9 @@ class HeadRunner:
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.native = _native_head(self)
+        # CUDA graphs for the draft steps when the target replays them too (the engine's
+        # `fast` setting): a step is ~40 small kernels, launch-bound on a GPU
+        self.graphs = HeadSteps(self) if isinstance(parts.target, GraphLM) else None
         if self.native is not None:
             self.cache_dtype, self.k_blocked = torch.float32, True
 
@@ -229,6 +233,9 @@ class HeadRunner:
     def step(self, token: torch.Tensor, pos: int, cache: KVCache, hidden: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One proposal after another: the token just proposed, the head's last output."""
+        if self.graphs is not None:
+            self._check_room(pos + 1, cache)
+            return self.graphs(token, pos, cache, hidden)
         emb = self.parts.embed(token)
         if self.native is not None:
             return self._native_forward(emb, hidden, pos, cache)
@@ -241,17 +248,35 @@ class HeadRunner:
     # ---- the reference forward (PyTorch) ----------------------------------------------
     def _forward(self, emb: torch.Tensor, g: torch.Tensor, pos: int, cache: KVCache
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        a, w = self.arch, self.w
         T = emb.shape[0]
         end = pos + T
-        if end > cache.capacity:
-            raise ModelError(f"context of {end} tokens exceeds the head's KV cache",
-                             "raise max_context in the pool")
+        self._check_room(end, cache)
         if end > self._rope_len:
             n = max(end, 2 * self._rope_len, 256)
             self._cos, self._sin = _rope_tables(self.cache_arch, n, self.act_dtype, self.device)
             self._rope_len = n
-        cos, sin = self._cos[pos:end], self._sin[pos:end]
+        bias = None
+        if T > 1:
+            hidden = torch.arange(end, device=self.device)[None, :] > \
+                torch.arange(pos, end, device=self.device)[:, None]
+            bias = torch.zeros(hidden.shape, dtype=self.act_dtype, device=self.device
+                               ).masked_fill_(hidden, float("-inf"))
+        return self._layer(emb, g, pos, cache, self._cos[pos:end], self._sin[pos:end], bias,
+                           end)
+
+    @staticmethod
+    def _check_room(end: int, cache: KVCache) -> None:
+        if end > cache.capacity:
+            raise ModelError(f"context of {end} tokens exceeds the head's KV cache",
+                             "raise max_context in the pool")
+
+    def _layer(self, emb: torch.Tensor, g: torch.Tensor, at: int | torch.Tensor,
+               cache: KVCache, cos: torch.Tensor, sin: torch.Tensor,
+               bias: torch.Tensor | None, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's layer and LM rows. ``at``: the first position (K/V written into a
+        slice) or a tensor of positions (``index_copy_``: what a CUDA graph replays)."""
+        a, w = self.arch, self.w
+        T = emb.shape[0]
         dt = self.act_dtype
         x = g.float()
         a_in = torch.cat([F.rms_norm(emb, (a.hidden,), w["norm_e"].float(), a.eps),
@@ -260,21 +285,38 @@ class HeadRunner:
         k = _rope(F.linear(a_in, w["k_proj"]).view(T, a.kv_heads, a.head_dim), cos, sin)
         v = F.linear(a_in, w["v_proj"]).view(T, a.kv_heads, a.head_dim)
         kc, vc = cache.k[0], cache.v[0]
-        kc[:, pos:end] = k.transpose(0, 1)
-        vc[:, pos:end] = v.transpose(0, 1)
-        bias = None
-        if T > 1:
-            hidden = torch.arange(end, device=self.device)[None, :] > \
-                torch.arange(pos, end, device=self.device)[:, None]
-            bias = torch.zeros(hidden.shape, dtype=dt, device=self.device).masked_fill_(
-                hidden, float("-inf"))
-        x = x + F.linear(_attend(q, kc[:, :end], vc[:, :end], bias), w["o_proj"]).float()
+        if isinstance(at, int):
+            kc[:, at:at + T] = k.transpose(0, 1)
+            vc[:, at:at + T] = v.transpose(0, 1)
+        else:
+            kc.index_copy_(1, at, k.transpose(0, 1).to(kc.dtype))
+            vc.index_copy_(1, at, v.transpose(0, 1).to(vc.dtype))
+        x = x + F.linear(_attend(q, kc[:, :keys], vc[:, :keys], bias), w["o_proj"]).float()
         h = F.rms_norm(x, (a.hidden,), w["post_attention_layernorm"].float(), a.eps).to(dt)
         x = x + F.linear(F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]),
                          w["down_proj"]).float()
         last = x[-1:]
         hn = F.rms_norm(last, (a.hidden,), self.parts.norm, self.parts.eps)
         return self.lm(hn.to(self._lm_dtype())).float(), last
+
+    # ---- the static-shape step a CUDA graph captures ------------------------------------
+    def graph_tables(self, capacity: int) -> tuple[torch.Tensor, ...]:
+        """RoPE tables and key indices over a whole cache, owned by the graph that reads
+        them by address (the eager tables are regrown, and so reallocated, as contexts grow)."""
+        cos, sin = _rope_tables(self.cache_arch, capacity, self.act_dtype, self.device)
+        return cos, sin, torch.arange(capacity, device=self.device)
+
+    def graph_step(self, token: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                   hidden: torch.Tensor, tables: tuple[torch.Tensor, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` with its position as device data: attention reads the whole cache
+        with the keys after ``pos`` masked, so one capture serves every position."""
+        cos, sin, keys = tables
+        at = pos.view(1)
+        bias = torch.zeros(1, keys.numel(), dtype=self.act_dtype, device=self.device
+                           ).masked_fill_(keys[None, :] > at[:, None], float("-inf"))
+        return self._layer(self.parts.embed(token), hidden, at, cache,
+                           cos.index_select(0, at), sin.index_select(0, at), bias, keys.numel())
 
     def _lm_dtype(self) -> torch.dtype:
         return getattr(self.lm, "act_dtype", None) or self.lm.weight.dtype
