@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tinymodels import TINY_VOCAB, make_tiny, save_model
+from tinymodels import TINY_VOCAB, make_tiny, make_tiny_head, save_model
 
 from memspec.common.errors import RequestError
 from memspec.procs.decoder import engine as engine_module
@@ -79,6 +79,48 @@ def test_context_lookup_keeps_output_identical_and_lifts_a_bad_draft(tiny_dir, t
         _, off = plain.generate(prompt, 60, select=lambda s: "random")
         moved.append([r.accepted for r in on.records] != [r.accepted for r in off.records])
     assert any(moved)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_a_verify_row_is_bitwise_the_step_of_that_token(tiny_dir, fmt):
+    """The PyTorch forward (the fallback where the C++ one is not built, and eager GPU
+    runs): each row of a verify gives the very logits a step of that token alone gives, on
+    the target's own greedy text. (A verify once attended with all its rows at once, and a
+    bf16 target's speculative output left its greedy output 75 tokens in.)"""
+    target = build_target(tiny_dir / "target", fmt, fast=False)
+    eng = SpecEngine(target, (), gamma=4)
+    ref, _ = eng.generate(PROMPTS[1], 90)
+    ids = torch.tensor(PROMPTS[1] + ref)
+    for ctx in range(36, 90, 3):
+        one, many = target.new_cache(eng.max_len), target.new_cache(eng.max_len)
+        target.forward(ids[:ctx], 0, one)
+        target.forward(ids[:ctx], 0, many)
+        verify = target.forward(ids[ctx:ctx + 5], ctx, many)
+        for j in range(5):
+            step = target.forward(ids[ctx + j:ctx + j + 1], ctx + j, one)
+            assert torch.equal(step[0], verify[j]), (ctx, j)
+
+
+@pytest.mark.parametrize("kind", ["int4", "bfloat16-torch"])
+def test_a_head_proposes_looked_up_tokens_outside_its_vocabulary(tiny_dir, tmp_path, kind):
+    """A head reads target ids, so where the context repeats it proposes the looked-up token
+    even when its own (output) vocabulary lacks it: with a head of 8 tokens out of 96, some
+    accepted proposals lie outside those 8, and output stays the target's greedy output."""
+    head = make_tiny_head(tmp_path / "h8", seed=5, vocab=8)
+    eng = engine_with(tiny_dir, [], dtype=kind, lookup=1)
+    bound = load_into_slot("h", head, SlotBuffer(1 << 20), TINY_VOCAB, eng.target_parts)
+    eng.add_draft(bound)
+    inside = set(bound.to_target.tolist())
+    outside = 0
+    for prompt in PROMPTS:
+        ref, _ = eng.generate(prompt, 80)
+        out, stats = eng.generate(prompt, 80, select=lambda s: "h")
+        assert out == ref
+        pos = 0
+        for r in stats.records:
+            outside += sum(t not in inside for t in out[pos:pos + min(r.accepted, r.emitted)])
+            pos += r.emitted
+    assert outside > 0
 
 
 def test_a_head_that_lands_after_a_request_started_still_runs(tiny_dir, tiny_heads):

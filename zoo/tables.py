@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from memspec.procs.decoder.datastore import DATASTORE_KIND, Datastore, tail_width
+from memspec.procs.decoder.head import HEAD_KIND
 from memspec.procs.decoder.lookup import NgramIndex
 
 # --------------------------------------------------------------------------- model pass
@@ -134,14 +135,18 @@ def engine_lookup(engine, bound, prompt_ids: Sequence[int], tokens: Sequence[int
     """:func:`lookup_rows` for a draft bound in ``engine``, None when its lookup is off."""
     if not engine.lookup:
         return None
-    return lookup_rows(prompt_ids, tokens, engine.gamma, engine.lookup, bound.to_target)
+    # a head takes a looked-up token outside its vocabulary (it embeds target ids); a model
+    # draft cannot (its own guess stands)
+    inside = None if bound.kind == HEAD_KIND else bound.to_target
+    return lookup_rows(prompt_ids, tokens, engine.gamma, engine.lookup, inside)
 
 
 def lookup_rows(prompt_ids: Sequence[int], tokens: Sequence[int], gamma: int, n_min: int,
                 to_target: torch.Tensor | None) -> list[list[int | None]]:
     """``rows[t][k]``: the token the engine's context lookup proposes at step k of an
     iteration that starts with ``t`` tokens committed, every earlier proposal right (None:
-    the draft's own guess stands, as for a token outside the draft's vocabulary)."""
+    the draft's own guess stands, as for a token outside ``to_target``, the vocabulary of a
+    draft that reads draft ids)."""
     idx = NgramIndex(n_min, prompt_ids)
     seq = [int(x) for x in prompt_ids] + [int(x) for x in tokens]
     P, n = len(prompt_ids), len(tokens)

@@ -74,7 +74,9 @@ class _Proposer:
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
-        self.next: Callable[[torch.Tensor, int], None] = lambda d_idx, pos: None
+        # (draft index, or None for a token outside the draft's vocabulary; target id; position)
+        self.next: Callable[[torch.Tensor | None, torch.Tensor, int], None] = \
+            lambda d_idx, t_id, pos: None
 
 
 @dataclass
@@ -358,10 +360,15 @@ class Session:
         tail = self.tokens[-ng.n_max:] if ng is not None else []
         for i in range(g):
             row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
+            t_id: torch.Tensor | None = None  # the proposal as a target id
             if ng is not None:  # greedy: the context's own continuation, else the draft's
                 tok = ng.propose(tail)
                 d_idx = _lookup_index(tok, bound, self._dev)
-                if d_idx is None:
+                if d_idx is None and tok is not None and head:
+                    # a head embeds target ids: it reads a looked-up token outside its
+                    # (output) vocabulary as well as any other
+                    t_id = torch.tensor([tok], dtype=torch.long, device=self._dev)
+                elif d_idx is None:
                     d_idx = row.argmax().view(1)
                     tok = int(d_idx) if to_target is None else int(to_target[d_idx])
                 tail.append(tok)
@@ -371,12 +378,12 @@ class Session:
                 q_sub = warp(row.cpu(), self.params)
                 d_idx = torch.multinomial(q_sub, 1, generator=self.gen).to(self._dev)
                 qs.append(self._to_target_space(q_sub, to_target))
-            props.append(d_idx)
+            if t_id is None:
+                t_id = d_idx if to_target is None else to_target[d_idx]
+            props.append(t_id)
             if i < g - 1:
-                draft.next(d_idx, L + i)
+                draft.next(d_idx, t_id, L + i)
         prop = torch.cat(props)
-        if to_target is not None:
-            prop = to_target[prop]
         self._sync()
         t_draft_end = time.perf_counter()
         verify = torch.cat([self._tok[L - 1:L], prop])
@@ -413,7 +420,7 @@ class Session:
         dc.length = L
         self._sync()
 
-        def nxt(d_idx: torch.Tensor, pos: int) -> None:
+        def nxt(d_idx: torch.Tensor | None, t_id: torch.Tensor, pos: int) -> None:
             out.logits = runner.forward(d_idx, pos, dc.cache)
 
         out.next = nxt
@@ -431,9 +438,8 @@ class Session:
         self._sync()
         state = {"hidden": hidden}
 
-        def nxt(d_idx: torch.Tensor, pos: int) -> None:
-            out.logits, state["hidden"] = head.step(bound.to_target[d_idx], pos, dc.cache,
-                                                    state["hidden"])
+        def nxt(d_idx: torch.Tensor | None, t_id: torch.Tensor, pos: int) -> None:
+            out.logits, state["hidden"] = head.step(t_id, pos, dc.cache, state["hidden"])
 
         out.next = nxt
         return out

@@ -331,7 +331,15 @@ class LeanLM:
             else:
                 kc.index_copy_(1, at, k)
                 vc.index_copy_(1, at, v)
-            x = x + L.o(_attend(q, kc[:, :keys], vc[:, :keys], bias))
+            if isinstance(at, int) and 1 < T <= DenseLinear.pad_rows:
+                # a verify: each row over exactly its own keys, the shapes a step of that
+                # token alone has (BLAS and softmax reductions block by length, and a
+                # token's logits must not depend on whether it was verified or stepped)
+                att = torch.cat([_attend(q[j:j + 1], kc[:, :at + j + 1], vc[:, :at + j + 1],
+                                         None) for j in range(T)])
+            else:
+                att = _attend(q, kc[:, :keys], vc[:, :keys], bias)
+            x = x + L.o(att)
             h = F.rms_norm(x, (a.hidden,), L.ln2, a.eps)
             if len(L.gate_up) == 1:
                 g, u = L.gate_up[0](h).chunk(2, dim=-1)

@@ -29,7 +29,9 @@ from memspec.common.paths import DEFAULT_POOL, default_target_dir, expand_path, 
 from memspec.procs.decoder.precision import resolve_dtype
 from memspec.procs.decoder.slots import draft_weights_file
 
-FORMAT = "memspec-tables/1"
+# 2: with the context lookup on, a head takes a looked-up token outside its vocabulary (it
+# embeds target ids); tables of version 1 let its own guess stand there, and are re-made
+FORMAT = "memspec-tables/2"
 TABLES_PREFIX = "tables-"
 
 
