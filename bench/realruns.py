@@ -116,10 +116,11 @@ class RealResult:
 
 def run_fingerprint(pool_path: str | None) -> str:
     """What a cached real run depends on beyond its request: the pool's drafts and knobs,
-    the predictor head it ranks with, the target's numerics (dtype and CPU kernel path) and
+    the tuned knobs (tuned.json), the predictor head it ranks with, the target's numerics (dtype and CPU kernel path) and
     the runtime's code. A run made with anything else is measured again, never mixed into
     new figures."""
     from memspec.common.config import load_pool
+    from memspec.common.tuned import tuned_path
     from memspec.procs.decoder.tablefiles import pool_fingerprint, runtime_key
     from memspec.procs.predictor.ranker import head_path_for
 
@@ -129,6 +130,7 @@ def run_fingerprint(pool_path: str | None) -> str:
     head = head_path_for(pool)  # a retrained head ranks differently: new runs
     h.update(head.read_bytes() if head.is_file() else f"no head at {head.name}".encode())
     h.update(runtime_key(pool).encode())
+    h.update(tuned_path().read_bytes())  # the knobs the runtime reads (a re-tune: new runs)
     root = Path(__file__).resolve().parent.parent
     for sub in ("procs", "common", "launch"):
         for f in sorted((root / sub).rglob("*")):

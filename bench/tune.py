@@ -21,7 +21,9 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   simulator has no table for the lookup run alone);
 - **lookup_depth** (DEPTH_PRIOR, DEPTH_WEIGHT): how long the context lookup's proposals are
   (procs/decoder/lookup_depth.py): the prior from lookup-only's accepted counts on dev, the
-  prior's weight in real runs, one warm server per setting (bench/tune_lookup_depth.py).
+  prior's weight in real runs, one warm server per setting (bench/tune_lookup_depth.py);
+- **head_vocab** (head.VOCAB): how many rows of its frequency-ranked draft vocabulary a head
+  scores, in real runs, one warm server per setting (bench/tune_head_vocab.py).
 
 The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
 model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
@@ -370,6 +372,13 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                                  "dev": f"lookup-only's accepted counts {ld['counts']} on dev"}
     out["lookup.DEPTH_WEIGHT"] = {"value": ld["chosen"], "grid": ld["grid"]["DEPTH_WEIGHT"],
                                   "chosen_by": "lookup_depth", "dev": dev}
+    hv = res["head_vocab"]
+    f = hv["figure"]
+    out["head.VOCAB"] = {
+        "value": hv["chosen"], "grid": hv["grid"]["VOCAB"], "chosen_by": "head_vocab",
+        "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
+               f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real runs, "
+               f"{hv['prompts']} prompts x {hv['repeats']})"}
     lk = res["lookup"]
     out["pool.lookup"] = {
         "value": lk["chosen"], "grid": lk["grid"], "chosen_by": "lookup",
@@ -379,7 +388,7 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
-            "lookup_depth")
+            "lookup_depth", "head_vocab")
 
 
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
@@ -429,6 +438,10 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
 
         res["lookup_depth"] = tune_lookup_depth(pool_file, per_domain, max_new, repeats,
                                                 pool.gamma)
+    if "head_vocab" in want:
+        from memspec.bench.tune_head_vocab import tune_head_vocab
+
+        res["head_vocab"] = tune_head_vocab(pool_file, per_domain, max_new, repeats)
     missing = set(SECTIONS) - set(res)
     if missing:
         raise ConfigError(f"no earlier tune holds {', '.join(sorted(missing))}",
@@ -456,7 +469,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 7, figsize=(23, 3.4))
+    fig, axes = plt.subplots(1, 8, figsize=(26, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -495,6 +508,17 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     ax.set_xticks(range(len(rows)), [r["variant"].split("@")[1] for r in rows], rotation=30,
                   fontsize=7)
     ax.set_title("lookup DEPTH_WEIGHT (real runs)")
+    ax = axes[7]
+    rows = s["head_vocab"]["rows"] if "head_vocab" in s else []
+    for key, label in ((None, "memspec"), ("general_static", "general-static")):
+        pts = [r if key is None else r[key] for r in rows]
+        ax.errorbar(range(len(pts)), [r["gmean"] for r in pts],
+                    yerr=[[r["gmean"] - r["ci95"][0] for r in pts],
+                          [r["ci95"][1] - r["gmean"] for r in pts]], fmt="o", capsize=3,
+                    label=label)
+    ax.set_xticks(range(len(rows)), [str(r["value"] or "all") for r in rows], fontsize=7)
+    ax.set_title("head.VOCAB rows (real runs)")
+    ax.legend(fontsize=6)
     for ax in (*axes[:4], *axes[5:]):
         ax.axhline(1.0, color="k", lw=0.6)
     axes[0].set_ylabel("over target-only, e2e (simulated, dev)")

@@ -389,3 +389,24 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
                 assert min(r.accepted, len(tokens) - pos) == want, (r.draft, pos)
             pos += r.emitted
         assert {r.draft for r in recs} == set(names)
+
+
+def test_tables_made_with_another_head_cut_are_stale(tmp_path, monkeypatch):
+    """A head scoring fewer rows (``head.VOCAB``) proposes otherwise: tables written under
+    one cut are re-made under another, never replayed."""
+    from memspec.common.tuned import TUNED_ENV, TUNED_FILE
+    from memspec.procs.decoder.tablefiles import TraceTables, read_tables, write_tables
+
+    fp = {"general": "a" * 64}
+    tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
+                                                "tables": {"general": [1, 0]}}}, "int4")
+    path = tmp_path / "tables-dev.json"
+    write_tables(path, tt)
+    assert read_tables(path, 4, fp, "int4") is not None
+    data = json.loads(TUNED_FILE.read_text())
+    data["knobs"]["head.VOCAB"]["value"] = 4096
+    (tmp_path / "tuned.json").write_text(json.dumps(data))
+    monkeypatch.setenv(TUNED_ENV, str(tmp_path / "tuned.json"))
+    assert read_tables(path, 4, fp, "int4") is None
+    write_tables(path, tt)
+    assert read_tables(path, 4, fp, "int4") is not None

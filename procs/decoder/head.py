@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from memspec.common.errors import ModelError
+from memspec.common.tuned import knob
 from memspec.procs.decoder.cudagraph import GraphLM, HeadSteps
 from memspec.procs.decoder.lean import (
     Arch,
@@ -90,6 +91,19 @@ class HeadArch:
                 "k_proj": (nk, 2 * h), "v_proj": (nk, 2 * h), "o_proj": (h, nq),
                 "post_attention_layernorm": (h,), "gate_proj": (self.intermediate, h),
                 "up_proj": (self.intermediate, h), "down_proj": (h, self.intermediate)}
+
+
+def scored_rows(to_target: torch.Tensor) -> torch.Tensor:
+    """The head's draft vocabulary as the runtime scores it: its first ``head.VOCAB`` ids
+    (tuned on dev; None: all). A draft vocabulary is frequency-ranked, so a cut keeps the
+    commonest ids, and the LM rows are most of a draft step's work. Looked-up tokens
+    outside the cut are still proposed (a head embeds any target id)."""
+    rows = knob("head.VOCAB")
+    return to_target[:rows] if rows and rows < to_target.numel() else to_target
+
+
+def scored_arch(arch: HeadArch, to_target: torch.Tensor) -> HeadArch:
+    return replace(arch, vocab=to_target.numel())
 
 
 def is_head(model_dir: Path) -> bool:

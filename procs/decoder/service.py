@@ -49,7 +49,7 @@ from memspec.procs.decoder.calibration import gate_costs as calibrated_gate_cost
 from memspec.procs.decoder.detok import StreamDecoder
 from memspec.procs.decoder.engine import Session, SpecEngine
 from memspec.procs.decoder.gate import GateCosts
-from memspec.procs.decoder.head import is_head
+from memspec.procs.decoder.head import is_head, scored_rows
 from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
 from memspec.procs.decoder.models import check_template_roles, encode_chat, encode_prompt
 from memspec.procs.decoder.oracle import (
@@ -149,6 +149,7 @@ def prepare_heads(engine: SpecEngine, pool: PoolConfig, files: dict[str, DraftFi
                 to_target = sf.get_tensor(ID_MAP_KEY)
         except Exception:  # noqa: BLE001 - a bad file is the bind's to report, as before
             continue
+        to_target = scored_rows(to_target)  # the rows a bind will build
         maps.setdefault((to_target.numel(), int(to_target.sum())), to_target)
     for to_target in maps.values():
         engine.target_parts.prepare(to_target)

@@ -30,6 +30,8 @@ from memspec.procs.decoder.head import (
     TargetParts,
     is_head,
     read_head_config,
+    scored_arch,
+    scored_rows,
 )
 from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache, projection_shapes
 from memspec.procs.decoder.native import NativeLM
@@ -249,6 +251,8 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         if to_target is None or to_target.numel() != arch.vocab:
             raise ModelError(f"head '{name}' has no draft-vocabulary id map of {arch.vocab}",
                              "rebuild the head with `memspec zoo drafts`")
+        to_target = scored_rows(to_target)
+        arch = scored_arch(arch, to_target)
         runner: Runner = HeadRunner(name, arch, weights, parts, to_target)
         return BoundDraft(name, runner, slot, slot.generation, to_target,
                           _inverse(to_target, target_vocab), config, weights)

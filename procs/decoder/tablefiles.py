@@ -26,6 +26,7 @@ import torch
 from memspec.common.config import PoolConfig, tomllib
 from memspec.common.files import read_jsonl, sha256_file
 from memspec.common.paths import DEFAULT_POOL, default_target_dir, expand_path, memspec_home
+from memspec.common.tuned import knob
 from memspec.procs.decoder.precision import resolve_dtype
 from memspec.procs.decoder.slots import draft_weights_file
 
@@ -33,6 +34,13 @@ from memspec.procs.decoder.slots import draft_weights_file
 # embeds target ids); tables of version 1 let its own guess stand there, and are re-made
 FORMAT = "memspec-tables/2"
 TABLES_PREFIX = "tables-"
+
+
+def tables_format() -> str:
+    """The format, plus the rows a head scores when ``head.VOCAB`` cuts them: tables made
+    with another cut propose otherwise and are re-made."""
+    rows = knob("head.VOCAB")
+    return f"{FORMAT}+head-rows-{rows}" if rows else FORMAT
 
 
 def pool_fingerprint(pool: PoolConfig) -> dict[str, str]:
@@ -138,7 +146,7 @@ class TraceTables:
     dtype: str = ""
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "gamma": self.gamma, "drafts": self.drafts,
+        return {"format": tables_format(), "gamma": self.gamma, "drafts": self.drafts,
                 "fingerprint": self.fingerprint, "dtype": self.dtype, "rows": self.rows}
 
     def complete(self, row_id: str) -> bool:
@@ -158,7 +166,8 @@ def read_tables(path: Path, gamma: int, fingerprint: Mapping[str, str],
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("gamma") != gamma \
+    if not isinstance(raw, dict) or raw.get("format") != tables_format() \
+            or raw.get("gamma") != gamma \
             or raw.get("fingerprint") != dict(fingerprint):
         return None
     if dtype is not None and raw.get("dtype", "") != dtype:
