@@ -22,7 +22,7 @@ from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, ru
 from memspec.bench.tune_lookup_gate import _brief, tuned_with
 from memspec.common.tuned import TUNED_ENV, tuned_path
 
-ROWS = (None, 8192, 4096, 2048)  # None: every row the head was trained with
+ROWS = (None, 8192, 4096, 2048, 1024)  # None: every row the head was trained with
 
 
 def _log(msg: str) -> None:
