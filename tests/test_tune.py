@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from memspec.bench import tune
 from memspec.common.config import load_pool
@@ -15,6 +16,7 @@ from memspec.common.paths import DEFAULT_POOL
 from memspec.common.tuned import TUNED_FILE, knob, tuned_knobs
 from memspec.procs.decoder import engine, loop
 from memspec.procs.decoder.gate import SpecGate
+from memspec.procs.decoder.head import scored_rows
 from memspec.procs.decoder.lookup_depth import LookupDepth
 
 RUNTIME = {  # knob -> the value the runtime runs
@@ -34,8 +36,16 @@ RUNTIME = {  # knob -> the value the runtime runs
     "pool.lookup": lambda: load_pool(str(DEFAULT_POOL)).lookup,
     "lookup.DEPTH_PRIOR": lambda: LookupDepth.PRIOR,
     "lookup.DEPTH_WEIGHT": lambda: LookupDepth.WEIGHT,
+    "head.VOCAB": lambda: _head_rows(),
 }
-MEASURED = {"lookup.DEPTH_PRIOR": "prior"}  # estimated on dev, not chosen from a grid
+MEASURED = {"lookup.DEPTH_PRIOR": "prior"}
+
+
+def _head_rows() -> int | None:
+    """The rows a bind keeps of a vocabulary larger than any cut (None: every row)."""
+    big = 1 << 20
+    n = scored_rows(torch.arange(big)).numel()
+    return None if n == big else n  # estimated on dev, not chosen from a grid
 
 
 def test_every_knob_was_chosen_on_dev_from_its_grid():
