@@ -12,6 +12,8 @@ uses ``_weight_int4pack_mm_for_cpu`` for int4 and a dequantised copy for int8.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -32,23 +34,31 @@ class Linear:
         raise NotImplementedError
 
 
-class DenseLinear(Linear):
-    """Dense weights; calls of up to ``pad_rows`` rows run as exactly ``pad_rows`` rows,
-    because BLAS picks its blocking by the row count and a token's logits must not depend
-    on whether it was verified with others or stepped alone."""
+PAD_ROWS = 8
 
-    pad_rows = 8
+
+def padded(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``f`` over ``x``, calls of fewer than PAD_ROWS rows run as exactly PAD_ROWS rows:
+    BLAS and PyTorch's int4 kernel pick their blocking by the row count, and a token's
+    logits must not depend on whether it was verified with others or stepped alone."""
+    m = x.shape[0]
+    if m >= PAD_ROWS:
+        return f(x)
+    xp = x.new_zeros((PAD_ROWS, x.shape[1]))
+    xp[:m] = x
+    return f(xp)[:m]
+
+
+class DenseLinear(Linear):
+    """Dense weights (small calls padded: :func:`padded`)."""
+
+    pad_rows = PAD_ROWS
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if m >= self.pad_rows:
-            return F.linear(x, self.weight, self.bias)
-        xp = x.new_zeros((self.pad_rows, x.shape[1]))
-        xp[:m] = x
-        return F.linear(xp, self.weight, self.bias)[:m]
+        return padded(lambda v: F.linear(v, self.weight, self.bias), x)
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +109,7 @@ class Int4Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packed, sz = self._torch_pack()
-        y = torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+        y = padded(lambda v: torch._weight_int4pack_mm_for_cpu(v, packed, GROUP, sz), x)
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
@@ -140,7 +150,7 @@ class Int8Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._dense is None:  # the PyTorch path has no kernel for Q8_0 blocks
             self._dense = self.dequantize().to(self.act_dtype)
-        return F.linear(x, self._dense, self.bias)
+        return padded(lambda v: F.linear(v, self._dense, self.bias), x)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
