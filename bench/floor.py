@@ -335,7 +335,8 @@ def _print(res: dict[str, Any]) -> None:
               f"{s['memspec_snapshots_per_request']:.1f} snapshots a request")
 
 
-def _plot(res: dict[str, Any], folder: Path) -> Path:
+def _plot(res: dict[str, Any], folder: Path, name: str = "bench_floor") -> Path:
+    """``name``: the JSON file's stem, so a run per kernel path keeps its own plot."""
     from memspec.bench.plotting import pyplot
 
     plt = pyplot()
@@ -355,7 +356,7 @@ def _plot(res: dict[str, Any], folder: Path) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle(res["machine"], fontsize=9)
     fig.tight_layout()
-    out = folder / "bench_floor.png"
+    out = folder / f"{name}.png"
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
@@ -365,5 +366,6 @@ def main_bench_floor(args) -> int:
     res = run(args.pool, args.per_domain, args.max_new_tokens, repeats=max(1, args.repeats),
               warm=not args.no_warm)
     _print(res)
-    save_outputs(res, args, _plot)
+    name = Path(args.json).stem if args.json else "bench_floor"
+    save_outputs(res, args, lambda r, folder: _plot(r, folder, name))
     return 0
