@@ -101,3 +101,33 @@ def test_head_steps_replayed_as_graphs_decode_losslessly(tiny_dir, tmp_path):
             assert out == ref, (fast, prompt)
             outs[fast, len(prompt)] = stats.summary()["num_accepted_tokens"]
     assert outs  # both settings ran every prompt
+
+
+class _Step:
+    made: list[_Step] = []
+
+    def __init__(self, runner, cache: KVCache, token, pos, hidden) -> None:
+        self.cache = cache
+        _Step.made.append(self)
+
+    def __call__(self, token, pos, hidden):
+        return torch.zeros(1, 4), hidden
+
+
+def test_head_steps_are_keyed_by_cache_memory_and_keep_at_most_their_limit(monkeypatch):
+    """A head's step graphs follow the cache memory they write, like the target's; past
+    the limit the oldest is dropped (and with it the cache it kept alive)."""
+    monkeypatch.setattr(cudagraph, "_HeadStep", _Step)
+    _Step.made.clear()
+    steps = cudagraph.HeadSteps(runner=None, limit=2)
+    tok, hidden = torch.tensor([1]), torch.zeros(1, 8)
+    a, b, c = _cache(), _cache(), _cache()
+    steps(tok, 3, a, hidden)
+    steps(tok, 4, KVCache(a.k.view_as(a.k), a.v[:]), hidden)  # same memory: same graph
+    assert len(_Step.made) == 1
+    steps(tok, 3, b, hidden)
+    steps(tok, 3, c, hidden)  # a third cache: the oldest graph (a's) goes
+    assert len(_Step.made) == 3 and len(steps._graphs) == 2
+    assert storage_key(a) not in steps._graphs
+    steps(tok, 5, a, hidden)  # a again: captured anew
+    assert len(_Step.made) == 4 and storage_key(b) not in steps._graphs
