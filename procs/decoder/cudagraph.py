@@ -16,6 +16,7 @@ one reuses can never replay a graph into memory it no longer owns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,21 @@ def storage_key(cache: KVCache) -> Key:
     for t in (cache.k, cache.v, cache.feat):
         parts += [t.data_ptr(), *t.shape] if t is not None else [0]
     return tuple(parts)
+
+
+def _capture(dev: torch.device, body: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``body`` up twice on a side stream (allocator, cuBLAS handles), then capture it.
+    The warm-up runs for real: callers set their static inputs to the first call's own."""
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+    return graph, out
 
 
 class _Graph:
@@ -60,15 +76,7 @@ class _Graph:
                                     self.sin[positions], bias, keys)
             return lean.head(x)
 
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS handles)
-                body()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = body()
+        self.graph, self.out = _capture(dev, body)
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         T = ids.numel()
@@ -131,15 +139,7 @@ class _HeadStep:
         def body() -> tuple[torch.Tensor, torch.Tensor]:
             return runner.graph_step(self.token, self.pos, cache, self.hidden, self.tables)
 
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = body()
+        self.graph, self.out = _capture(dev, body)
 
     def __call__(self, token: torch.Tensor, pos: int, hidden: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +100,6 @@ def scored_rows(to_target: torch.Tensor) -> torch.Tensor:
     outside the cut are still proposed (a head embeds any target id)."""
     rows = knob("head.VOCAB")
     return to_target[:rows] if rows and rows < to_target.numel() else to_target
-
-
-def scored_arch(arch: HeadArch, to_target: torch.Tensor) -> HeadArch:
-    return replace(arch, vocab=to_target.numel())
 
 
 def is_head(model_dir: Path) -> bool:

@@ -7,7 +7,7 @@ bytes; the buffer itself is allocated once, which is what lets a loader process 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from memspec.procs.decoder.head import (
     TargetParts,
     is_head,
     read_head_config,
-    scored_arch,
     scored_rows,
 )
 from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache, projection_shapes
@@ -252,7 +251,7 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
             raise ModelError(f"head '{name}' has no draft-vocabulary id map of {arch.vocab}",
                              "rebuild the head with `memspec zoo drafts`")
         to_target = scored_rows(to_target)
-        arch = scored_arch(arch, to_target)
+        arch = replace(arch, vocab=to_target.numel())
         runner: Runner = HeadRunner(name, arch, weights, parts, to_target)
         return BoundDraft(name, runner, slot, slot.generation, to_target,
                           _inverse(to_target, target_vocab), config, weights)
