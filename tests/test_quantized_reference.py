@@ -14,8 +14,12 @@ Tolerances: GPTQModel's forward runs in fp16 (its CPU kernels take fp16 or bf16 
 - The engine's int4 forward vs GPTQModel's: the engine's kernels quantise activations to
   int8 per 32 values and keep the LM head in Q8_0; on the demo target, whose weights it
   holds exactly, those alone put it a mean 2.7% of the logit std from its own fp32 forward
-  (top-1 agreement 96%). Allowed: mean 6%, top-1 agreement 90%. Reading the v1 zeros
-  without their +1 puts it at 105% (top-1 0%), so the bound separates a wrong reading.
+  (top-1 agreement 96%). Allowed: mean 6%, and where the top-1 tokens differ, GPTQModel's
+  own logits must call it a near-tie: its logit for our token within 0.25 std of its top.
+  (A plain top-1 agreement bound depends on how many near-ties the checkpoint has: the
+  GPTQ target quantised on a Zen 3 host agreed on 84.8% of 46 tokens with its own fp32
+  forward, every miss a near-tie of at most 0.12 std.) Reading the v1 zeros without their
+  +1 puts it at 105% (top-1 0%), so the bound separates a wrong reading.
 """
 
 from __future__ import annotations
@@ -109,6 +113,12 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
                                                           .float().mean())
 
 
+def _regret(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How far below b's top logit b puts a's top-1 token, at worst, in b's std."""
+    pick = b.gather(-1, a.argmax(-1, keepdim=True))
+    return float((b.max(-1, keepdim=True).values - pick).max()) / float(b.std())
+
+
 @pytest.mark.parametrize("name", JOBS)
 def test_logits_match_gptqmodels_own_forward(refs, name):
     folder, ref = job(refs, name)
@@ -125,7 +135,7 @@ def test_logits_match_gptqmodels_own_forward(refs, name):
     mean, peak, top1 = _gap(got_exact, want)
     assert mean < 0.01 and peak < 0.06 and top1 >= 0.95, (mean, peak, top1)
     mean, peak, top1 = _gap(got, want)
-    assert mean < 0.06 and top1 >= 0.90, (mean, peak, top1)
+    assert mean < 0.06 and _regret(got, want) < 0.25, (mean, peak, top1, _regret(got, want))
 
 
 def test_an_off_by_one_zero_reading_is_outside_the_tolerance(refs):
@@ -140,7 +150,7 @@ def test_an_off_by_one_zero_reading_is_outside_the_tolerance(refs):
     with torch.inference_mode():
         got = wrong.forward(ref["ids"], 0, wrong.new_cache(256)).float()
     mean, _, top1 = _gap(got, ref["logits"])
-    assert mean > 0.5 and top1 < 0.5
+    assert mean > 0.5 and top1 < 0.5 and _regret(got, ref["logits"]) > 1.0
 
 
 def _pool(tmp_path: Path, drafts: list[tuple[str, Path, str]]) -> Path:
