@@ -88,6 +88,46 @@ Lin make_lin(const py::tuple& t) {
   return l;
 }
 
+// Projections that read the same rows (q, k, v; gate, up) as one block-kernel matmul: their
+// tiles concatenated, which is the same arithmetic per output, so the same bits. The rows
+// are quantised once instead of once per projection, and one split across threads covers
+// all outputs (k and v alone are 12 tiles each). Only our own packed copies are joined; a
+// draft head's weights stay views of its slot.
+std::vector<Lin> joined(std::vector<Lin> lins) {
+  if (lins.size() < 2) return lins;
+  const int64_t kind = lins[0].kind;
+  const bool bias = lins[0].bias.defined();
+  for (const auto& l : lins) {
+    const int64_t K = kind == 3 ? l.q4.K : l.q8.K;
+    if ((kind != 3 && kind != 4) || l.kind != kind || l.bias.defined() != bias ||
+        K != (kind == 3 ? lins[0].q4.K : lins[0].q8.K))
+      return lins;
+  }
+  auto cat = [&](auto field) {
+    std::vector<at::Tensor> parts;
+    for (const auto& l : lins) parts.push_back(field(l));
+    return at::cat(parts, 0);
+  };
+  Lin j;
+  j.kind = kind;
+  if (bias) j.bias = cat([](const Lin& l) { return l.bias.to(at::kFloat); });
+  if (kind == 3) {
+    j.q4.nib = cat([](const Lin& l) { return l.q4.nib; });
+    j.q4.d = cat([](const Lin& l) { return l.q4.d; });
+    j.q4.m = cat([](const Lin& l) { return l.q4.m; });
+    j.q4.K = lins[0].q4.K;
+    for (const auto& l : lins) j.q4.N += l.q4.N;
+  } else {
+    j.q8.w = cat([](const Lin& l) { return l.q8.w; });
+    j.q8.d = cat([](const Lin& l) { return l.q8.d; });
+    j.q8.c = cat([](const Lin& l) { return l.q8.c; });
+    j.q8.s = cat([](const Lin& l) { return l.q8.s; });
+    j.q8.K = lins[0].q8.K;
+    for (const auto& l : lins) j.q8.N += l.q8.N;
+  }
+  return {j};
+}
+
 struct Layer {
   at::Tensor ln1, ln2;  // fp32
   std::vector<Lin> qkv, gate_up;
@@ -414,6 +454,8 @@ class Model : public Core {
       for (auto q : t[2].cast<py::list>()) L.qkv.push_back(make_lin(q.cast<py::tuple>()));
       L.o = make_lin(t[3].cast<py::tuple>());
       for (auto q : t[4].cast<py::list>()) L.gate_up.push_back(make_lin(q.cast<py::tuple>()));
+      L.qkv = joined(std::move(L.qkv));
+      L.gate_up = joined(std::move(L.gate_up));
       L.down = make_lin(t[5].cast<py::tuple>());
       layers_.push_back(std::move(L));
     }

@@ -71,6 +71,8 @@ struct QuantRows {
   std::vector<float> qsum;   // [M, K/32]: scale * sum(xq), for the q4 offset term
 };
 QuantRows quantize_rows(const float* x, int64_t M, int64_t K, bool for_q8);
+// the portable reference of the same (q, scale, qsum), for the checks
+QuantRows quantize_rows_scalar(const float* x, int64_t M, int64_t K);
 
 // y[row0 + r, t*16 .. t*16+15] for r < rows (<= 8) and tiles t in [t0, t1); ldy = N
 void q4_tiles(const QuantRows& xr, const Q4& w, float* y, int64_t row0, int64_t rows,

@@ -89,6 +89,25 @@ int main() {
   std::vector<float> x(M * K);
   for (auto& v : x) v = uniform() * (next_u32() % 7 == 0 ? 8.f : 1.f);
 
+  // the rows' quantiser against its scalar reference, byte for byte: random rows, a group of
+  // zeros, and a group whose scale is 1 so that x / s lands on halves (ties round to even)
+  {
+    std::vector<float> xq(x);
+    xq.resize(M * K + 2 * K);
+    for (int64_t kk = 0; kk < QGROUP; ++kk) {
+      xq[M * K + kk] = 0.f;
+      xq[M * K + QGROUP + kk] = kk == 0 ? 127.f : static_cast<float>(kk % 9) - 4.5f;
+    }
+    const int64_t rows = M + 2;
+    const QuantRows a = quantize_rows(xq.data(), rows, K, false);
+    const QuantRows b = quantize_rows_scalar(xq.data(), rows, K);
+    expect(a.q == b.q, "quantised rows differ from the scalar reference");
+    expect(std::memcmp(a.scale.data(), b.scale.data(), b.scale.size() * 4) == 0 &&
+               std::memcmp(a.qsum.data(), b.qsum.data(), b.qsum.size() * 4) == 0,
+           "row scales or sums differ from the scalar reference");
+    expect(b.q[M * K + QGROUP + 1] == -4 && b.q[M * K + QGROUP + 2] == -2, "ties to even");
+  }
+
   // q4: codes 0..15, scales k/1024
   std::vector<uint8_t> q4(N * K);
   std::vector<uint16_t> d4(N * G), m4(N * G);
