@@ -344,7 +344,7 @@ def _plot(res: dict[str, Any], folder: Path, name: str = "bench_floor") -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for ax, phase in zip(axes, ("cold", "warm")):
         runs = res.get(phase) or []
-        ids = [r["id"][-8:] for r in runs]
+        ids = [r["id"].removeprefix("dev-") for r in runs]
         for off, (a, lab) in enumerate((("memspec", "memspec"), ("general-static", "general-static"),
                                         ("in-process", "target-only in process"))):
             ys = [r[a]["e2e_tok_s"] / r["target-only"]["e2e_tok_s"] for r in runs]
