@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_pipeline import _ready_pool
@@ -24,12 +25,32 @@ PROBE = ("import sys, torch, memspec.common.paths as p; "
          "print(sys.version_info[:2] == (3, 10), p.PACKAGE_ROOT)")
 
 
+def _candidates() -> list[str]:
+    """Where launch/setup.sh looks too: $MEMSPEC_PYTHON310, python3.10 on PATH (a pyenv
+    shim there may name no installed version), then pyenv's own 3.10 installs."""
+    named = os.environ.get("MEMSPEC_PYTHON310")
+    if named:
+        return [named]
+    found = [shutil.which("python3.10")]
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found += sorted(str(p) for p in root.glob("versions/3.10*/bin/python3.10"))
+    return [f for f in found if f]
+
+
+def _runs_310(exe: str) -> bool:
+    try:
+        return subprocess.run([exe, "-c", "import sys; assert sys.version_info[:2] == (3, 10)"],
+                              capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def _python310() -> str:
     """The interpreter to test, or pytest.skip with why there is none."""
-    named = os.environ.get("MEMSPEC_PYTHON310")
-    exe = named or shutil.which("python3.10")
-    if exe is None:
-        pytest.skip("no python3.10 on PATH (set MEMSPEC_PYTHON310 to one)")
+    runs = [c for c in _candidates() if _runs_310(c)]
+    if not runs:
+        pytest.skip("no python3.10 on PATH or under pyenv (set MEMSPEC_PYTHON310 to one)")
+    exe = runs[0]
     try:
         res = subprocess.run([exe, "-c", PROBE], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
