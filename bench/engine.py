@@ -219,6 +219,56 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
             "lib": os.environ.get("LLAMA_CPP_LIB_PATH", "bundled")}
 
 
+def llama_cpp_e2e(rt: LocalRuntime, prompts: list[str], max_new: int, threads: int,
+                  gamma: int) -> dict[str, Any] | None:
+    """What a llama-cpp-python user runs instead, end to end: greedy `create_completion` on
+    the same GGUF, plain and with its own prompt-lookup speculation
+    (`LlamaPromptLookupDecoding`, gamma tokens a proposal), against our in-process
+    target-only and lookup-only (the runtime's own prompt lookup, which the memspec policy
+    gates) on the same prompts, interleaved per prompt. Every clock runs from the call to its
+    last token, prefill included; llama-cpp-python's Python sampling is part of what its user
+    gets, which is why its plain rate here is below the per-token C API rate above."""
+    try:
+        import llama_cpp as lc
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+    from memspec.zoo.target import find_gguf
+
+    kw = dict(model_path=str(find_gguf()), n_threads=threads, n_threads_batch=threads,
+              n_ctx=2048, n_batch=512, verbose=False, seed=0)
+    peers = {"llama.cpp": lc.Llama(**kw),
+             "llama.cpp+lookup": lc.Llama(**kw, draft_model=LlamaPromptLookupDecoding(
+                 num_pred_tokens=gamma))}
+    rates: dict[str, list[float]] = {k: [] for k in
+                                     (*peers, "ours target-only", "ours lookup-only")}
+    for i, prompt in enumerate(prompts):
+        ids = encode_prompt(rt.tokenizer, prompt)
+        for name, llm in peers.items():
+            llm.reset()
+            t0 = time.perf_counter()
+            out = llm.create_completion(prompt=ids, max_tokens=max_new, temperature=0.0,
+                                        top_k=1)
+            rates[name].append(out["usage"]["completion_tokens"] / (time.perf_counter() - t0))
+        for policy in ("target-only", "lookup-only"):
+            t0 = time.perf_counter()
+            got = run_request(rt, prompt, policy, max_new, SamplingParams())
+            rates[f"ours {policy}"].append(len(got["token_ids"]) / (time.perf_counter() - t0))
+        _log(f"end to end {i + 1}/{len(prompts)}: "
+             + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()) + " tok/s")
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.geometric_mean([x / y for x, y in zip(rates[a], rates[b])])
+
+    return {"tok_s": {k: statistics.geometric_mean(v) for k, v in rates.items()},
+            "per_prompt_tok_s": rates, "gamma": gamma,
+            "lookup_over_plain_llama_cpp": ratio("llama.cpp+lookup", "llama.cpp"),
+            "ours_target_only_over_llama_cpp": ratio("ours target-only", "llama.cpp"),
+            "ours_lookup_only_over_llama_cpp_lookup": ratio("ours lookup-only",
+                                                             "llama.cpp+lookup"),
+            "ours_lookup_only_over_llama_cpp": ratio("ours lookup-only", "llama.cpp")}
+
+
 def run(pool_path: str | None, n_prompts: int, max_new: int,
         dtypes: list[str] | None = None, target: str | None = None) -> dict[str, Any]:
     """``target``: another target folder in place of the pool's (e.g. a GPTQ / AWQ one);
@@ -303,6 +353,9 @@ def run(pool_path: str | None, n_prompts: int, max_new: int,
         out["llama_cpp"] = {k: v for k, v in peer.items() if k != "outputs"}
         out["llama_cpp"]["identical_to_ours"] = sum(x is None for x in div)
         out["llama_cpp"]["first_divergence_from_ours"] = div
+        e2e = llama_cpp_e2e(rts[chosen], prompts, max_new, threads, pool.gamma)
+        if e2e is not None:
+            out["llama_cpp_e2e"] = e2e
     else:
         out["llama_cpp_tok_s"] = None
     return out
@@ -325,6 +378,13 @@ def _print(res: dict[str, Any]) -> None:
               f"through llama_decode): {res['llama_cpp_tok_s']:.1f} tok/s, decode step "
               f"{lc['decode_step_ms']:.2f} ms; ours/llama.cpp "
               f"{res['target_only_over_llama_cpp']:.2f}")
+    if res.get("llama_cpp_e2e"):
+        e = res["llama_cpp_e2e"]
+        print("end to end through llama-cpp-python's create_completion (gmean tok/s): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in e["tok_s"].items()))
+        print(f"  llama.cpp's prompt lookup / its plain decoding {e['lookup_over_plain_llama_cpp']:.2f}; "
+              f"ours lookup-only / llama.cpp+lookup {e['ours_lookup_only_over_llama_cpp_lookup']:.2f}; "
+              f"ours lookup-only / llama.cpp plain {e['ours_lookup_only_over_llama_cpp']:.2f}")
     for d, e in res["per_dtype"].items():
         if "first_divergence_from_fp32" in e and d != "float32":
             print(f"{d}: identical to fp32 on {e['identical_to_fp32']}/{res['prompts']} prompts; "
