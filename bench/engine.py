@@ -193,7 +193,7 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
         ptr = lc.llama_get_logits_ith(ctx, -1)
         return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
 
-    rates, step_ms, outputs = [], [], []
+    rates, step_ms, outputs, ours = [], [], [], []
     for prompt in prompts:
         ids = encode_prompt(rt.tokenizer, prompt)
         lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
@@ -210,9 +210,16 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
         if len(out) > 1:
             rates.append((len(out) - 1) / spent)
             step_ms.append(1e3 * decode_s / (len(out) - 1))
+            # ours again right after, on the same prompt: a paired ratio that a drifting
+            # host load cannot tilt (the main loop ran ours minutes earlier)
+            ours.append(run_request(rt, prompt, "target-only", max_new,
+                                    SamplingParams())["stats"]["tokens_per_s_steady"])
         outputs.append(out)
     info = lc.llama_print_system_info()
     return {"tok_s": statistics.median(rates), "per_prompt_tok_s": rates,
+            "ours_paired_tok_s": ours,
+            "ours_over_llama_cpp_paired": statistics.geometric_mean(
+                [a / b for a, b in zip(ours, rates)]) if rates else None,
             "decode_step_ms": statistics.median(step_ms), "gguf": gguf.name,
             "threads": threads, "outputs": outputs, "version": lc.__version__,
             "system_info": info.decode() if isinstance(info, bytes) else str(info),
@@ -377,7 +384,9 @@ def _print(res: dict[str, Any]) -> None:
         print(f"llama.cpp {lc['version']} ({lc['gguf']}, {res['threads']} threads, per token "
               f"through llama_decode): {res['llama_cpp_tok_s']:.1f} tok/s, decode step "
               f"{lc['decode_step_ms']:.2f} ms; ours/llama.cpp "
-              f"{res['target_only_over_llama_cpp']:.2f}")
+              f"{res['target_only_over_llama_cpp']:.2f}"
+              + (f" (paired per prompt: {lc['ours_over_llama_cpp_paired']:.2f})"
+                 if lc.get("ours_over_llama_cpp_paired") else ""))
     if res.get("llama_cpp_e2e"):
         e = res["llama_cpp_e2e"]
         print("end to end through llama-cpp-python's create_completion (gmean tok/s): "
