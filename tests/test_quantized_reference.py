@@ -15,7 +15,9 @@ Tolerances: GPTQModel's forward runs in fp16 (its CPU kernels take fp16 or bf16 
   int8 per 32 values and keep the LM head in Q8_0; on the demo target, whose weights it
   holds exactly, those alone put it a mean 2.7% of the logit std from its own fp32 forward
   (top-1 agreement 96%). Allowed: mean 6%, and where the top-1 tokens differ, GPTQModel's
-  own logits must call it a near-tie: its logit for our token within 0.25 std of its top.
+  own logits must call it a near-tie: its logit for our token within 0.35 std of its top
+  (a flip needs a margin below the difference of two logits' errors; with errors of ~0.06
+  std each, 0.35 is more than 4 standard deviations of that difference).
   (A plain top-1 agreement bound depends on how many near-ties the checkpoint has: the
   GPTQ target quantised on a Zen 3 host agreed on 84.8% of 46 tokens with its own fp32
   forward, every miss a near-tie of at most 0.12 std.) Reading the v1 zeros without their
@@ -135,7 +137,7 @@ def test_logits_match_gptqmodels_own_forward(refs, name):
     mean, peak, top1 = _gap(got_exact, want)
     assert mean < 0.01 and peak < 0.06 and top1 >= 0.95, (mean, peak, top1)
     mean, peak, top1 = _gap(got, want)
-    assert mean < 0.06 and _regret(got, want) < 0.25, (mean, peak, top1, _regret(got, want))
+    assert mean < 0.06 and _regret(got, want) < 0.35, (mean, peak, top1, _regret(got, want))
 
 
 def test_an_off_by_one_zero_reading_is_outside_the_tolerance(refs):
