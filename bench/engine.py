@@ -215,11 +215,12 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
             ours.append(run_request(rt, prompt, "target-only", max_new,
                                     SamplingParams())["stats"]["tokens_per_s_steady"])
         outputs.append(out)
+    pairs = [(a, b) for a, b in zip(ours, rates) if a > 0 and b > 0]
     info = lc.llama_print_system_info()
     return {"tok_s": statistics.median(rates), "per_prompt_tok_s": rates,
             "ours_paired_tok_s": ours,
             "ours_over_llama_cpp_paired": statistics.geometric_mean(
-                [a / b for a, b in zip(ours, rates)]) if rates else None,
+                [a / b for a, b in pairs]) if pairs else None,
             "decode_step_ms": statistics.median(step_ms), "gguf": gguf.name,
             "threads": threads, "outputs": outputs, "version": lc.__version__,
             "system_info": info.decode() if isinstance(info, bytes) else str(info),
@@ -260,14 +261,22 @@ def llama_cpp_e2e(rt: LocalRuntime, prompts: list[str], max_new: int, threads: i
         for policy in ("target-only", "lookup-only"):
             t0 = time.perf_counter()
             got = run_request(rt, prompt, policy, max_new, SamplingParams())
-            rates[f"ours {policy}"].append(len(got["token_ids"]) / (time.perf_counter() - t0))
+            spent = time.perf_counter() - t0
+            toks = got["token_ids"]
+            if toks and toks[-1] in rt.engine.eos_ids:  # llama.cpp does not count its EOS
+                toks = toks[:-1]
+            rates[f"ours {policy}"].append(len(toks) / spent)
         _log(f"end to end {i + 1}/{len(prompts)}: "
              + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()) + " tok/s")
 
-    def ratio(a: str, b: str) -> float:
-        return statistics.geometric_mean([x / y for x, y in zip(rates[a], rates[b])])
+    def gmean(v: list[float]) -> float | None:  # a prompt that ended at once has no rate
+        v = [x for x in v if x > 0]
+        return statistics.geometric_mean(v) if v else None
 
-    return {"tok_s": {k: statistics.geometric_mean(v) for k, v in rates.items()},
+    def ratio(a: str, b: str) -> float | None:
+        return gmean([x / y for x, y in zip(rates[a], rates[b]) if x > 0 and y > 0])
+
+    return {"tok_s": {k: gmean(v) for k, v in rates.items()},
             "per_prompt_tok_s": rates, "gamma": gamma,
             "lookup_over_plain_llama_cpp": ratio("llama.cpp+lookup", "llama.cpp"),
             "ours_target_only_over_llama_cpp": ratio("ours target-only", "llama.cpp"),
@@ -389,11 +398,15 @@ def _print(res: dict[str, Any]) -> None:
                  if lc.get("ours_over_llama_cpp_paired") else ""))
     if res.get("llama_cpp_e2e"):
         e = res["llama_cpp_e2e"]
+        def f(v: float | None, spec: str) -> str:
+            return "n/a" if v is None else format(v, spec)
+
         print("end to end through llama-cpp-python's create_completion (gmean tok/s): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in e["tok_s"].items()))
-        print(f"  llama.cpp's prompt lookup / its plain decoding {e['lookup_over_plain_llama_cpp']:.2f}; "
-              f"ours lookup-only / llama.cpp+lookup {e['ours_lookup_only_over_llama_cpp_lookup']:.2f}; "
-              f"ours lookup-only / llama.cpp plain {e['ours_lookup_only_over_llama_cpp']:.2f}")
+              + ", ".join(f"{k} {f(v, '.1f')}" for k, v in e["tok_s"].items()))
+        print(f"  llama.cpp's prompt lookup / its plain decoding "
+              f"{f(e['lookup_over_plain_llama_cpp'], '.2f')}; ours lookup-only / "
+              f"llama.cpp+lookup {f(e['ours_lookup_only_over_llama_cpp_lookup'], '.2f')}; "
+              f"ours lookup-only / llama.cpp plain {f(e['ours_lookup_only_over_llama_cpp'], '.2f')}")
     for d, e in res["per_dtype"].items():
         if "first_divergence_from_fp32" in e and d != "float32":
             print(f"{d}: identical to fp32 on {e['identical_to_fp32']}/{res['prompts']} prompts; "

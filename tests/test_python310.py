@@ -37,6 +37,25 @@ def _candidates() -> list[str]:
     return [f for f in found if f]
 
 
+def _probe(exe: str) -> str | None:
+    """None when ``exe`` is a Python 3.10 with torch and this checkout; else why not."""
+    try:
+        res = subprocess.run([exe, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{exe} does not run ({exc})"
+    if res.returncode != 0:
+        lines = [x.strip() for x in res.stderr.splitlines() if x.strip()] or ["no output"]
+        why = next((x for x in reversed(lines) if "Error" in x), lines[0])[:200]
+        return (f"{exe} cannot import torch and memspec ({why}); set it up with "
+                f"PYTHON={exe} bash launch/setup.sh")
+    is310, root = res.stdout.split(maxsplit=1)
+    if is310 != "True":
+        return f"{exe} is not Python 3.10"
+    if root.strip() != str(PACKAGE_ROOT):
+        return f"{exe} imports memspec from {root.strip()}, not this checkout"
+    return None
+
+
 def _runs_310(exe: str) -> bool:
     try:
         return subprocess.run([exe, "-c", "import sys; assert sys.version_info[:2] == (3, 10)"],
@@ -46,26 +65,20 @@ def _runs_310(exe: str) -> bool:
 
 
 def _python310() -> str:
-    """The interpreter to test, or pytest.skip with why there is none."""
-    runs = [c for c in _candidates() if _runs_310(c)]
-    if not runs:
-        pytest.skip("no python3.10 on PATH or under pyenv (set MEMSPEC_PYTHON310 to one)")
-    exe = runs[0]
-    try:
-        res = subprocess.run([exe, "-c", PROBE], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"{exe} does not run ({exc})")
-    if res.returncode != 0:
-        lines = [x.strip() for x in res.stderr.splitlines() if x.strip()] or ["no output"]
-        why = next((x for x in reversed(lines) if "Error" in x), lines[0])[:200]
-        pytest.skip(f"{exe} cannot import torch and memspec ({why}); set it up with "
-                    f"PYTHON={exe} bash launch/setup.sh")
-    is310, root = res.stdout.split(maxsplit=1)
-    if is310 != "True":
-        pytest.skip(f"{exe} is not Python 3.10")
-    if root.strip() != str(PACKAGE_ROOT):
-        pytest.skip(f"{exe} imports memspec from {root.strip()}, not this checkout")
-    return exe
+    """The first Python 3.10 candidate that can run the job, or pytest.skip with why the
+    first one cannot."""
+    found = _candidates()
+    real = [exe for exe in found if _runs_310(exe)]
+    if not real:
+        pytest.skip(f"no Python 3.10 among {found or 'PATH and pyenv'} "
+                    "(set MEMSPEC_PYTHON310 to one)")
+    reasons = []
+    for exe in real:
+        why = _probe(exe)
+        if why is None:
+            return exe
+        reasons.append(why)
+    pytest.skip(reasons[0])
 
 
 def _generate(exe: str) -> dict:

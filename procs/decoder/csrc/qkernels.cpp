@@ -134,11 +134,19 @@ namespace {
 // Scalar: every path's reference. The x86 body below gives the same bits: the max of |x| is
 // exact in any order, x * inv is the same IEEE product, and vcvtps2dq rounds half to even
 // as nearbyint does in the default rounding mode.
+// 1/s, or 0 for a group of zeros and for one so small that 1/s overflows (max|x| below
+// ~4e-37): x * inf would convert to INT_MIN in SIMD and to whatever the compiler makes of
+// an out-of-range cast in scalar code; as zeros both paths agree, and lose nothing real.
+inline float group_inverse(float s) {
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  return std::isfinite(inv) ? inv : 0.f;
+}
+
 inline void quantize_group_scalar(const float* xs, int8_t* qo, float* scale, float* qsum) {
   float amax = 0.f;
   for (int64_t kk = 0; kk < QGROUP; ++kk) amax = std::fmax(amax, std::fabs(xs[kk]));
   const float s = amax / 127.f;
-  const float inv = s > 0.f ? 1.f / s : 0.f;
+  const float inv = group_inverse(s);
   int32_t sum = 0;
   for (int64_t kk = 0; kk < QGROUP; ++kk) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(xs[kk] * inv));
@@ -164,7 +172,7 @@ inline void quantize_group(const float* xs, int8_t* qo, float* scale, float* qsu
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float s = _mm_cvtss_f32(m4) / 127.f;
-  const float inv = s > 0.f ? 1.f / s : 0.f;
+  const float inv = group_inverse(s);
   const __m256 iv = _mm256_set1_ps(inv);
   __m256i qi[4];
   for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));

@@ -97,6 +97,7 @@ int main() {
     for (int64_t kk = 0; kk < QGROUP; ++kk) {
       xq[M * K + kk] = 0.f;
       xq[M * K + QGROUP + kk] = kk == 0 ? 127.f : static_cast<float>(kk % 9) - 4.5f;
+      xq[M * K + 2 * QGROUP + kk] = (kk % 2 ? -1e-38f : 3e-39f) * static_cast<float>(kk);
     }
     const int64_t rows = M + 2;
     const QuantRows a = quantize_rows(xq.data(), rows, K, false);
@@ -106,6 +107,9 @@ int main() {
                std::memcmp(a.qsum.data(), b.qsum.data(), b.qsum.size() * 4) == 0,
            "row scales or sums differ from the scalar reference");
     expect(b.q[M * K + QGROUP + 1] == -4 && b.q[M * K + QGROUP + 2] == -2, "ties to even");
+    bool tiny_zero = true;  // 1/s overflows: the group is zeros on every path
+    for (int64_t kk = 0; kk < QGROUP; ++kk) tiny_zero &= a.q[M * K + 2 * QGROUP + kk] == 0;
+    expect(tiny_zero, "a group too small to invert is not zeros");
   }
 
   // q4: codes 0..15, scales k/1024
