@@ -27,6 +27,7 @@ import torch
 from memspec.bench.plotting import save_outputs
 from memspec.common.config import PoolConfig, check_paths, load_pool
 from memspec.common.machine import machine_info, machine_line
+from memspec.common.metrics import gmean
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.inprocess import LocalRuntime, build_local, run_request
 from memspec.procs.decoder.linear import DenseLinear, Linear, make_linear
@@ -215,12 +216,10 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
             ours.append(run_request(rt, prompt, "target-only", max_new,
                                     SamplingParams())["stats"]["tokens_per_s_steady"])
         outputs.append(out)
-    pairs = [(a, b) for a, b in zip(ours, rates) if a > 0 and b > 0]
     info = lc.llama_print_system_info()
     return {"tok_s": statistics.median(rates), "per_prompt_tok_s": rates,
             "ours_paired_tok_s": ours,
-            "ours_over_llama_cpp_paired": statistics.geometric_mean(
-                [a / b for a, b in pairs]) if pairs else None,
+            "ours_over_llama_cpp_paired": gmean([a / b for a, b in zip(ours, rates) if b > 0]),
             "decode_step_ms": statistics.median(step_ms), "gguf": gguf.name,
             "threads": threads, "outputs": outputs, "version": lc.__version__,
             "system_info": info.decode() if isinstance(info, bytes) else str(info),
@@ -269,12 +268,8 @@ def llama_cpp_e2e(rt: LocalRuntime, prompts: list[str], max_new: int, threads: i
         _log(f"end to end {i + 1}/{len(prompts)}: "
              + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()) + " tok/s")
 
-    def gmean(v: list[float]) -> float | None:  # a prompt that ended at once has no rate
-        v = [x for x in v if x > 0]
-        return statistics.geometric_mean(v) if v else None
-
-    def ratio(a: str, b: str) -> float | None:
-        return gmean([x / y for x, y in zip(rates[a], rates[b]) if x > 0 and y > 0])
+    def ratio(a: str, b: str) -> float:  # gmean leaves out a prompt that ended at once
+        return gmean([x / y for x, y in zip(rates[a], rates[b]) if y > 0])
 
     return {"tok_s": {k: gmean(v) for k, v in rates.items()},
             "per_prompt_tok_s": rates, "gamma": gamma,
@@ -398,15 +393,12 @@ def _print(res: dict[str, Any]) -> None:
                  if lc.get("ours_over_llama_cpp_paired") else ""))
     if res.get("llama_cpp_e2e"):
         e = res["llama_cpp_e2e"]
-        def f(v: float | None, spec: str) -> str:
-            return "n/a" if v is None else format(v, spec)
-
         print("end to end through llama-cpp-python's create_completion (gmean tok/s): "
-              + ", ".join(f"{k} {f(v, '.1f')}" for k, v in e["tok_s"].items()))
+              + ", ".join(f"{k} {v:.1f}" for k, v in e["tok_s"].items()))
         print(f"  llama.cpp's prompt lookup / its plain decoding "
-              f"{f(e['lookup_over_plain_llama_cpp'], '.2f')}; ours lookup-only / "
-              f"llama.cpp+lookup {f(e['ours_lookup_only_over_llama_cpp_lookup'], '.2f')}; "
-              f"ours lookup-only / llama.cpp plain {f(e['ours_lookup_only_over_llama_cpp'], '.2f')}")
+              f"{e['lookup_over_plain_llama_cpp']:.2f}; ours lookup-only / llama.cpp+lookup "
+              f"{e['ours_lookup_only_over_llama_cpp_lookup']:.2f}; ours lookup-only / "
+              f"llama.cpp plain {e['ours_lookup_only_over_llama_cpp']:.2f}")
     for d, e in res["per_dtype"].items():
         if "first_divergence_from_fp32" in e and d != "float32":
             print(f"{d}: identical to fp32 on {e['identical_to_fp32']}/{res['prompts']} prompts; "

@@ -199,7 +199,12 @@ inline void quantize_group(const float* xs, int8_t* qo, float* scale, float* qsu
 
 }  // namespace
 
-QuantRows quantize_rows(const float* x, int64_t M, int64_t K, bool for_q8) {
+namespace {
+
+using GroupFn = void (*)(const float*, int8_t*, float*, float*);
+
+template <GroupFn group>  // a template argument: the group body inlines into the loop
+QuantRows quantize_with(const float* x, int64_t M, int64_t K) {
   QuantRows r;
   const int64_t G = K / QGROUP;
   r.q.resize(M * K);
@@ -207,8 +212,15 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K, bool for_q8) {
   r.qsum.resize(M * G);
   for (int64_t mi = 0; mi < M; ++mi)
     for (int64_t g = 0; g < G; ++g)
-      quantize_group(x + mi * K + g * QGROUP, r.q.data() + mi * K + g * QGROUP,
-                     &r.scale[mi * G + g], &r.qsum[mi * G + g]);
+      group(x + mi * K + g * QGROUP, r.q.data() + mi * K + g * QGROUP, &r.scale[mi * G + g],
+            &r.qsum[mi * G + g]);
+  return r;
+}
+
+}  // namespace
+
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K, bool for_q8) {
+  QuantRows r = quantize_with<quantize_group>(x, M, K);
 #if defined(MEMSPEC_AVX512) || defined(MEMSPEC_AVXVNNI)
   if (for_q8) {
     r.u.resize(r.q.size());
@@ -221,16 +233,7 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K, bool for_q8) {
 }
 
 QuantRows quantize_rows_scalar(const float* x, int64_t M, int64_t K) {
-  QuantRows r;
-  const int64_t G = K / QGROUP;
-  r.q.resize(M * K);
-  r.scale.resize(M * G);
-  r.qsum.resize(M * G);
-  for (int64_t mi = 0; mi < M; ++mi)
-    for (int64_t g = 0; g < G; ++g)
-      quantize_group_scalar(x + mi * K + g * QGROUP, r.q.data() + mi * K + g * QGROUP,
-                            &r.scale[mi * G + g], &r.qsum[mi * G + g]);
-  return r;
+  return quantize_with<quantize_group_scalar>(x, M, K);
 }
 
 namespace {
