@@ -125,9 +125,11 @@ class Server(UpProcess):
         settle(self.rt, f"the {self.policy} server")
 
     def generate(self, prompt: str, max_new: int) -> dict[str, Any]:
+        from memspec.bench.realruns import variant
         from memspec.common.metrics import as_json
 
-        r = self.rt.generate(prompt, max_new_tokens=max_new, policy=self.policy)
+        policy, gate = variant(self.policy)  # `X-ungated`: X with the gate off
+        r = self.rt.generate(prompt, max_new_tokens=max_new, policy=policy, gate=gate)
         return {"token_ids": r.token_ids, "stats": as_json(r.stats)}
 
     def stop(self) -> None:

@@ -23,7 +23,9 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   (procs/decoder/lookup_depth.py): the prior from lookup-only's accepted counts on dev, the
   prior's weight in real runs, one warm server per setting (bench/tune_lookup_depth.py);
 - **head_vocab** (head.VOCAB): how many rows of its frequency-ranked draft vocabulary a head
-  scores, in real runs, one warm server per setting (bench/tune_head_vocab.py).
+  scores, in real runs, one warm server per setting (bench/tune_head.py);
+- **head_stop** (head.STOP): the top probability below which a head's own proposal ends an
+  iteration's proposals, likewise (bench/tune_head.py).
 
 The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
 model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
@@ -379,6 +381,15 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
                f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real runs, "
                f"{hv['prompts']} prompts x {hv['repeats']})"}
+    hs = res["head_stop"]
+    f = hs["figure"]
+    ungated = {r["value"]: r["general_static_ungated"]["gmean"] for r in hs["rows"]}
+    out["head.STOP"] = {
+        "value": hs["chosen"], "grid": hs["grid"]["STOP"], "chosen_by": "head_stop",
+        "dev": f"general-static without the gate / target-only e2e {ungated[hs['chosen']]:.3f} "
+               f"against {ungated.get(0.0, float('nan')):.3f} at 0; memspec {f['gmean']:.3f} "
+               f"[{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real "
+               f"runs, {hs['prompts']} prompts x {hs['repeats']})"}
     lk = res["lookup"]
     out["pool.lookup"] = {
         "value": lk["chosen"], "grid": lk["grid"], "chosen_by": "lookup",
@@ -388,7 +399,7 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
-            "lookup_depth", "head_vocab")
+            "lookup_depth", "head_vocab", "head_stop")
 
 
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
@@ -439,9 +450,13 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         res["lookup_depth"] = tune_lookup_depth(pool_file, per_domain, max_new, repeats,
                                                 pool.gamma)
     if "head_vocab" in want:
-        from memspec.bench.tune_head_vocab import tune_head_vocab
+        from memspec.bench.tune_head import tune_head_vocab
 
         res["head_vocab"] = tune_head_vocab(pool_file, per_domain, max_new, repeats)
+    if "head_stop" in want:
+        from memspec.bench.tune_head import tune_head_stop
+
+        res["head_stop"] = tune_head_stop(pool_file, per_domain, max_new, repeats)
     missing = set(SECTIONS) - set(res)
     if missing:
         raise ConfigError(f"no earlier tune holds {', '.join(sorted(missing))}",
@@ -469,7 +484,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 8, figsize=(26, 3.4))
+    fig, axes = plt.subplots(1, 9, figsize=(29, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -509,16 +524,9 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
                   fontsize=7)
     ax.set_title("lookup DEPTH_WEIGHT (real runs)")
     ax = axes[7]
-    rows = s["head_vocab"]["rows"] if "head_vocab" in s else []
-    for key, label in ((None, "memspec"), ("general_static", "general-static")):
-        pts = [r if key is None else r[key] for r in rows]
-        ax.errorbar(range(len(pts)), [r["gmean"] for r in pts],
-                    yerr=[[r["gmean"] - r["ci95"][0] for r in pts],
-                          [r["ci95"][1] - r["gmean"] for r in pts]], fmt="o", capsize=3,
-                    label=label)
-    ax.set_xticks(range(len(rows)), [str(r["value"] or "all") for r in rows], fontsize=7)
-    ax.set_title("head.VOCAB rows (real runs)")
-    ax.legend(fontsize=6)
+    _head_rows(ax, s.get("head_vocab", {}).get("rows", []), "head.VOCAB rows (real runs)")
+    _head_rows(axes[8], s.get("head_stop", {}).get("rows", []),
+               "head.STOP floor (real runs)")
     for ax in (*axes[:4], *axes[5:]):
         ax.axhline(1.0, color="k", lw=0.6)
     axes[0].set_ylabel("over target-only, e2e (simulated, dev)")
@@ -527,6 +535,23 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _head_rows(ax, rows: Sequence[Mapping[str, Any]], title: str) -> None:  # noqa: ANN001
+    """A head section's settings: memspec and the general-static variants it ran beside."""
+    for key, label in ((None, "memspec"), ("general_static", "general-static"),
+                       ("general_static_ungated", "general-static-ungated")):
+        pts = [r if key is None else r[key] for r in rows if key is None or key in r]
+        if not pts:
+            continue
+        ax.errorbar(range(len(pts)), [r["gmean"] for r in pts],
+                    yerr=[[r["gmean"] - r["ci95"][0] for r in pts],
+                          [r["ci95"][1] - r["gmean"] for r in pts]], fmt="o", capsize=3,
+                    label=label)
+    ax.set_xticks(range(len(rows)), ["all" if r["value"] is None else str(r["value"])
+                                     for r in rows], fontsize=7)
+    ax.set_title(title)
+    ax.legend(fontsize=6)
 
 
 def main_bench_tune(args) -> int:  # noqa: ANN001

@@ -39,6 +39,7 @@ from memspec.zoo.tables import acceptance_table, capped_engine_accepts, table_fr
 PROMPTS = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7], [1, 80, 3, 3, 17, 60]]
 DRAFTS = ["self", "random", "small"]
 MAX_NEW = 40
+STOP = 0.17  # a floor the tiny head's top probability straddles (its median)
 
 
 @pytest.fixture(scope="module")
@@ -353,15 +354,30 @@ def tiny_head(tmp_path_factory):
     return make_tiny_head(tmp_path_factory.mktemp("rt-head") / "h", seed=3)
 
 
-@pytest.mark.parametrize(("dtype", "lookup"), [("int4", 0), ("bfloat16", 0), ("int8-torch", 0),
-                                             ("int4", 1), ("int8-torch", 3)])
-def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lookup):
+def _with_knob(tmp_path, monkeypatch, name: str, value) -> None:
+    """Knob `name` set to `value` in a scratch tuned.json the runtime reads (MEMSPEC_TUNED)."""
+    from memspec.common.tuned import TUNED_ENV, TUNED_FILE
+
+    data = json.loads(TUNED_FILE.read_text())
+    data["knobs"][name]["value"] = value
+    scratch = tmp_path / f"tuned-{name}-{value}.json"
+    scratch.write_text(json.dumps(data))
+    monkeypatch.setenv(TUNED_ENV, str(scratch))
+
+
+@pytest.mark.parametrize(("dtype", "lookup", "stop"),
+                         [("int4", 0, 0.0), ("bfloat16", 0, 0.0), ("int8-torch", 0, 0.0),
+                          ("int4", 1, 0.0), ("int8-torch", 3, 0.0), ("int4", 0, STOP),
+                          ("int4", 1, STOP)])
+def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lookup, stop,
+                                                  tmp_path, monkeypatch):
     """Tables from the engine's own runners (model drafts and heads) replay every
     iteration's accepted count of real runs, static and switching schedules alike, with
-    the context lookup off and on."""
+    the context lookup off and on, and with heads that stop proposing where unsure."""
     from memspec.procs.decoder.models import build_target
     from memspec.zoo.tables import runtime_table
 
+    _with_knob(tmp_path, monkeypatch, "head.STOP", stop)
     fmt, _, path = dtype.partition("-")
     gamma = 3
     eng = SpecEngine(build_target(tiny_dir / "target", fmt, fast=path != "torch"), (),
@@ -371,6 +387,7 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
     eng.add_draft(load_into_slot("head", tiny_head, SlotBuffer(1 << 20), TINY_VOCAB,
                                  eng.target_parts))
     names = [*DRAFTS, "head"]
+    stopped: set[int] = set()
     for prompt in PROMPTS:
         tokens, _ = eng.generate(prompt, MAX_NEW)
         tables = {n: runtime_table(eng, eng.drafts[n], prompt, tokens) for n in names}
@@ -389,6 +406,25 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
                 assert min(r.accepted, len(tokens) - pos) == want, (r.draft, pos)
             pos += r.emitted
         assert {r.draft for r in recs} == set(names)
+        head_props = {r.proposed for r in recs if r.draft == "head"}
+        stopped |= head_props - {gamma}
+    assert bool(stopped) == bool(stop)  # an unsure head proposed fewer than gamma
+
+
+def test_tables_made_with_another_head_stop_are_stale(tmp_path, monkeypatch):
+    """Where a head stops proposing (``head.STOP``) changes its accepted counts: tables
+    written under one floor are re-made under another."""
+    from memspec.procs.decoder.tablefiles import TraceTables, read_tables, write_tables
+
+    fp = {"general": "a" * 64}
+    tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
+                                                "tables": {"general": [1, 0]}}}, "int4")
+    path = tmp_path / "tables-dev.json"
+    _with_knob(tmp_path, monkeypatch, "head.STOP", 0.0)
+    write_tables(path, tt)
+    assert read_tables(path, 4, fp, "int4") is not None
+    _with_knob(tmp_path, monkeypatch, "head.STOP", STOP)
+    assert read_tables(path, 4, fp, "int4") is None
 
 
 def test_tables_made_with_another_head_cut_are_stale(tmp_path, monkeypatch):
@@ -410,3 +446,15 @@ def test_tables_made_with_another_head_cut_are_stale(tmp_path, monkeypatch):
     assert read_tables(path, 4, fp, "int4") is None
     write_tables(path, tt)
     assert read_tables(path, 4, fp, "int4") is not None
+
+
+def test_a_head_stops_only_where_rows_cost():
+    """On a GPU a verify's extra rows are free: a head there always proposes gamma (its
+    tables likewise), whatever ``head.STOP`` says for CPUs."""
+    from memspec.common.tuned import knob
+    from memspec.procs.decoder.head import stop_floor, unsure
+
+    assert stop_floor("cuda") == 0.0
+    assert stop_floor("cpu") == float(knob("head.STOP") or 0.0)
+    row = torch.tensor([2.0, 0.0, 0.0, 0.0])  # top probability 0.71
+    assert unsure(row, 0.8) and not unsure(row, 0.7) and not unsure(row, 0.0)

@@ -16,7 +16,7 @@ from memspec.common.paths import DEFAULT_POOL
 from memspec.common.tuned import TUNED_FILE, knob, tuned_knobs
 from memspec.procs.decoder import engine, loop
 from memspec.procs.decoder.gate import SpecGate
-from memspec.procs.decoder.head import scored_rows
+from memspec.procs.decoder.head import scored_rows, stop_floor
 from memspec.procs.decoder.lookup_depth import LookupDepth
 
 RUNTIME = {  # knob -> the value the runtime runs
@@ -37,6 +37,7 @@ RUNTIME = {  # knob -> the value the runtime runs
     "lookup.DEPTH_PRIOR": lambda: LookupDepth.PRIOR,
     "lookup.DEPTH_WEIGHT": lambda: LookupDepth.WEIGHT,
     "head.VOCAB": lambda: _head_rows(),
+    "head.STOP": lambda: stop_floor("cpu"),
 }
 MEASURED = {"lookup.DEPTH_PRIOR": "prior"}
 

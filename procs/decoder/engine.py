@@ -40,7 +40,7 @@ from memspec.procs.decoder.datastore import (
     tail_width,
 )
 from memspec.procs.decoder.gate import Line
-from memspec.procs.decoder.head import HEAD_KIND, TargetParts
+from memspec.procs.decoder.head import HEAD_KIND, TargetParts, stop_floor, unsure
 from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
 from memspec.procs.decoder.lookup_depth import LookupDepth
 from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
@@ -219,6 +219,8 @@ class Session:
         self._depth = LookupDepth.tuned(*engine.depth_costs, engine.gamma) \
             if engine.depth_costs is not None and self._ngrams is not None else None
         self._drafts: dict[str, _DraftCache] = {}
+        # greedy heads stop proposing where they are unsure (sampling drafts gamma)
+        self._head_stop = stop_floor(engine.device) if params.greedy else 0.0
         self._last_draft: str | None = None  # the last draft that ran (switch count)
         self._prev: str | None = None  # the previous iteration's draft (None: the target)
         self._dev = engine.device
@@ -358,6 +360,7 @@ class Session:
         qs: list[torch.Tensor] = []
         ng = self._ngrams
         tail = self.tokens[-ng.n_max:] if ng is not None else []
+        stop = self._head_stop if head else 0.0
         for i in range(g):
             row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
             t_id: torch.Tensor | None = None  # the proposal as a target id
@@ -369,10 +372,14 @@ class Session:
                     # (output) vocabulary as well as any other
                     t_id = torch.tensor([tok], dtype=torch.long, device=self._dev)
                 elif d_idx is None:
+                    if i and unsure(row, stop):
+                        break
                     d_idx = row.argmax().view(1)
                     tok = int(d_idx) if to_target is None else int(to_target[d_idx])
                 tail.append(tok)
             elif self.params.greedy:
+                if i and unsure(row, stop):
+                    break
                 d_idx = row.argmax().view(1)
             else:  # sampling runs on the CPU generator: seeded runs repeat on any device
                 q_sub = warp(row.cpu(), self.params)
@@ -405,7 +412,7 @@ class Session:
         # own last iteration (a switch, or target steps since: a gate's probe pays this)
         resumed = name != self._prev
         catch = t_catch - t0 if resumed else 0.0
-        return IterationRecord(name, g, n, emitted, t0,
+        return IterationRecord(name, len(proposals), n, emitted, t0,
                                t_draft=(t_draft_end - t0) - catch,
                                t_verify=t1 - t_draft_end, t_catchup=catch,
                                catchup_tokens=n_missing if resumed else 0, context=L)

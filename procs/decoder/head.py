@@ -102,6 +102,25 @@ def scored_rows(to_target: torch.Tensor) -> torch.Tensor:
     return to_target[:rows] if rows and rows < to_target.numel() else to_target
 
 
+def stop_floor(device: torch.device | str = "cpu") -> float:
+    """``head.STOP`` (tuned.json, chosen on dev): a head's proposal whose top probability is
+    below it ends the iteration's proposals (0: always gamma). On a CPU every proposal is
+    another verify row and draft step, and most rejected ones were proposed unsure. On a
+    GPU extra verify rows are free (a 5-row verify costs one step on an H200), so a head
+    there always proposes gamma."""
+    if torch.device(device).type != "cpu":
+        return 0.0
+    return float(knob("head.STOP") or 0.0)
+
+
+def unsure(row: torch.Tensor, floor: float) -> bool:
+    """The head's top probability over the rows it scores is below ``floor``. The engine
+    and the tables ask it of the same row bits, so they stop at the same proposal."""
+    if floor <= 0.0:
+        return False
+    return float(torch.softmax(row.float(), -1).max()) < floor
+
+
 def is_head(model_dir: Path) -> bool:
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())

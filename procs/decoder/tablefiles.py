@@ -37,10 +37,11 @@ TABLES_PREFIX = "tables-"
 
 
 def tables_format() -> str:
-    """The format, plus the rows a head scores when ``head.VOCAB`` cuts them: tables made
-    with another cut propose otherwise and are re-made."""
-    rows = knob("head.VOCAB")
-    return f"{FORMAT}+head-rows-{rows}" if rows else FORMAT
+    """The format, plus the rows a head scores when ``head.VOCAB`` cuts them and where it
+    stops proposing (``head.STOP``): tables made with another setting propose otherwise
+    and are re-made."""
+    rows, stop = knob("head.VOCAB"), knob("head.STOP")
+    return FORMAT + (f"+head-rows-{rows}" if rows else "") + (f"+head-stop-{stop}" if stop else "")
 
 
 def pool_fingerprint(pool: PoolConfig) -> dict[str, str]:

@@ -1,0 +1,108 @@
+"""`memspec bench tune`'s head sections, each knob chosen on dev by real runs.
+
+- **head_vocab** (``head.VOCAB``): how many rows of its draft vocabulary a head scores. The
+  LM rows are most of a head step's work (16,384 rows of the target's LM head against one
+  layer), and a draft vocabulary is frequency-ranked, so its first rows are the tokens a
+  head gets right most often; the context lookup still proposes tokens past the cut (a
+  head embeds any target id).
+- **head_stop** (``head.STOP``): the top probability below which a head's own proposal
+  ends the iteration's proposals. On a 2-core CPU each proposal is a draft step and
+  another verify row (a 5-row int4 verify costs ~2 target steps on AVX2), and most
+  rejected proposals were proposed unsure, so stopping there trades a few accepted
+  tokens for cheaper iterations.
+
+Each setting runs memspec on its own warm server (a scratch tuned.json;
+bench/realsweep.py) beside target-only and general-static without the gate (what the
+head's iterations alone are worth) with the same setting, every dev prompt's variants back
+to back. head_vocab's setting scores most for memspec over target-only with no prompt
+below the floor; head_stop's is where the head's own iterations run fastest without memspec
+leaving its interval (`choose_stop`); ties go to `prefer`'s largest value.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
+from memspec.bench.tune_lookup_gate import _brief, tuned_with
+from memspec.common.tuned import TUNED_ENV, tuned_path
+
+ROWS = (None, 8192, 4096, 2048, 1024)  # None: every row the head was trained with
+STOPS = (0.0, 0.55, 0.7, 0.8, 0.9)  # 0: always gamma proposals (a first grid, to 0.7, chose its edge)
+# (a server per policy and setting: three processes each, ~1.2 GB; 11 fit in 24 GB)
+COMPARED = ("memspec", "general-static-ungated")
+
+
+def _show(value: Any) -> str:
+    return "all" if value is None else str(value)
+
+
+Chooser = Callable[[Sequence[Any], Mapping[str, Any], Callable[[Any], Any]], Any]
+
+
+def sweep_head_knob(knob: str, grid: Sequence[Any], prefer: Callable[[Any], Any],
+                    pool_file: Path, per_domain: int, max_new: int, repeats: int,
+                    choose: Chooser | None = None) -> dict[str, Any]:
+    """`knob` at every value of `grid`, each on its own servers (COMPARED policies); the
+    choice memspec's (choose_setting) unless `choose` is given."""
+    def log(msg: str) -> None:
+        print(f"[bench tune] {knob}: {msg}", file=sys.stderr, flush=True)
+
+    def variant(policy: str, value: Any) -> str:
+        return f"{policy}@{_show(value)}"
+
+    base = json.loads(tuned_path().read_text())
+    rows = dev_rows(per_domain)
+    with tempfile.TemporaryDirectory(prefix="memspec-tune-") as tmp:
+        settings = {"target-only": Setting("target-only", str(pool_file))}
+        for i, value in enumerate(grid):
+            env = {TUNED_ENV: str(tuned_with(base, {knob: value}, Path(tmp) / f"v{i}.json"))}
+            for policy in COMPARED:
+                settings[variant(policy, value)] = Setting(policy, str(pool_file), env)
+        res = run_settings(settings, rows, max_new, repeats, log)
+    summary = res["summary"]
+    best = choose(grid, summary, prefer) if choose else \
+        choose_setting({v: summary[variant("memspec", v)] for v in grid}, prefer=prefer)
+    fig = summary[variant("memspec", best)]
+    log(f"chosen {_show(best)} (memspec / target-only {fig['gmean']:.3f}, worst prompt "
+        f"{fig['min']:.3f})")
+    return {"grid": {knob.split(".")[-1]: list(grid)},
+            "rows": [{"value": v, "variant": variant("memspec", v),
+                      **_brief(summary[variant("memspec", v)]),
+                      **{p.replace("-", "_"): _brief(summary[variant(p, v)])
+                         for p in COMPARED[1:]}} for v in grid],
+            "chosen": best, "figure": _brief(fig), "floor": FLOOR, "prompts": len(rows),
+            "repeats": repeats, "identical_tokens": res["identical_tokens"]}
+
+
+def tune_head_vocab(pool_file: Path, per_domain: int, max_new: int, repeats: int
+                    ) -> dict[str, Any]:
+    return sweep_head_knob("head.VOCAB", ROWS, lambda n: n or 1 << 30, pool_file, per_domain,
+                           max_new, repeats)
+
+
+def choose_stop(grid: Sequence[float], summary: Mapping[str, Any],
+                prefer: Callable[[Any], Any]) -> float:
+    """The floor under which head iterations run fastest (general-static without the gate:
+    a head's iteration every time) among those that keep memspec within its interval at
+    0 (no stop). Judged on memspec alone the floor is noise: its gate runs the heads only
+    where they pay (mostly the lookup runs), so two sweeps chose 0.7 and 0.0 with every
+    value inside the others' intervals, while the heads' own iterations gained 10-20% at
+    every floor from 0.55 up in both."""
+    low = summary["memspec@0.0"]["ci95"][0]
+    ok = [v for v in grid if summary[f"memspec@{v}"]["gmean"] >= low] or [0.0]
+    scores = {v: summary[f"general-static-ungated@{v}"]["gmean"] for v in ok}
+    top = max(scores.values())
+    return max((v for v in ok if scores[v] >= top * 0.999), key=prefer)
+
+
+def tune_head_stop(pool_file: Path, per_domain: int, max_new: int, repeats: int
+                   ) -> dict[str, Any]:
+    # ties go to the lower floor: fewer changes to what a head proposes
+    return sweep_head_knob("head.STOP", STOPS, lambda s: -s, pool_file, per_domain, max_new,
+                           repeats, choose=choose_stop)
