@@ -114,9 +114,11 @@ class Server(UpProcess):
 
     def __init__(self, policy: str, pool: str | None, run_dir: str, name: str = "",
                  env: dict[str, str] | None = None) -> None:
+        from memspec.bench.realruns import variant
         from memspec.launch.api import Runtime
 
         self.policy, self.rt = policy, None
+        self._runs = variant(policy)  # (policy, gate): `X-ungated` is X with the gate off
         ep = f"ipc://{run_dir}/{name or policy}.sock"
         super().__init__(["--endpoint", ep] + (["--pool", pool] if pool else []), env)
         self.rt = Runtime(ep).start()
@@ -125,10 +127,9 @@ class Server(UpProcess):
         settle(self.rt, f"the {self.policy} server")
 
     def generate(self, prompt: str, max_new: int) -> dict[str, Any]:
-        from memspec.bench.realruns import variant
         from memspec.common.metrics import as_json
 
-        policy, gate = variant(self.policy)  # `X-ungated`: X with the gate off
+        policy, gate = self._runs
         r = self.rt.generate(prompt, max_new_tokens=max_new, policy=policy, gate=gate)
         return {"token_ids": r.token_ids, "stats": as_json(r.stats)}
 

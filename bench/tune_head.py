@@ -42,14 +42,18 @@ def _show(value: Any) -> str:
     return "all" if value is None else str(value)
 
 
-Chooser = Callable[[Sequence[Any], Mapping[str, Any], Callable[[Any], Any]], Any]
+ByValue = Mapping[Any, Mapping[str, Mapping[str, Any]]]  # value -> policy -> its summary
+
+
+def choose_memspec(by_value: ByValue, prefer: Callable[[Any], Any]) -> Any:
+    return choose_setting({v: s["memspec"] for v, s in by_value.items()}, prefer=prefer)
 
 
 def sweep_head_knob(knob: str, grid: Sequence[Any], prefer: Callable[[Any], Any],
                     pool_file: Path, per_domain: int, max_new: int, repeats: int,
-                    choose: Chooser | None = None) -> dict[str, Any]:
-    """`knob` at every value of `grid`, each on its own servers (COMPARED policies); the
-    choice memspec's (choose_setting) unless `choose` is given."""
+                    choose: Callable[[ByValue, Callable[[Any], Any]], Any] = choose_memspec
+                    ) -> dict[str, Any]:
+    """`knob` at every value of `grid`, each on its own servers (COMPARED policies)."""
     def log(msg: str) -> None:
         print(f"[bench tune] {knob}: {msg}", file=sys.stderr, flush=True)
 
@@ -65,17 +69,15 @@ def sweep_head_knob(knob: str, grid: Sequence[Any], prefer: Callable[[Any], Any]
             for policy in COMPARED:
                 settings[variant(policy, value)] = Setting(policy, str(pool_file), env)
         res = run_settings(settings, rows, max_new, repeats, log)
-    summary = res["summary"]
-    best = choose(grid, summary, prefer) if choose else \
-        choose_setting({v: summary[variant("memspec", v)] for v in grid}, prefer=prefer)
-    fig = summary[variant("memspec", best)]
+    by_value = {v: {p: res["summary"][variant(p, v)] for p in COMPARED} for v in grid}
+    best = choose(by_value, prefer)
+    fig = by_value[best]["memspec"]
     log(f"chosen {_show(best)} (memspec / target-only {fig['gmean']:.3f}, worst prompt "
         f"{fig['min']:.3f})")
     return {"grid": {knob.split(".")[-1]: list(grid)},
-            "rows": [{"value": v, "variant": variant("memspec", v),
-                      **_brief(summary[variant("memspec", v)]),
-                      **{p.replace("-", "_"): _brief(summary[variant(p, v)])
-                         for p in COMPARED[1:]}} for v in grid],
+            "rows": [{"value": v, "variant": variant("memspec", v), **_brief(s["memspec"]),
+                      **{p.replace("-", "_"): _brief(s[p]) for p in COMPARED[1:]}}
+                     for v, s in by_value.items()],
             "chosen": best, "figure": _brief(fig), "floor": FLOOR, "prompts": len(rows),
             "repeats": repeats, "identical_tokens": res["identical_tokens"]}
 
@@ -86,19 +88,18 @@ def tune_head_vocab(pool_file: Path, per_domain: int, max_new: int, repeats: int
                            max_new, repeats)
 
 
-def choose_stop(grid: Sequence[float], summary: Mapping[str, Any],
-                prefer: Callable[[Any], Any]) -> float:
+def choose_stop(by_value: ByValue, prefer: Callable[[Any], Any]) -> float:
     """The floor under which head iterations run fastest (general-static without the gate:
     a head's iteration every time) among those that keep memspec within its interval at
-    0 (no stop). Judged on memspec alone the floor is noise: its gate runs the heads only
-    where they pay (mostly the lookup runs), so two sweeps chose 0.7 and 0.0 with every
-    value inside the others' intervals, while the heads' own iterations gained 10-20% at
-    every floor from 0.55 up in both."""
-    low = summary["memspec@0.0"]["ci95"][0]
-    ok = [v for v in grid if summary[f"memspec@{v}"]["gmean"] >= low] or [0.0]
-    scores = {v: summary[f"general-static-ungated@{v}"]["gmean"] for v in ok}
+    0 (no stop; always among them). Judged on memspec alone the floor is noise: its gate
+    runs the heads only where they pay (mostly the lookup runs), so two sweeps chose 0.7
+    and 0.0 with every value inside the others' intervals, while the heads' own
+    iterations gained 10-20% at every floor from 0.55 up in both."""
+    low = by_value[0.0]["memspec"]["ci95"][0]
+    scores = {v: s["general-static-ungated"]["gmean"] for v, s in by_value.items()
+              if s["memspec"]["gmean"] >= low}
     top = max(scores.values())
-    return max((v for v in ok if scores[v] >= top * 0.999), key=prefer)
+    return max((v for v, g in scores.items() if g >= top * 0.999), key=prefer)
 
 
 def tune_head_stop(pool_file: Path, per_domain: int, max_new: int, repeats: int
