@@ -31,7 +31,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 def tiny_heads(tiny_dir, tmp_path_factory):
     """Two draft heads for the tiny target."""
     root = tmp_path_factory.mktemp("heads")
-    return [make_tiny_head(root / f"head{i}", seed=10 + i) for i in range(2)]
+    # one stored as the pool ships heads (packed Q8_0), one in bf16: both formats run
+    return [make_tiny_head(root / f"head{i}", seed=10 + i, q8=i == 0) for i in range(2)]
 
 
 # ZeroMQ contexts a test body made and left open (a test that failed half-way) are

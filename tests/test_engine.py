@@ -282,12 +282,14 @@ def test_head_drafts_are_lossless_and_switch_with_model_drafts(tiny_dir, tiny_he
         assert stats.switches > 3
 
 
-def test_native_head_matches_the_pytorch_reference(tiny_dir, tiny_heads):
-    """The C++ head and the PyTorch head give the same proposals from the same state."""
+@pytest.mark.parametrize("stored", [0, 1], ids=["q8-packed", "bf16"])
+def test_native_head_matches_the_pytorch_reference(tiny_dir, tiny_heads, stored):
+    """The C++ head and the PyTorch head give the same proposals from the same state (a
+    packed head's PyTorch forward runs its blocks' values)."""
     fast = engine_with(tiny_dir, [], dtype="int8")
     slow = engine_with(tiny_dir, [], dtype="int8-torch")
     for eng in (fast, slow):
-        eng.add_draft(load_into_slot("h", tiny_heads[0], SlotBuffer(1 << 20), TINY_VOCAB,
+        eng.add_draft(load_into_slot("h", tiny_heads[stored], SlotBuffer(1 << 20), TINY_VOCAB,
                                      eng.target_parts))
     assert fast.drafts["h"].runner.native is not None
     assert slow.drafts["h"].runner.native is None

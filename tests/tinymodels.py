@@ -94,9 +94,13 @@ def byte_tokenizer_json() -> dict:
 
 
 def make_tiny_head(path: Path, seed: int, target_config: LlamaConfig | None = None,
-                   feature_layers: tuple[int, ...] = (0, 1), vocab: int = 48) -> Path:
-    """A random draft head for the tiny target (reads target layers ``feature_layers``)."""
+                   feature_layers: tuple[int, ...] = (0, 1), vocab: int = 48,
+                   q8: bool = True) -> Path:
+    """A random draft head for the tiny target (reads target layers ``feature_layers``),
+    stored as the pool's heads are (packed Q8_0 matrices) or, ``q8=False``, in bf16."""
     from safetensors.torch import save_file
+
+    from memspec.procs.decoder.head import pack_head
 
     cfg = target_config or tiny_config()
     h, nq = cfg.hidden_size, cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
@@ -117,6 +121,8 @@ def make_tiny_head(path: Path, seed: int, target_config: LlamaConfig | None = No
                "gate_proj.weight": rnd(inter, h), "up_proj.weight": rnd(inter, h),
                "down_proj.weight": rnd(h, inter),
                "memspec.draft_to_target": torch.randperm(cfg.vocab_size, generator=g)[:vocab]}
+    if q8:
+        tensors = pack_head(tensors)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps({

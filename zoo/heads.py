@@ -30,7 +30,14 @@ from safetensors.torch import save_file
 
 from memspec.common.config import tokenizer_fingerprint
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir
-from memspec.procs.decoder.head import HEAD_KIND, HeadArch
+from memspec.procs.decoder.head import (
+    HEAD_KIND,
+    HeadArch,
+    dense_weights,
+    is_packed,
+    pack_head,
+    read_head_config,
+)
 from memspec.procs.decoder.models import load_tokenizer
 from memspec.procs.decoder.replay import pooled, replay_static
 from memspec.procs.decoder.runners import read_config
@@ -122,9 +129,12 @@ def heads_dir() -> Path:
 
 def save_head(state: dict[str, torch.Tensor], to_target: np.ndarray, arch: HeadArch,
               out: Path, target_dir: Path, extra: dict | None = None) -> int:
-    """model.safetensors (bf16 weights + the id map) and config.json, as head.py reads them."""
+    """model.safetensors (the matrices as packed Q8_0 blocks where they tile, else bf16;
+    bf16 norms; the id map) and config.json, as head.py reads them. Training keeps its fp32
+    master; what is saved is what the runtime runs (and what dev scoring binds)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state.items()}
+    tensors = pack_head(tensors) or tensors
     tensors[ID_MAP_KEY] = torch.from_numpy(np.ascontiguousarray(to_target, dtype=np.int64))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = {"memspec_kind": HEAD_KIND, "hidden_size": arch.hidden,
@@ -137,12 +147,54 @@ def save_head(state: dict[str, torch.Tensor], to_target: np.ndarray, arch: HeadA
     return (out / "model.safetensors").stat().st_size
 
 
+def pack_stored(folder: Path) -> bool:
+    """Rewrite a bf16-stored head's file with its matrices as packed Q8_0 blocks (its norms,
+    id map and file metadata kept), its training record's size, card line and manifest
+    after it; False where it was packed already or its shapes do not tile."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from memspec.common.manifest import write_manifest
+
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(str(path))
+    packed = None if is_packed(tensors) else pack_head(tensors)
+    if packed is None:
+        return False
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    save_file(packed, str(path), metadata=meta)
+    size = path.stat().st_size
+    rec_path = Path(folder) / "training.json"
+    if rec_path.is_file():
+        rec = json.loads(rec_path.read_text())
+        old = rec.get("size_bytes")
+        rec.update(size_bytes=size, stored=STORED)
+        rec_path.write_text(json.dumps(rec, indent=2) + "\n")
+        card = Path(folder) / "README.md"
+        if card.is_file() and old is not None:
+            card.write_text(card.read_text().replace(
+                "bfloat16 weights.\n" + _size_line(old), f"{STORED}.\n" + _size_line(size)))
+    if (Path(folder) / "manifest.json").is_file():
+        write_manifest(Path(folder))
+    return True
+
+
+STORED = "Q8_0 blocks (packed for the CPU kernels), bf16 norms"
+
+
+def _size_line(size: int) -> str:
+    return f"File size: {size:,} bytes ({size / 1e6:.2f} MB)."
+
+
 def read_head_weights(path: Path) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     from safetensors.torch import load_file
 
     tensors = load_file(str(Path(path) / "model.safetensors"))
     to_target = tensors.pop(ID_MAP_KEY).numpy()
-    return {k: v.float() for k, v in tensors.items()}, to_target
+    arch, _ = read_head_config(Path(path))
+    dense = dense_weights(tensors, arch, torch.float32)  # a packed head: its blocks' values
+    return {f"{k}.weight": v.float() for k, v in dense.items()}, to_target
 
 
 # --------------------------------------------------------------------------- frozen parts
@@ -445,8 +497,8 @@ so only its own weights are in this folder (procs/decoder/head.py describes the 
 One Llama-style layer: fc {arch['hidden'] * len(arch['feature_layers'])} -> {arch['hidden']},
 attention over [embedding; features] ({arch['heads']} heads / {arch['kv_heads']} KV heads,
 head dim {arch['head_dim']}), MLP {arch['intermediate']}; draft vocabulary {arch['vocab']}
-target ids (frequency-ranked, `memspec.draft_to_target`), bfloat16 weights.
-File size: {rec['size_bytes']:,} bytes ({rec['size_bytes'] / 1e6:.2f} MB).
+target ids (frequency-ranked, `memspec.draft_to_target`), {rec.get('stored', STORED)}.
+{_size_line(rec['size_bytes'])}
 
 ## Data
 All from the runtime target ({data.get('target_dtype', '?')} weights, the precision the

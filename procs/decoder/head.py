@@ -12,6 +12,10 @@ File (``model.safetensors`` beside a ``config.json`` with ``"memspec_kind": "hea
 ``fc.weight`` [h, n*h], ``norm_e.weight``, ``norm_g.weight`` [h], ``q_proj/k_proj/v_proj``
 [*, 2h], ``o_proj`` [h, h], ``post_attention_layernorm.weight`` [h], ``gate_proj/up_proj``
 [I, h], ``down_proj`` [h, I] (all ``.weight``), and ``memspec.draft_to_target`` [V_draft].
+A head stored as Q8_0 blocks (what the pool ships: half the slot, and a draft step at 0.6x
+on an AVX2 CPU, q8blocks.py) holds its matrices packed instead: ``fc``, ``qkv_proj`` (q, k
+and v stacked), ``o_proj``, ``gate_up_proj`` (gate over up) and ``down_proj``, each as
+``.q8w/.q8d/.q8c/.q8s``; the norms stay ``.weight``.
 
 The head's KV cache holds real (target-featured) positions only up to the committed length
 minus one: after every iteration the accepted tokens are re-run with the target's
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 
 from memspec.common.errors import ModelError
 from memspec.common.tuned import knob
+from memspec.procs.decoder import q8blocks
 from memspec.procs.decoder.cudagraph import GraphLM, HeadSteps
 from memspec.procs.decoder.lean import (
     Arch,
@@ -47,6 +52,11 @@ from memspec.procs.decoder.native import NativeLM, extension, linear_spec
 HEAD_KIND = "head"
 HEAD_TENSORS = ("fc", "norm_e", "norm_g", "q_proj", "k_proj", "v_proj", "o_proj",
                 "post_attention_layernorm", "gate_proj", "up_proj", "down_proj")
+NORMS = ("norm_e", "norm_g", "post_attention_layernorm")
+# the matrices of a Q8_0-stored head, as the C++ head runs them (stacked projections read
+# the same rows: one call, the rows quantised once)
+PACKED = {"fc": ("fc",), "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 @dataclass(frozen=True)
@@ -138,8 +148,43 @@ def read_head_config(model_dir: Path) -> tuple[HeadArch, dict]:
     return HeadArch.from_config(cfg), cfg
 
 
+def is_packed(weights: Mapping[str, torch.Tensor]) -> bool:
+    """The head's matrices are stored as packed Q8_0 blocks (q8blocks.py)."""
+    return "fc.q8w" in weights
+
+
+def pack_head(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """A 16-bit head's tensors with its matrices as packed Q8_0 blocks (the norms and any
+    metadata as they are); None where a shape does not tile (the head stays 16-bit)."""
+    out = {k: v for k, v in tensors.items()
+           if not any(k == f"{m}.weight" for ms in PACKED.values() for m in ms)}
+    for joined, members in PACKED.items():
+        w = torch.cat([tensors[f"{m}.weight"].float() for m in members])
+        if not q8blocks.packable(tuple(w.shape)):
+            return None
+        out.update({f"{joined}.{p}": t for p, t in q8blocks.pack(w).items()})
+    return out
+
+
+def dense_weights(weights: Mapping[str, torch.Tensor], arch: HeadArch, dtype: torch.dtype
+                  ) -> dict[str, torch.Tensor]:
+    """Every matrix as dense [N, K] by its 16-bit name (a packed head unpacked to ``dtype``:
+    the PyTorch forward's and the trainer's copy), norms as stored."""
+    if not is_packed(weights):
+        return {k[:-len(".weight")]: v for k, v in weights.items() if k.endswith(".weight")}
+    out = {n: weights[f"{n}.weight"] for n in NORMS}
+    shapes = arch.shapes()
+    for joined, members in PACKED.items():
+        parts = {p: weights[f"{joined}.{p}"] for p in q8blocks.PARTS}
+        dense = q8blocks.unpack(parts).to(dtype)
+        out.update(zip(members, torch.split(dense, [shapes[m][0] for m in members])))
+    return out
+
+
 def check_weights(name: str, arch: HeadArch, weights: Mapping[str, torch.Tensor]) -> None:
     shapes = arch.shapes()
+    if is_packed(weights):
+        return _check_packed(name, shapes, weights)
     for key, shape in shapes.items():
         w = weights.get(f"{key}.weight")
         if w is None:
@@ -152,6 +197,27 @@ def check_weights(name: str, arch: HeadArch, weights: Mapping[str, torch.Tensor]
     if extra:
         raise ModelError(f"head '{name}' has an unexpected tensor {extra[0]}",
                          "rebuild the head's model.safetensors")
+
+
+def _check_packed(name: str, shapes: Mapping[str, tuple[int, ...]],
+                  weights: Mapping[str, torch.Tensor]) -> None:
+    fix = "rebuild the head's model.safetensors"
+    expected = {f"{n}.weight" for n in NORMS}
+    for n in NORMS:
+        w = weights.get(f"{n}.weight")
+        if w is None or tuple(w.shape) != shapes[n]:
+            raise ModelError(f"head '{name}' tensor {n}.weight is missing or misshapen", fix)
+    for joined, members in PACKED.items():
+        rows = sum(shapes[m][0] for m in members)
+        parts = {p: weights[f"{joined}.{p}"] for p in q8blocks.PARTS
+                 if f"{joined}.{p}" in weights}
+        bad = q8blocks.check(joined, parts, (rows, shapes[members[0]][1]))
+        if bad:
+            raise ModelError(f"head '{name}': {bad}", fix)
+        expected |= {f"{joined}.{p}" for p in q8blocks.PARTS}
+    extra = sorted(set(weights) - expected)
+    if extra:
+        raise ModelError(f"head '{name}' has an unexpected tensor {extra[0]}", fix)
 
 
 class TargetParts:
@@ -230,13 +296,18 @@ class HeadRunner:
         self.name, self.arch, self.parts = name, arch, parts
         self.vocab = arch.vocab
         self.cache_arch = arch.as_arch()
-        self.device = weights["fc.weight"].device
-        self.act_dtype = weights["fc.weight"].dtype
-        self.w = {k[:-len(".weight")]: v for k, v in weights.items()}
+        self.device = weights["norm_e.weight"].device
+        self.act_dtype = weights["norm_e.weight"].dtype
+        self.packed = weights if is_packed(weights) else None
+        # the PyTorch forward's weights: the slot's views; a packed head runs the C++ head
+        # on the slot's arrays, or where that does not run (a GPU, no build) a dense copy
+        self.w = dense_weights(weights, arch, self.act_dtype) if self.packed is None else {}
         self.lm = parts.lm_rows(to_target.to(torch.long))
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.native = _native_head(self)
+        if self.native is None and self.packed is not None:
+            self.w = dense_weights(weights, arch, self.act_dtype)
         # CUDA graphs for the draft steps when the target replays them too (the engine's
         # `fast` setting): a step is ~40 small kernels, launch-bound on a GPU
         self.graphs = HeadSteps(self) if isinstance(parts.target, GraphLM) else None
@@ -361,14 +432,19 @@ def _native_head(runner: HeadRunner):
     ext = extension(isa=target.isa)
     if ext is None:
         return None
-    a, w = runner.arch, runner.w
+    a, p = runner.arch, runner.packed
+    w = runner.w if p is None else {n: p[f"{n}.weight"] for n in NORMS}
 
-    def lin(t: torch.Tensor) -> tuple:
-        return linear_spec(DenseLinear(t))
+    def lin(name: str) -> tuple:
+        if p is None:
+            return linear_spec(DenseLinear(runner.w[name]))
+        return (6, p[f"{name}.q8w"], p[f"{name}.q8d"], (p[f"{name}.q8c"], p[f"{name}.q8s"]),
+                None)  # the slot's packed arrays, as they are
 
+    qkv = [lin("qkv_proj")] if p is not None else [lin(n) for n in PACKED["qkv_proj"]]
+    gate_up = [lin("gate_up_proj")] if p is not None else \
+        [lin(n) for n in PACKED["gate_up_proj"]]
     return ext.Head((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.eps),
-                    lin(w["fc"]), w["norm_e"], w["norm_g"],
-                    [lin(w["q_proj"]), lin(w["k_proj"]), lin(w["v_proj"])], lin(w["o_proj"]),
-                    w["post_attention_layernorm"], [lin(w["gate_proj"]), lin(w["up_proj"])],
-                    lin(w["down_proj"]), runner.parts.norm,
-                    runner.parts.native_lm(runner.lm, ext), a.rope_theta)
+                    lin("fc"), w["norm_e"], w["norm_g"], qkv, lin("o_proj"),
+                    w["post_attention_layernorm"], gate_up, lin("down_proj"),
+                    runner.parts.norm, runner.parts.native_lm(runner.lm, ext), a.rope_theta)

@@ -33,7 +33,7 @@ constexpr int64_t QR = 3;   // queries scored together in attention (one KV grou
 struct Lin {
   int64_t kind = 0;
   // 0 dense (BLAS), 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (block kernels), 5 bf16 / fp16
-  // weights (qgemm.h). Every kind takes fp32 rows and returns fp32 rows; the kinds that run
+  // weights (qgemm.h); a spec of kind 6 (q8 packed before: q8blocks.py) runs as kind 4. Every kind takes fp32 rows and returns fp32 rows; the kinds that run
   // someone else's kernel cast to and from the dtype that kernel needs.
   at::Tensor w, aux, bias;
   memspec::PackedQ4 q4;
@@ -81,6 +81,11 @@ Lin make_lin(const py::tuple& t) {
     l.q4 = memspec::pack_q4(tensor(1), tensor(2), tensor(3));
   } else if (l.kind == 4) {
     l.q8 = memspec::pack_q8(tensor(1), tensor(2));
+  } else if (l.kind == 6) {  // Q8_0 already packed (a head file's arrays): views, no copy
+    const py::tuple cs = t[3].cast<py::tuple>();
+    l.kind = 4;
+    l.q8 = memspec::packed_q8(tensor(1), tensor(2), cs[0].cast<at::Tensor>(),
+                              cs[1].cast<at::Tensor>());
   } else {
     l.w = tensor(1);
     l.aux = tensor(2);

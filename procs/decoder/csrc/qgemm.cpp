@@ -61,6 +61,27 @@ PackedQ8 pack_q8(const at::Tensor& q_in, const at::Tensor& d_in) {
   return p;
 }
 
+PackedQ8 packed_q8(const at::Tensor& w, const at::Tensor& d, const at::Tensor& c,
+                   const at::Tensor& s) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == at::kChar &&
+                  w.is_contiguous(), "packed q8 weights: int8 [N/16, K/4, 64] expected");
+  PackedQ8 p;
+  p.N = w.size(0) * QTILE;
+  p.K = w.size(1) * 4;
+  TORCH_CHECK(p.K % QGROUP == 0, "packed q8 weights: K % 32 != 0");
+  const std::vector<int64_t> tiled{p.N / QTILE, p.K / QGROUP, QTILE};
+  auto ok = [&](const at::Tensor& t, at::ScalarType type) {
+    return t.sizes().vec() == tiled && t.scalar_type() == type && t.is_contiguous();
+  };
+  TORCH_CHECK(ok(d, at::kHalf) && ok(c, at::kFloat) && ok(s, at::kInt),
+              "packed q8 scales: fp16 / fp32 / int32 [N/16, K/32, 16] expected");
+  p.w = w;
+  p.d = d;
+  p.c = c;
+  p.s = s;
+  return p;
+}
+
 namespace {
 
 template <typename F>

@@ -32,6 +32,10 @@ struct PackedQ8 {
 // q: [N, K] integer codes; d, m: [N, K/32] scales (any float dtype holding fp16 values)
 PackedQ4 pack_q4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m);
 PackedQ8 pack_q8(const at::Tensor& q, const at::Tensor& d);
+// w, d, c, s already in the packed layout (a head file's arrays): checked, then used as
+// they are (views of a slot stay views)
+PackedQ8 packed_q8(const at::Tensor& w, const at::Tensor& d, const at::Tensor& c,
+                   const at::Tensor& s);
 // x: [M, K] any float dtype (used as fp32); returns fp32 [M, N]; M may exceed 8 (done 8
 // rows at a time, one weight pass each).
 at::Tensor gemm_q4(const at::Tensor& x, const PackedQ4& w);

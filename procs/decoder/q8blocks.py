@@ -1,0 +1,84 @@
+"""Q8_0 weights stored in the block kernels' own packed layout, so a slot holds what runs.
+
+A draft head's eight matrices are most of what a draft step reads. In bf16 a CPU without
+bf16 dot products widens every weight to fp32 (AVX2 Zen 3, 2 cores: a head step 0.37 ms,
+7% of a target step); as Q8_0 blocks it reads half the bytes through the integer kernels
+the target's LM rows already use (0.22 ms). Packing at bind time would cost ~20 ms per load
+and a decoder-side copy outside the slot budget, so the head file holds the packed arrays
+themselves (``pack``) and binding points the kernels at the slot's bytes.
+
+Layout (T = N / 16 output tiles, G = K / 32 groups, C = K / 4), as qkernels.h packs it:
+``w`` int8 [T, C, 64] (16 outputs x 4 inputs per 64 bytes), ``d`` fp16 [T, G, 16] the
+scales, ``c`` fp32 [T, G, 16] = (d * sum(q)) * 128 and ``s`` int32 [T, G, 16] = 128 *
+sum(q), the offset terms of the unsigned-times-signed dot product. The quantisation is
+Int8Linear's (d = fp16(max|w| / 127), q = round(w / d)), so the same weights give the same
+blocks whichever path packed them. Pure PyTorch: the loader and the trainer need no build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from memspec.procs.decoder.linear import GROUP, Int8Linear
+
+TILE = 16  # outputs per tile (qkernels.h QTILE)
+PARTS = ("q8w", "q8d", "q8c", "q8s")  # tensor-name suffixes of one packed matrix
+DTYPES = {"q8w": torch.int8, "q8d": torch.float16, "q8c": torch.float32, "q8s": torch.int32}
+
+
+def packable(shape: tuple[int, ...]) -> bool:
+    """The block kernels tile N by 16 and K by 32; other shapes stay 16-bit."""
+    return len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % GROUP == 0
+
+
+def _tiled(x: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    """[N, G] -> [T, G, 16]: each tile's 16 outputs side by side per group."""
+    return x.reshape(n // TILE, TILE, g).permute(0, 2, 1).contiguous()
+
+
+def pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One matrix [N, K] as its four packed arrays (keys: PARTS)."""
+    n, k = weight.shape
+    if not packable((n, k)):
+        raise ValueError(f"Q8_0 packing needs N % {TILE} == 0 and K % {GROUP} == 0, "
+                         f"got {n}x{k}")
+    blocks = Int8Linear(weight, torch.float32)
+    q, d, g = blocks.q, blocks.d, k // GROUP  # d: fp32 holding fp16 values
+    sums = q.view(n, g, GROUP).sum(-1, dtype=torch.int32)
+    c = (d * sums.float()) * 128.0
+    w = q.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(n // TILE, k // 4, 64)
+    return {"q8w": w.contiguous(), "q8d": _tiled(d.half(), n, g), "q8c": _tiled(c, n, g),
+            "q8s": _tiled(sums * 128, n, g)}
+
+
+def shape_of(parts: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """(N, K) of a packed matrix."""
+    t, c, _ = parts["q8w"].shape
+    return t * TILE, c * 4
+
+
+def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 weights [N, K] a packed matrix stands for (the PyTorch forward's copy)."""
+    n, k = shape_of(parts)
+    t, g = n // TILE, k // GROUP
+    q = parts["q8w"].view(t, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k).float()
+    d = parts["q8d"].float().view(t, g, TILE).permute(0, 2, 1).reshape(n, g)
+    return (q.view(n, g, GROUP) * d[..., None]).view(n, k)
+
+
+def check(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> str | None:
+    """What is wrong with a packed matrix that should stand for `shape` (None: nothing)."""
+    missing = [p for p in PARTS if p not in parts]
+    if missing:
+        return f"{name}.{missing[0]} is missing"
+    n, k = shape
+    want = {"q8w": (n // TILE, k // 4, 64), **{p: (n // TILE, k // GROUP, TILE)
+                                              for p in PARTS[1:]}}
+    for p in PARTS:
+        t = parts[p]
+        if t.dtype != DTYPES[p] or tuple(t.shape) != want[p]:
+            return (f"{name}.{p} is {t.dtype} {tuple(t.shape)}, a {n}x{k} matrix needs "
+                    f"{DTYPES[p]} {want[p]}")
+    return None
