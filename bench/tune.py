@@ -20,8 +20,9 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   lookup, in real runs, one warm server per setting (bench/tune_lookup_gate.py: the
   simulator has no table for the lookup run alone);
 - **lookup_depth** (DEPTH_PRIOR, DEPTH_WEIGHT): how long the context lookup's proposals are
-  (procs/decoder/lookup_depth.py): the prior from lookup-only's accepted counts on dev, the
-  prior's weight in real runs, one warm server per setting (bench/tune_lookup_depth.py);
+  (procs/decoder/lookup_depth.py): the prior from lookup-only's accepted counts on dev per
+  suffix-match bucket, the prior's weight in real runs, one warm server per setting
+  (bench/tune_lookup_depth.py);
 - **head_vocab** (head.VOCAB): how many rows of its frequency-ranked draft vocabulary a head
   scores, in real runs, one warm server per setting (bench/tune_head.py);
 - **head_stop** (head.STOP): the top probability below which a head's own proposal ends an
@@ -371,7 +372,8 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     dev = (f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], "
            f"worst prompt {f['min']:.3f} (real runs, {ld['prompts']} prompts x {ld['repeats']})")
     out["lookup.DEPTH_PRIOR"] = {"value": ld["prior"], "grid": None, "chosen_by": "lookup_depth",
-                                 "dev": f"lookup-only's accepted counts {ld['counts']} on dev"}
+                                 "dev": f"lookup-only's accepted counts by suffix match "
+                                        f"{ld['counts']} on dev"}
     out["lookup.DEPTH_WEIGHT"] = {"value": ld["chosen"], "grid": ld["grid"]["DEPTH_WEIGHT"],
                                   "chosen_by": "lookup_depth", "dev": dev}
     hv = res["head_vocab"]

@@ -3,8 +3,10 @@ chosen on dev by real runs.
 
 Each proposal is as long as pays for its verify rows at the costs the decoder calibrated
 (procs/decoder/lookup_depth.py), from how often the lookup's j-th token is accepted once the
-ones before it were. That prior comes from dev: lookup-only on its own warm server with
-every proposal gamma tokens long, its accepted counts per verify. Then memspec runs on one
+ones before it were, by how long the context suffix under its first token matched. That
+prior comes from dev: the engine's lookup-only in this process with every proposal gamma
+tokens long (its tokens and proposals are the pipeline's; no clock is read), its accepted
+counts per verify in each match bucket. Then memspec runs on one
 server per prior weight (how many observations the prior is worth before the request's own
 verifies move it; off: every proposal gamma tokens) beside target-only, every dev prompt's
 variants back to back. The chosen weight scores most over target-only with no prompt below
@@ -25,6 +27,11 @@ from memspec.bench.tune_lookup_gate import _brief, tuned_with
 from memspec.common.tuned import TUNED_ENV, tuned_path
 
 WEIGHTS = (None, 2, 8, 32)  # observations the dev prior is worth (None: depth off)
+# buckets of the suffix match under a proposal's first token, by their smallest length: the
+# shortest match the pool's lookup takes, longer ones, and 6+ (whole clauses repeated); a
+# bucket with fewer than MIN_VERIFIES verifies on dev joins the one below it
+MATCH_EDGES = (0, 3, 6)
+MIN_VERIFIES = 20
 
 
 def _log(msg: str) -> None:
@@ -42,6 +49,46 @@ def prior_from_counts(counts: Sequence[int], gamma: int) -> list[float]:
             for j in range(1, gamma + 1)]
 
 
+def prior_by_match(verifies: Sequence[tuple[int, int]], gamma: int
+                   ) -> tuple[list[list[Any]], list[list[Any]]]:
+    """``[[smallest match, q]]`` and ``[[smallest match, accepted counts]]`` from (match,
+    accepted) pairs of gamma-token proposals."""
+    counts: list[list[Any]] = []
+    for i, edge in enumerate(MATCH_EDGES):
+        top = MATCH_EDGES[i + 1] if i + 1 < len(MATCH_EDGES) else None
+        hist = [0] * (gamma + 1)
+        for m, a in verifies:
+            if m >= edge and (top is None or m < top):
+                hist[min(a, gamma)] += 1
+        if counts and min(sum(hist), sum(counts[-1][1])) < MIN_VERIFIES:  # too few to
+            counts[-1][1] = [x + y for x, y in zip(counts[-1][1], hist)]  # stand alone
+        else:
+            counts.append([edge, hist])
+    return [[edge, prior_from_counts(hist, gamma)] for edge, hist in counts], counts
+
+
+def dev_lookup_verifies(pool_file: Path, rows: Sequence[dict[str, str]], max_new: int
+                        ) -> list[tuple[int, int]]:
+    """(match, accepted) of every lookup-only verify on `rows`, gamma-token proposals."""
+    import torch
+
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.inprocess import build_local
+    from memspec.procs.decoder.lookup import LOOKUP
+    from memspec.procs.decoder.models import encode_prompt
+
+    rt = build_local(load_pool(pool_file), with_drafts=False)
+    rt.engine.depth_costs = None  # no depth: every proposal is gamma tokens
+    out: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        with torch.inference_mode():
+            _, stats = rt.engine.generate(encode_prompt(rt.tokenizer, row["prompt"]), max_new,
+                                          None, lambda _s: LOOKUP)
+        out += [(r.match, r.accepted) for r in stats.records if r.proposed]
+        _log(f"prior {i + 1}/{len(rows)}: {len(out)} verifies")
+    return out
+
+
 def variant(weight: int | None) -> str:
     return "memspec@depth-off" if weight is None else f"memspec@depth-w{weight}"
 
@@ -51,18 +98,9 @@ def tune_lookup_depth(pool_file: Path, per_domain: int, max_new: int, repeats: i
     base = json.loads(tuned_path().read_text())
     rows = dev_rows(per_domain)
     with tempfile.TemporaryDirectory(prefix="memspec-tune-") as tmp:
-        off = tuned_with(base, {"lookup.DEPTH_WEIGHT": None}, Path(tmp) / "off.json")
-        _log("the prior: lookup-only with gamma-token proposals on dev")
-        first = run_settings({"target-only": Setting("target-only", str(pool_file)),
-                              "lookup-only": Setting("lookup-only", str(pool_file),
-                                                     {TUNED_ENV: str(off)})},
-                             rows, max_new, 1, _log)
-        counts = [0] * (gamma + 1)
-        for r in first["runs"]:
-            for k, c in enumerate(r["lookup-only"]["accepted_counts"][:gamma + 1]):
-                counts[k] += c
-        prior = prior_from_counts(counts, gamma)
-        _log(f"accepted counts {counts}: q = {prior}")
+        _log("the prior: lookup-only with gamma-token proposals on dev (in process)")
+        prior, counts = prior_by_match(dev_lookup_verifies(pool_file, rows, max_new), gamma)
+        _log(f"accepted counts by match {counts}: q = {prior}")
         settings = {"target-only": Setting("target-only", str(pool_file))}
         for w in WEIGHTS:
             path = tuned_with(base, {"lookup.DEPTH_PRIOR": prior, "lookup.DEPTH_WEIGHT": w},
@@ -79,6 +117,5 @@ def tune_lookup_depth(pool_file: Path, per_domain: int, max_new: int, repeats: i
             "rows": [{"value": w, "variant": variant(w), **_brief(summary[variant(w)])}
                      for w in WEIGHTS],
             "chosen": best, "figure": _brief(fig), "floor": FLOOR, "prompts": len(rows),
-            "repeats": repeats, "identical_tokens": res["identical_tokens"]
-            and first["identical_tokens"]}
+            "repeats": repeats, "identical_tokens": res["identical_tokens"]}
 

@@ -35,6 +35,7 @@ class IterationRecord(msgspec.Struct, forbid_unknown_fields=True):
     # fewer threads, so the iteration does not tell what one costs on a quiet machine
     store_led: bool = False  # a datastore's token came first: the context lookup alone
     # would have run a target step here
+    match: int = 0  # the context lookup's suffix match under its first proposal (0: none)
 
     @property
     def duration(self) -> float:

@@ -317,9 +317,12 @@ class Session:
         props: list[int] = []
         led = False
         depth = self._depth if store is None else None  # a datastore's chain: its own
+        match = 0
         if self.params.greedy and (ng is not None or store is not None):
-            props, led = led_chain(ng, store, self.tokens[-tail_width(ng, store):],
-                                   depth.choose(L) if depth else self.engine.gamma)
+            tail = self.tokens[-tail_width(ng, store):]
+            match = ng.match(tail) if ng is not None else 0
+            props, led = led_chain(ng, store, tail, depth.choose(L, match) if depth
+                                   else self.engine.gamma)
         if not props:
             rec = self._target_step(t0)
             rec.draft = name
@@ -334,9 +337,10 @@ class Session:
         self._sync()
         t1 = time.perf_counter()
         if depth is not None:
-            depth.observe(len(props), n)
+            depth.observe(len(props), n, match)
         return IterationRecord(name, len(props), n, emitted, t0, t_draft=t_draft_end - t0,
-                               t_verify=t1 - t_draft_end, context=L, store_led=led)
+                               t_verify=t1 - t_draft_end, context=L, store_led=led,
+                               match=match)
 
     def _draft_cache(self, bound: BoundDraft) -> _DraftCache:
         dc = self._drafts.get(bound.name)

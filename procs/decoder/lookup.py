@@ -48,6 +48,14 @@ class NgramIndex:
             for n in range(self.n_min, min(self.n_max, j) + 1):
                 self._at[tuple(toks[j - n:j])] = j
 
+    def match(self, tail: Sequence[int]) -> int:
+        """The length of the longest (>= n_min) suffix of ``tail`` seen before (0: none): a
+        longer match is stronger evidence that what followed it comes again."""
+        for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
+            if tuple(tail[len(tail) - n:]) in self._at:
+                return n
+        return 0
+
     def propose(self, tail: Sequence[int]) -> int | None:
         """The token after the longest (>= n_min) suffix of ``tail`` seen before, or None.
         ``tail``: the last tokens of the context (committed + proposed), newest last."""
