@@ -50,10 +50,17 @@ def _compiler_id() -> str:
         return cxx
 
 
+# -fno-trapping-math: the loops over exp (softmax, SiLU) vectorise only when the compiler
+# may run floating-point ops no trap could observe (an exact max, a floor, a select); no
+# value changes (no reassociation, no contraction beyond -O3's own)
+CFLAGS = ("-O3", "-fopenmp", "-fno-trapping-math")
+
+
 def build_dir(isa: str) -> Path:
     """Where the build for ``isa`` lives: the key names everything that shapes the binary."""
     digest = hashlib.sha256(str(CSRC).encode())
-    for part in (isa, " ".join(isa_mod.compile_flags(isa)), _compiler_id(), torch.__version__,
+    for part in (isa, " ".join(CFLAGS + isa_mod.compile_flags(isa)), _compiler_id(),
+                 torch.__version__,
                  sysconfig.get_config_var("EXT_SUFFIX") or sys.version):  # the interpreter's ABI
         digest.update(part.encode())
     for src in SOURCES + HEADERS:
@@ -101,7 +108,7 @@ def extension(build: bool = True, verbose: bool = False, isa: str | None = None)
         try:
             ext = load(name=name,
                        sources=[str(p) for p in SOURCES], build_directory=str(out),
-                       extra_cflags=["-O3", "-fopenmp", *isa_mod.compile_flags(isa)],
+                       extra_cflags=[*CFLAGS, *isa_mod.compile_flags(isa)],
                        extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as exc:  # no compiler, no ninja, headers missing: fall back, say why
             print(f"[memspec] native CPU forward ({isa}) unavailable ({type(exc).__name__}: "
