@@ -57,6 +57,7 @@ NORMS = ("norm_e", "norm_g", "post_attention_layernorm")
 # the same rows: one call, the rows quantised once)
 PACKED = {"fc": ("fc",), "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
           "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+MATRICES = {f"{m}.weight" for members in PACKED.values() for m in members}  # 16-bit names
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,7 @@ def is_packed(weights: Mapping[str, torch.Tensor]) -> bool:
 def pack_head(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """A 16-bit head's tensors with its matrices as packed Q8_0 blocks (the norms and any
     metadata as they are); None where a shape does not tile (the head stays 16-bit)."""
-    out = {k: v for k, v in tensors.items()
-           if not any(k == f"{m}.weight" for ms in PACKED.values() for m in ms)}
+    out = {k: v for k, v in tensors.items() if k not in MATRICES}
     for joined, members in PACKED.items():
         w = torch.cat([tensors[f"{m}.weight"].float() for m in members])
         if not q8blocks.packable(tuple(w.shape)):

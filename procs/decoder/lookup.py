@@ -59,8 +59,5 @@ class NgramIndex:
     def propose(self, tail: Sequence[int]) -> int | None:
         """The token after the longest (>= n_min) suffix of ``tail`` seen before, or None.
         ``tail``: the last tokens of the context (committed + proposed), newest last."""
-        for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
-            j = self._at.get(tuple(tail[len(tail) - n:]))
-            if j is not None:
-                return self.tokens[j]
-        return None
+        n = self.match(tail)
+        return self.tokens[self._at[tuple(tail[len(tail) - n:])]] if n else None

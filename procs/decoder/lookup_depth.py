@@ -28,6 +28,7 @@ prefix of the longer one): the output stays the target's own. Pure logic, no clo
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from memspec.common.tuned import knob
@@ -78,11 +79,7 @@ class LookupDepth:
 
     def bucket(self, match: int) -> int:
         """The bucket of a suffix match of ``match`` tokens (below every edge: the first)."""
-        b = 0
-        for i, edge in enumerate(self.edges):
-            if match >= edge:
-                b = i
-        return b
+        return max(0, bisect_right(self.edges, match) - 1)
 
     def q(self, j: int, match: int = 0) -> float:
         """P(the j-th proposed token is accepted | the j-1 before it were), j from 1."""
