@@ -258,6 +258,10 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         from memspec.zoo.evaluate import main_eval
 
         return main_eval(args)
+    if args.what == "stores" and args.sources:
+        from memspec.zoo.store_sources import main_sources
+
+        return main_sources(args)
     if args.what == "stores":
         from memspec.zoo.stores import main_stores
 
@@ -414,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--json", action="store_true")
     z.add_argument("--prompts", action="store_true",
                    help="corpora: also regenerate the committed prompt sets")
+    z.add_argument("--sources", action="store_true",
+                   help="stores: measure on dev what a domain store's worth grows with "
+                        "(responses, corpus, target labels) instead of building")
+    z.add_argument("--distill-windows", type=int, default=100,
+                   help="stores --sources: 256-token corpus windows per domain the target "
+                        "labels (0: skip)")
     z.set_defaults(func=cmd_zoo)
 
     t = sub.add_parser("trace", help="greedy trajectories + per-draft acceptance tables")

@@ -26,6 +26,7 @@ from memspec.procs.decoder.datastore import (
     Datastore,
     StoreParams,
     build_tables,
+    next_labels,
     stream,
 )
 from memspec.procs.decoder.engine import SpecEngine
@@ -65,6 +66,25 @@ def test_tables_are_checked_before_use():
     with pytest.raises(ValueError):
         Datastore({**tables, "next.1": tables["next.1"][:-1]})
     assert stream([]).size == 0 and SEP < 0
+
+
+def test_labels_replace_what_follows_a_context():
+    """Teacher-forced labels (the target's next token after a corpus prefix) stand where the
+    stream's own next token would; the stream's labels give the tables it gives alone."""
+    toks = stream(DOCS)
+    plain = build_tables(toks, 1, 3, min_count=1)
+    same = build_tables(toks, 1, 3, min_count=1, labels=next_labels(toks))
+    assert all(np.array_equal(plain[k], same[k]) for k in plain)
+    labels = next_labels(toks)
+    labels[labels == 4] = 6  # the target would have said 6 wherever the text said 4
+    store = Datastore(build_tables(toks, 1, 4, min_count=1, labels=labels), StoreParams(1, 0.0))
+    assert store.propose([1, 2, 3]) == 6
+    assert store.propose([7]) == 1  # other contexts keep what followed them
+    unlabelled = labels.copy()
+    unlabelled[:] = SEP
+    assert build_tables(toks, 1, 2, min_count=1, labels=unlabelled)["keys.1"].size == 0
+    with pytest.raises(ValueError):
+        build_tables(toks, 1, 2, labels=labels[:-1])
 
 
 def _store_folder(path, docs, target_dir=None):

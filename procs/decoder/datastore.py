@@ -35,34 +35,50 @@ def tail_key(tail: Sequence[int], n: int) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
-def _keys(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(key, next token) of every position whose n preceding tokens and itself lie inside one
-    document."""
+def next_labels(tokens: np.ndarray) -> np.ndarray:
+    """What follows each position of a build stream in the stream itself (SEP at a document's
+    end): the labels build_tables uses when it is given none."""
+    t = np.asarray(tokens, dtype=np.int64)
+    out = np.full(t.size, SEP, dtype=np.int64)
+    out[:-1] = t[1:]
+    return out
+
+
+def _keys(tokens: np.ndarray, n: int, labels: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(key, next token) of every context of n tokens inside one document; the next token is
+    ``labels`` at the context's last position (default: the stream's own next token)."""
     t = tokens.astype(np.int64)
-    length = t.size - n
+    lab = next_labels(t) if labels is None else np.asarray(labels, dtype=np.int64)
+    length = t.size - n + 1
     if length <= 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    valid = t[n:] >= 0
+    nxt = lab[n - 1:]
+    valid = nxt >= 0
     h = np.full(length, n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for k in range(n):
             col = t[k:k + length]
             valid &= col >= 0
             h = h * np.uint64(_P) + (col.astype(np.uint64) + np.uint64(1))
-    return h.view(np.int64)[valid], t[n:][valid]
+    return h.view(np.int64)[valid], nxt[valid]
 
 
-def build_tables(tokens: np.ndarray, n_min: int = 1, n_max: int = 6, min_count: int = 2
-                 ) -> dict[str, np.ndarray]:
+def build_tables(tokens: np.ndarray, n_min: int = 1, n_max: int = 6, min_count: int = 2,
+                 labels: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The store's tensors (``keys.{n}`` sorted int64, ``next.{n}``, ``count.{n}`` (the
     best next token's count), ``total.{n}`` (the context's count), int32): contexts whose best
     continuation was seen fewer than ``min_count`` times are left out (they would not be
-    proposed, and most n-grams are seen once)."""
+    proposed, and most n-grams are seen once). ``labels`` (one per stream position, SEP for
+    none) replace what follows each context: the target's own next token after a corpus
+    prefix, say, rather than the corpus's."""
+    if labels is not None and len(labels) != len(tokens):
+        raise ValueError("labels must be as long as the stream")
     if not 1 <= n_min <= n_max:
         raise ValueError("need 1 <= n_min <= n_max")
     out: dict[str, np.ndarray] = {}
     for n in range(n_min, n_max + 1):
-        keys, nxt = _keys(tokens, n)
+        keys, nxt = _keys(tokens, n, labels)
         order = np.lexsort((nxt, keys))
         keys, nxt = keys[order], nxt[order]
         if keys.size:  # runs of equal (context, next)
