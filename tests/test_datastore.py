@@ -28,6 +28,7 @@ from memspec.procs.decoder.datastore import (
     build_tables,
     next_labels,
     stream,
+    tail_key,
 )
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.gate import GateCosts, SpecGate
@@ -257,3 +258,18 @@ def test_a_chain_says_whether_the_store_led_it():
     props, led = led_chain(idx, store, [1, 2], 4)
     assert props and props[0] == store.propose([1, 2]) and led
     assert led_chain(None, None, [1, 2], 4) == ([], False)
+
+
+def test_teacher_forced_windows_store_the_targets_labels():
+    """zoo stores --sources: corpus windows with the target's argmax after each prefix become
+    a store that proposes the target's token, never across a window's end."""
+    from memspec.zoo.store_sources import window_parts
+
+    x = np.array([[1, 2, 3], [7, 1, 2]])
+    y = np.array([[5, 6, 4], [1, 5, 6]])  # the target's next token after each prefix
+    toks, labels = window_parts(x, y)
+    tables = build_tables(toks, 1, 2, min_count=1, labels=labels)
+    store = Datastore(tables, StoreParams(1, 0.0))
+    assert store.propose([1, 2]) == 6 and store.propose([7]) == 1
+    assert store.propose([3]) == 4  # the label of a window's last position is kept ...
+    assert tail_key([3, 7], 2) not in set(tables["keys.2"].tolist())  # ... no context spans two

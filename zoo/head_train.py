@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from memspec.common.isa import cpu_flags
 from memspec.common.machine import machine_line
 from memspec.zoo.head_model import TrainableHead
 from memspec.zoo.heads_data import Shard
@@ -49,7 +50,8 @@ class HeadPlan:
     seed: int = 20261
     max_steps: int | None = None  # a step budget instead of the clock (tests, reruns)
     eval_every_steps: int | None = None
-    bf16: bool = True  # matmuls under bf16 autocast (fp32 master weights): ~1.8x on AVX-512
+    bf16: bool = True  # matmuls under bf16 autocast (fp32 master weights) where the CPU has
+    # bf16 dot products: ~1.8x on AVX-512 BF16; emulated elsewhere, 6-8x slower (AVX2 Zen 3)
     feat_weight: float = 1.0  # output vs the target's last-layer state (normed), as EAGLE
     # softmax over the batch's candidates (the union of every row's target top-k, plus
     # random negatives) instead of the whole draft vocabulary: the LM-head rows are most
@@ -137,6 +139,13 @@ class Batches:
                 "length": torch.from_numpy(length)}
 
 
+
+def bf16_pays() -> bool:
+    """bf16 autocast only where the CPU multiplies bf16 natively (AVX-512 BF16); a
+    2048x576 @ 576x1536 linear with its backward: fp32 45-58 ms, bf16 346-360 ms on an AVX2
+    Zen 3."""
+    return "avx512_bf16" in cpu_flags()
+
 def chain_ok(nxt: torch.Tensor, argmax: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """ok[s][b, p]: the s tokens after row p-s are the target's greedy choices (so a chain
     started at p-s reaches row p at step s with the right inputs)."""
@@ -166,7 +175,7 @@ def head_loss(model: TrainableHead, batch: dict[str, torch.Tensor], to_draft: to
     in_vocab = (arg >= 0) & (to_draft[arg.clamp(min=0)] >= 0)
     base = real & in_vocab
     oks = chain_ok(nxt, arg, plan.unroll)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16 and bf16_pays())
     with autocast:
         outs = model(inp, batch["feat"], plan.unroll)
     valid0 = base & (rows >= batch["start"][:, None])
@@ -224,7 +233,7 @@ def train_head(model: TrainableHead, batches: Batches, to_draft: torch.Tensor, p
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95),
                             weight_decay=plan.weight_decay)
-    rec = TrainLog(plan.name, plan=asdict(plan),
+    rec = TrainLog(plan.name, plan=asdict(plan) | {"bf16": plan.bf16 and bf16_pays()},
                    machine=f"{machine_line()}, 1-min load average {os.getloadavg()[0]:.1f} at start")
     best = {k: v.clone() for k, v in model.head_state().items()}
     rec.best_dev = evaluate(model) if plan.init_from else 0.0

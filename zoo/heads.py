@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from memspec.common.config import tokenizer_fingerprint
+from memspec.common.errors import MemspecError
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir
 from memspec.procs.decoder.head import (
     HEAD_KIND,
@@ -303,9 +304,11 @@ def draft_vocabulary(rows: Sequence[dict], corpora: dict[str, np.ndarray], token
     return vocab
 
 
-def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = None
-            ) -> HeadData:
-    """Steps a-c (cached): responses, vocabulary, target rows, dev set."""
+def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = None,
+            vocab: np.ndarray | None = None) -> HeadData:
+    """Steps a-c (cached): responses, vocabulary, target rows, dev set. ``vocab``: the draft
+    vocabulary to keep (a present general head's, which its fine-tunes must share) instead of
+    ranking one from this machine's responses (which differ a little by ISA)."""
     t0 = time.perf_counter()
     tok = load_tokenizer(target_dir)
     rt = open_runtime_target(target_dir, shape.extract_layers(read_config(target_dir)),
@@ -319,8 +322,9 @@ def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = N
                                    load_prompts("dev", DOMAINS, DEV_PER_DOMAIN),
                                    work_dir() / f"responses-dev-{rt.dtype}.jsonl", EVAL_TOKENS)
     corpora = {d: corpus_tokens(d, tok) for d in DOMAINS}
-    log("b", "draft vocabulary")
-    to_target = draft_vocabulary(train_rows, corpora, tok, shape.vocab)
+    log("b", "draft vocabulary" + (" (the general head's)" if vocab is not None else ""))
+    to_target = (draft_vocabulary(train_rows, corpora, tok, shape.vocab) if vocab is None
+                 else np.asarray(vocab, dtype=np.int64))
     dev_tokens = np.asarray([t for r in dev_rows for t in r["tokens"]], dtype=np.int64)
     cov = {d: coverage(to_target, np.asarray([t for r in dev_rows if r["domain"] == d
                                               for t in r["tokens"]], dtype=np.int64))
@@ -366,8 +370,9 @@ def train_one(data: HeadData, shape: HeadShape, plan: HeadPlan, dirs: dict[str, 
     if plan.init_from:
         weights, parent_map = read_head_weights(dirs[plan.init_from])
         if not np.array_equal(parent_map, data.to_target):
-            raise RuntimeError(f"{plan.init_from}'s vocabulary differs from this build's; "
-                               "retrain it first (--force)")
+            raise MemspecError(f"{plan.init_from}'s draft vocabulary differs from this build's",
+                               f"retrain {plan.init_from} first (--force --only "
+                               f"{plan.init_from},{plan.name})")
         model.load_head_state(weights)
     to_draft = draft_index(data.to_target, data.rt.engine.vocab)
     batches = Batches(data.shards, plan, arch.feature_layers, data.rt.layers, arch.hidden,
@@ -425,8 +430,14 @@ def build_heads(names: Sequence[str] | None = None, minutes: float | None = None
     dirs = dirs or {n: heads_dir() / n for n in HEAD_NAMES}
     names = [n for n in HEAD_NAMES if n in (names or HEAD_NAMES)]
     t0 = time.perf_counter()
-    data = prepare(shape, target_dir, train_per_domain)
     plans = default_plans(minutes)
+    fresh = [n for n in names if force or not (dirs[n] / "model.safetensors").is_file()]
+    parents = {plans[n].init_from for n in fresh} - {None} - set(fresh)
+    vocab = None
+    for p in sorted(parents):  # a kept parent's vocabulary binds its fine-tunes
+        if p in dirs and (dirs[p] / "model.safetensors").is_file():
+            vocab = read_head_weights(dirs[p])[1]
+    data = prepare(shape, target_dir, train_per_domain, vocab)
     for name in names:
         if (dirs[name] / "model.safetensors").is_file() and not force:
             log(name, "present, skipped (use --force to retrain)")

@@ -78,10 +78,11 @@ def matrix_figures(sources: dict[str, tuple[np.ndarray, np.ndarray]],
     general (the best store per domain over the general one), size."""
     stores = {d: Datastore(build_tables(sources[d][0], N_MIN, n_max, params.min_count,
                                         sources[d][1]), params) for d in DOMAINS}
-    tpi = {d: {e: walk(stores[d], e)["tokens_per_iteration"] for e in DOMAINS} for d in DOMAINS}
+    figs = {d: {e: walk(stores[d], e) for e in DOMAINS} for d in DOMAINS}
+    tpi = {d: {e: figs[d][e]["tokens_per_iteration"] for e in DOMAINS} for d in DOMAINS}
     own = {e: tpi[e][e] / tpi["general"][e] for e in DOMAINS}
     ostat = {e: max(tpi[d][e] for d in DOMAINS) / tpi["general"][e] for e in DOMAINS}
-    speed = {e: walk(stores[e], e)["speed_over_target"] for e in DOMAINS}
+    speed = {e: figs[e][e]["speed_over_target"] for e in DOMAINS}
     return {"tokens_per_iteration": tpi, "own_over_general": own,
             "oracle_static_over_general": ostat,
             "oracle_static_over_general_gmean": gmean(list(ostat.values())),
@@ -91,7 +92,10 @@ def matrix_figures(sources: dict[str, tuple[np.ndarray, np.ndarray]],
 
 def study(distill_windows: int = 100) -> dict:
     """The dev figures of every store source (see the module's docstring)."""
+    from memspec.common.config import load_pool
+    from memspec.common.files import read_jsonl
     from memspec.zoo.heads_data import work_dir
+    from memspec.zoo.prompts import load_prompts
 
     t0 = time.perf_counter()
     root = memspec_home() / "stores"
@@ -101,14 +105,14 @@ def study(distill_windows: int = 100) -> dict:
         raise MemspecError(f"no built stores in {root}",
                            "run `memspec zoo stores` first (it makes the responses this reads)"
                            ) from None
-    verify, gamma = chosen["verify_over_one_row"], 4
+    verify, gamma = chosen["verify_over_one_row"], load_pool(None).gamma
     n_max = chosen["chosen"]["n_max"]
     params = StoreParams(chosen["chosen"]["min_count"], chosen["chosen"]["min_conf"])
     dtype = chosen["dtype"]
 
-    def rows(split: str) -> list[dict]:
-        path = work_dir() / f"responses-{split}-{dtype}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    def rows(split: str) -> list[dict]:  # the newest row per prompt, in prompt order
+        done = read_jsonl(work_dir() / f"responses-{split}-{dtype}.jsonl")
+        return [done[p["id"]] for p in load_prompts(split) if p["id"] in done]
 
     train, dev = rows("train"), rows("dev")
     by = {d: [r for r in dev if r["domain"] == d] for d in DOMAINS}
