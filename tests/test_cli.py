@@ -56,6 +56,11 @@ def one_line_error(res: subprocess.CompletedProcess, *words: str) -> str:
 
 
 # ---- command line ------------------------------------------------------------------------
+def test_store_sources_without_built_stores_is_one_line(tmp_path):
+    res = memspec("zoo", "stores", "--sources", env={**os.environ, "MEMSPEC_HOME": str(tmp_path)})
+    one_line_error(res, "no built stores", "memspec zoo stores")
+
+
 def test_submit_to_a_port_nobody_listens_on_fails_at_once():
     t0 = time.monotonic()
     res = memspec("submit", "--endpoint", f"tcp://127.0.0.1:{free_tcp_port()}", "x",

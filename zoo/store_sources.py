@@ -115,6 +115,9 @@ def study(distill_windows: int = 100) -> dict:
         return [done[p["id"]] for p in load_prompts(split) if p["id"] in done]
 
     train, dev = rows("train"), rows("dev")
+    if not train or not dev:
+        raise MemspecError(f"no cached train and dev responses in {work_dir()}",
+                           "run `memspec zoo stores --force` (it makes them)")
     by = {d: [r for r in dev if r["domain"] == d] for d in DOMAINS}
     dev_tokens = {d: sum(len(r["tokens"][:RESPONSE_TOKENS]) for r in by[d]) for d in DOMAINS}
 
