@@ -139,12 +139,12 @@ class Batches:
                 "length": torch.from_numpy(length)}
 
 
-
 def bf16_pays() -> bool:
     """bf16 autocast only where the CPU multiplies bf16 natively (AVX-512 BF16); a
     2048x576 @ 576x1536 linear with its backward: fp32 45-58 ms, bf16 346-360 ms on an AVX2
     Zen 3."""
     return "avx512_bf16" in cpu_flags()
+
 
 def chain_ok(nxt: torch.Tensor, argmax: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """ok[s][b, p]: the s tokens after row p-s are the target's greedy choices (so a chain
