@@ -165,3 +165,20 @@ def test_the_graph_step_is_the_eager_step(tiny_dir, rt, tmp_path):
         untouched[pos] = False
         assert torch.equal(graph.k[:, :, untouched], before[:, :, untouched])
         hidden = want_h
+
+
+def test_a_fine_tune_whose_parent_is_not_built_stops_at_once(tmp_path):
+    """--only math without a general head: a one-line error naming both, before the minutes
+    of responses and target rows a build spends first."""
+    from memspec.common.errors import MemspecError
+    from memspec.zoo.heads import default_plans, parent_dir
+
+    plans = default_plans(None)
+    dirs = {"general": tmp_path / "general", "math": tmp_path / "math"}
+    with pytest.raises(MemspecError) as err:
+        parent_dir(plans["math"], dirs)
+    assert "general" in str(err.value) and "--only general,math" in err.value.fix
+    assert parent_dir(plans["general"], dirs) is None
+    (tmp_path / "general").mkdir()
+    (tmp_path / "general" / "model.safetensors").write_bytes(b"")
+    assert parent_dir(plans["math"], dirs) == tmp_path / "general"

@@ -359,16 +359,30 @@ def dev_domains(name: str) -> tuple[str, ...]:
     return tuple(DOMAINS) if name == "general" else (name,)
 
 
+def parent_dir(plan: HeadPlan, dirs: dict[str, Path]) -> Path | None:
+    """The folder of the head ``plan`` is fine-tuned from (None: trained from scratch); a
+    parent that is not built is a one-line error before any work."""
+    if not plan.init_from:
+        return None
+    parent = dirs.get(plan.init_from)
+    if parent is None or not (parent / "model.safetensors").is_file():
+        raise MemspecError(f"head {plan.name} is fine-tuned from {plan.init_from}, which is "
+                           f"not built ({parent})",
+                           f"train both: --only {plan.init_from},{plan.name}")
+    return parent
+
+
 def train_one(data: HeadData, shape: HeadShape, plan: HeadPlan, dirs: dict[str, Path] | Path
               ) -> dict:
     """Train one head, keep its best dev checkpoint in ``dirs[plan.name]`` (a folder of
     head folders also works), with its training record beside it."""
     if isinstance(dirs, Path):
         dirs = {n: dirs / n for n in (plan.name, plan.init_from) if n}
+    parent = parent_dir(plan, dirs)
     arch = shape.arch(read_config(data.target_dir))
     model = new_trainable(data.rt, arch, data.to_target, plan.seed)
-    if plan.init_from:
-        weights, parent_map = read_head_weights(dirs[plan.init_from])
+    if parent is not None:
+        weights, parent_map = read_head_weights(parent)
         if not np.array_equal(parent_map, data.to_target):
             raise MemspecError(f"{plan.init_from}'s draft vocabulary differs from this build's",
                                f"retrain {plan.init_from} first (--force --only "
@@ -432,11 +446,10 @@ def build_heads(names: Sequence[str] | None = None, minutes: float | None = None
     t0 = time.perf_counter()
     plans = default_plans(minutes)
     fresh = [n for n in names if force or not (dirs[n] / "model.safetensors").is_file()]
-    parents = {plans[n].init_from for n in fresh} - {None} - set(fresh)
     vocab = None
-    for p in sorted(parents):  # a kept parent's vocabulary binds its fine-tunes
-        if p in dirs and (dirs[p] / "model.safetensors").is_file():
-            vocab = read_head_weights(dirs[p])[1]
+    for n in fresh:  # a kept parent's vocabulary binds its fine-tunes
+        if plans[n].init_from and plans[n].init_from not in fresh:
+            vocab = read_head_weights(parent_dir(plans[n], dirs))[1]
     data = prepare(shape, target_dir, train_per_domain, vocab)
     for name in names:
         if (dirs[name] / "model.safetensors").is_file() and not force:
