@@ -365,7 +365,10 @@ def parent_dir(plan: HeadPlan, dirs: dict[str, Path]) -> Path | None:
     if not plan.init_from:
         return None
     parent = dirs.get(plan.init_from)
-    if parent is None or not (parent / "model.safetensors").is_file():
+    if parent is None:
+        raise MemspecError(f"head {plan.name} is fine-tuned from {plan.init_from}, which the "
+                           "pool does not name", f"add a draft named {plan.init_from} to it")
+    if not (parent / "model.safetensors").is_file():
         raise MemspecError(f"head {plan.name} is fine-tuned from {plan.init_from}, which is "
                            f"not built ({parent})",
                            f"train both: --only {plan.init_from},{plan.name}")
@@ -442,7 +445,7 @@ def build_heads(names: Sequence[str] | None = None, minutes: float | None = None
     torch.set_num_threads(min(torch.get_num_threads(), 2))  # the 2-core budget
     shape, target_dir = shape or HeadShape(), target_dir or default_target_dir()
     dirs = dirs or {n: heads_dir() / n for n in HEAD_NAMES}
-    names = [n for n in HEAD_NAMES if n in (names or HEAD_NAMES)]
+    names = [n for n in HEAD_NAMES if n in dirs and n in (names or HEAD_NAMES)]
     t0 = time.perf_counter()
     plans = default_plans(minutes)
     fresh = [n for n in names if force or not (dirs[n] / "model.safetensors").is_file()]

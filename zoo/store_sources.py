@@ -115,10 +115,11 @@ def study(distill_windows: int = 100) -> dict:
         return [done[p["id"]] for p in load_prompts(split) if p["id"] in done]
 
     train, dev = rows("train"), rows("dev")
-    if not train or not dev:
-        raise MemspecError(f"no cached train and dev responses in {work_dir()}",
-                           "run `memspec zoo stores --force` (it makes them)")
     by = {d: [r for r in dev if r["domain"] == d] for d in DOMAINS}
+    if len(dev) < len(load_prompts("dev")) or not all(by.values()) or not train:
+        raise MemspecError(f"the train and dev responses in {work_dir()} are not all cached "
+                           "(the study reads the dev set the stores were chosen on)",
+                           "run `memspec zoo stores --force` (it makes them)")
     dev_tokens = {d: sum(len(r["tokens"][:RESPONSE_TOKENS]) for r in by[d]) for d in DOMAINS}
 
     def walk(store: Datastore | None, e: str) -> dict:
@@ -160,7 +161,7 @@ def study(distill_windows: int = 100) -> dict:
     log("own / pooled store: " + ", ".join(
         f"{e} {v['own'] / v['pooled']:.3f}" for e, v in out["pooled"].items()))
 
-    corpus = {d: corpus_stream(d) for d in DOMAINS}
+    corpus = {d: corpus_stream(d)[:CORPUS_TOKENS] for d in DOMAINS}
     out["corpus_only"] = matrix_figures({d: with_labels(corpus[d]) for d in DOMAINS}, walk,
                                         n_max, params)
     out["responses_and_corpus"] = matrix_figures(
@@ -186,30 +187,46 @@ def corpus_stream(domain: str) -> np.ndarray:
     from memspec.zoo.drafts import corpus_tokens
 
     try:
-        arr = corpus_tokens(domain, load_tokenizer(load_pool(None).target))
+        return corpus_tokens(domain, load_tokenizer(load_pool(None).target)).astype(np.int64)
     except FileNotFoundError as e:
         raise MemspecError(f"corpus missing: {e}", "run `memspec zoo corpora` first") from None
-    return arr[:CORPUS_TOKENS].astype(np.int64)
 
 
 def distilled(windows: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The target's argmax after every prefix of ``windows`` x 256-token corpus windows per
-    domain (the heads' distillation labels, cached and shared with `memspec zoo drafts`)."""
+    domain (the heads' distillation labels, cached and shared with `memspec zoo drafts`).
+    They come from the fp32 target, as the heads' do, not the runtime's int4 one: where the
+    two argmaxes differ (rarely) a label is not the runtime's token, so this source's figure
+    is, if anything, a little low."""
     import torch
 
     from memspec.common.config import load_pool
     from memspec.procs.decoder.models import load_causal_lm
-    from memspec.zoo.drafts import device, target_labels
+    from memspec.zoo.drafts import device, target_labels, work_dir
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    target = load_causal_lm(load_pool(None).target, device=device())
-    return {d: target_labels(d, corpus_stream(d), target, windows) for d in DOMAINS}
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    target = None
+    for d in DOMAINS:
+        cache = work_dir() / "distill" / f"{d}_256.npz"
+        if cache.is_file():
+            got = np.load(cache)
+            if len(got["x"]) >= windows:
+                out[d] = (got["x"][:windows], got["y"][:windows])
+                continue
+        if target is None:  # loaded only when some domain's labels are not cached
+            torch.set_num_threads(max(1, torch.get_num_threads()))
+            target = load_causal_lm(load_pool(None).target, device=device())
+        out[d] = target_labels(d, corpus_stream(d), target, windows)
+    return out
 
 
 def main_sources(args) -> int:  # noqa: ANN001
     """`memspec zoo stores --sources`: the study, written beside the stores (and drawn)."""
     import contextlib
 
+    if args.distill_windows < 0:
+        raise MemspecError(f"--distill-windows {args.distill_windows} is negative",
+                           "give 0 (skip the target's labels) or more")
     res = study(args.distill_windows)
     root = memspec_home() / "stores"
     (root / "sources.json").write_text(json.dumps(res, indent=1))
