@@ -207,6 +207,17 @@ def corpus_tokens(domain: str, tokenizer, force: bool = False) -> np.ndarray:
     return arr
 
 
+def cached_labels(domain: str, windows: int, seq_len: int = 256
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    """target_labels' windows and labels when its cache already holds ``windows`` of them."""
+    cache = work_dir() / "distill" / f"{domain}_{seq_len}.npz"
+    if cache.is_file():
+        got = np.load(cache)
+        if len(got["x"]) >= windows:
+            return got["x"][:windows], got["y"][:windows]
+    return None
+
+
 @torch.inference_mode()
 def target_labels(domain: str, corpus: np.ndarray, target, windows: int, seq_len: int = 256,
                   batch: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -215,11 +226,10 @@ def target_labels(domain: str, corpus: np.ndarray, target, windows: int, seq_len
     One batched teacher-forced pass labels ``seq_len`` positions at once: far cheaper than
     generating, and it is exactly what greedy acceptance rewards.
     """
+    got = cached_labels(domain, windows, seq_len)
+    if got is not None:
+        return got
     cache = work_dir() / "distill" / f"{domain}_{seq_len}.npz"
-    if cache.is_file():
-        got = np.load(cache)
-        if len(got["x"]) >= windows:
-            return got["x"][:windows], got["y"][:windows]
     rng = np.random.default_rng(SEED + DOMAINS.index(domain))
     starts = rng.integers(0, corpus.size - seq_len - 1, windows)
     x = np.stack([corpus[s:s + seq_len] for s in starts]).astype(np.int64)

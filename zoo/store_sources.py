@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.common.errors import MemspecError
+from memspec.common.metrics import gmean
 from memspec.common.paths import memspec_home
 from memspec.procs.decoder.datastore import (
     SEP,
@@ -47,10 +48,6 @@ RESPONSE_WEIGHT = 4  # responses repeated beside corpus text, so the target's wo
 
 def log(msg: str) -> None:
     print(f"[zoo:stores:sources] {msg}", file=sys.stderr, flush=True)
-
-
-def gmean(xs: Sequence[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def with_labels(tokens: np.ndarray, labels: np.ndarray | None = None
@@ -202,17 +199,15 @@ def distilled(windows: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
     from memspec.common.config import load_pool
     from memspec.procs.decoder.models import load_causal_lm
-    from memspec.zoo.drafts import device, target_labels, work_dir
+    from memspec.zoo.drafts import cached_labels, device, target_labels
 
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     target = None
     for d in DOMAINS:
-        cache = work_dir() / "distill" / f"{d}_256.npz"
-        if cache.is_file():
-            got = np.load(cache)
-            if len(got["x"]) >= windows:
-                out[d] = (got["x"][:windows], got["y"][:windows])
-                continue
+        got = cached_labels(d, windows)
+        if got is not None:
+            out[d] = got
+            continue
         if target is None:  # loaded only when some domain's labels are not cached
             torch.set_num_threads(max(1, torch.get_num_threads()))
             target = load_causal_lm(load_pool(None).target, device=device())
