@@ -70,7 +70,7 @@ class LookupDepth:
         self.edges: list[int] = []
         self.hits: list[list[float]] = []  # per bucket, pseudo-observations: accepted at
         self.tries: list[list[float]] = []  # depth j ... of reached depth j
-        for edge, qs in buckets(prior) or [(0, [])]:
+        for edge, qs in buckets(prior):
             q = [min(0.999, max(0.001, p)) for p in qs] or [0.5]
             q = (q + [q[-1]] * gamma)[:gamma]  # a pool with a longer gamma: the last depth's
             self.edges.append(edge)
