@@ -26,7 +26,9 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
 - **head_vocab** (head.VOCAB): how many rows of its frequency-ranked draft vocabulary a head
   scores, in real runs, one warm server per setting (bench/tune_head.py);
 - **head_stop** (head.STOP): the top probability below which a head's own proposal ends an
-  iteration's proposals, likewise (bench/tune_head.py).
+  iteration's proposals, likewise (bench/tune_head.py);
+- **plan_budget** (oracle.PLAN_BUDGET): how wide oracle-dynamic's plan search may go, its
+  search time counted beside the plan it finds (bench/tune_plan.py).
 
 The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
 model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
@@ -392,6 +394,13 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                f"against {ungated.get(0.0, float('nan')):.3f} at 0; memspec {f['gmean']:.3f} "
                f"[{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real "
                f"runs, {hs['prompts']} prompts x {hs['repeats']})"}
+    pb = res["plan_budget"]
+    f = pb["figure"]
+    out["oracle.PLAN_BUDGET"] = {
+        "value": pb["chosen"], "grid": pb["grid"], "chosen_by": "plan_budget",
+        "dev": f"oracle-dynamic's plan search {1e3 * f['plan_s']:.1f} ms + its plan "
+               f"{1e3 * f['value_s']:.1f} ms a request (mean of {pb['prompts']} dev prompts, "
+               f"{pb['numerics']})"}
     lk = res["lookup"]
     out["pool.lookup"] = {
         "value": lk["chosen"], "grid": lk["grid"], "chosen_by": "lookup",
@@ -401,7 +410,7 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
-            "lookup_depth", "head_vocab", "head_stop")
+            "lookup_depth", "head_vocab", "head_stop", "plan_budget")
 
 
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
@@ -459,6 +468,12 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         from memspec.bench.tune_head import tune_head_stop
 
         res["head_stop"] = tune_head_stop(pool_file, per_domain, max_new, repeats)
+    if "plan_budget" in want:
+        from memspec.bench.tune_plan import tune_plan_budget
+        from memspec.procs.decoder import oracle
+
+        ids = [p["id"] for p in set_prompts(pool, "dev", per_domain)]
+        res["plan_budget"] = tune_plan_budget(pool, ids, cost, oracle.PLAN_BUDGET)
     missing = set(SECTIONS) - set(res)
     if missing:
         raise ConfigError(f"no earlier tune holds {', '.join(sorted(missing))}",
@@ -486,7 +501,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 9, figsize=(29, 3.4))
+    fig, axes = plt.subplots(1, 10, figsize=(32, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -529,8 +544,18 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     _head_rows(ax, s.get("head_vocab", {}).get("rows", []), "head.VOCAB rows (real runs)")
     _head_rows(axes[8], s.get("head_stop", {}).get("rows", []),
                "head.STOP floor (real runs)")
-    for ax in (*axes[:4], *axes[5:]):
+    for ax in (*axes[:4], *axes[5:9]):
         ax.axhline(1.0, color="k", lw=0.6)
+    ax = axes[9]
+    rows = s.get("plan_budget", {}).get("rows", [])
+    names = ["all" if r["value"] >= 10**6 else str(r["value"]) for r in rows]
+    ax.bar(names, [1e3 * r["value_s"] for r in rows], label="plan (its iterations)")
+    ax.bar(names, [1e3 * r["plan_s"] for r in rows], bottom=[1e3 * r["value_s"] for r in rows],
+           label="plan search")
+    ax.set_ylim(0.9 * min((1e3 * r["value_s"] for r in rows), default=0), None)
+    ax.set_ylabel("ms a request", fontsize=7)
+    ax.set_title("oracle PLAN_BUDGET (states)")
+    ax.legend(fontsize=6)
     axes[0].set_ylabel("over target-only, e2e (simulated, dev)")
     fig.tight_layout()
     out = folder / "tune.png"

@@ -26,6 +26,7 @@ from memspec.common.messages import (
     Snapshot,
 )
 from memspec.common.metrics import IterationRecord, RunStats, Summary
+from memspec.procs.decoder import oracle
 from memspec.procs.decoder.cache_manager import NO_ACTIONS
 from memspec.procs.decoder.gate import SpecGate
 from memspec.procs.decoder.loop import Controller, Job
@@ -466,6 +467,7 @@ def test_the_simulator_makes_the_runtime_loops_decisions(policy, monkeypatch):
     and drafts per interval, at identical times. (The ranking horizon is off: this short
     scenario is there to switch drafts.)"""
     monkeypatch.setattr(SpecGate, "RANK_HORIZON", 0)
+    monkeypatch.setattr(oracle, "PLAN_BUDGET", None)  # (oracle-dynamic over every draft)
     tabs = tables(3)
     ctl, ch, slots, ex = setup(seed=3)
     plan = make_plan(policy, tabs, GAMMA, N, lambda: ex.pos)

@@ -9,11 +9,26 @@ from dataclasses import replace
 
 import pytest
 
+from memspec.common.config import load_pool
+from memspec.common.errors import RequestError
 from memspec.common.metrics import IterationRecord
+from memspec.common.paths import DEFAULT_POOL
+from memspec.procs.decoder import oracle
+from memspec.procs.decoder.gate import GateCosts
 from memspec.procs.decoder.loadplan import Key, LoadPlanner, PlanCosts, State, Step
-from memspec.procs.decoder.oracle import DynamicPlan, PlanCostMeter
+from memspec.procs.decoder.lookup import LOOKUP, lookup_table
+from memspec.procs.decoder.oracle import (
+    CALIBRATED_CONTEXT,
+    DynamicPlan,
+    PlanCostMeter,
+    Traced,
+    make_plan,
+    plan_costs,
+    prompt_tables,
+)
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
+from memspec.zoo.stores import store_walk
 from memspec.zoo.tables import table_from_correct
 
 ONLINE = ("target-only", "general-static", "mab-sync", "mab-async", "prediction-only",
@@ -76,7 +91,8 @@ def test_a_second_load_is_queued_behind_the_first_when_that_is_faster():
     assert planner.initial().value < one - 1.0
 
 
-def test_the_simulated_loader_gets_the_second_load_before_the_first_lands():
+def test_the_simulated_loader_gets_the_second_load_before_the_first_lands(monkeypatch):
+    monkeypatch.setattr(oracle, "PLAN_BUDGET", None)  # (a plan over both drafts)
     c = cost_model(("a", "b"), target_s=0.08, bind_s=0.1)
     cfg = SimConfig(("a", "b"), "a", K=2, N=4, gamma=4, plan=c.plan_costs())
     s = simulate_traced("oracle-dynamic", SimRequest("p", "x", 20, SPLIT), c, cfg)
@@ -370,3 +386,126 @@ def test_a_plan_met_mid_request_is_budgeted_too():
     assert plan.planner.budget == 1
     move = plan.step((6, None, frozenset(), (), 0))
     assert plan.width == 1 and move.value > 0
+
+
+# ------------------------------------------------------------ the context lookup's table
+
+
+def test_the_lookup_table_is_what_the_engine_s_lookup_alone_gets_right():
+    """`lookup_table` against the engine's walk with the lookup as its only draft
+    (zoo.stores.store_walk, which chains proposals as Session._lookup_step does): where a
+    lookup-only iteration starts, the table says whether it proposes and what it accepts."""
+    rng = random.Random(3)
+    phrase = [rng.randrange(50, 60) for _ in range(6)]
+    prompt = [1, 2, *phrase, 3, 4]
+    tokens = [rng.randrange(5, 40) if rng.random() < 0.6 else phrase[i % 6] for i in range(90)]
+    tab = lookup_table(prompt, tokens, 4, 2)
+    assert len(tab) == len(tokens) and any(a is None for a in tab) and any(tab)
+    t = 0
+    for proposed, accepted in store_walk(prompt, tokens, None, 4, 2):
+        assert (tab[t] is None) == (proposed == 0)
+        assert (tab[t] or 0) == accepted
+        t += min(accepted + 1, len(tokens) - t)
+
+
+def test_the_plan_runs_the_lookup_where_it_beats_every_draft():
+    """A draft that accepts one token an iteration (two tokens) at 1.67 target steps pays
+    against the target alone, so a plan that does not know the lookup runs it throughout;
+    where the lookup proposes (at 1.17 target steps) and accepts three, the plan leaves the
+    draft off there and runs it only where the lookup has nothing."""
+    n = 64
+    draft = table(lambda p: p % 2 == 0, n)
+    look = [3 if p < 32 else None for p in range(n)]
+    costs = PlanCosts(load={"a": 1.0}, spec={"a": 1.0, LOOKUP: 0.7}, target=0.6, switch=0.0)
+    blind = walk(LoadPlanner({"a": draft}, 4, 4, 1, costs), (0, "a", frozenset({"a"}), (), 0))
+    assert all(m.run == "a" for s, m in blind if s[0] < 60)  # (the last token: the target)
+    seeing = LoadPlanner({"a": draft}, 4, 4, 1, costs, lookup=look)
+    steps = walk(seeing, (0, "a", frozenset({"a"}), (), 0))
+    inside = [m for s, m in steps if s[0] < 28]  # (one draft iteration at most: a tie)
+    assert sum(m.run == "a" for m in inside) <= 1 and inside[-1].run is None
+    assert all(m.run == "a" for s, m in steps if 36 <= s[0] < 60)
+    assert steps[0][1].value < blind[0][1].value
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_search_with_the_lookup_finds_the_exhaustive_optimum(seed):
+    rng = random.Random(seed)
+    tabs = striped(rng, 24, 6)
+    look = [None if rng.random() < 0.5 else rng.randrange(0, 5) for _ in range(24)]
+    drafts = tuple(tabs)
+    costs = PlanCosts(load={d: rng.uniform(0.5, 3.0) for d in drafts},
+                      spec={**{d: rng.uniform(0.8, 1.2) for d in drafts},
+                            LOOKUP: rng.uniform(0.5, 0.8)},
+                      target=rng.uniform(0.3, 0.6), switch=0.05, switch_per_token=0.002,
+                      bind=rng.uniform(0.0, 1.0), per_token=0.001, overhead=0.02,
+                      prefill=rng.uniform(0.0, 2.0))
+    planner = LoadPlanner(tabs, 4, 2, 2, costs, 20, lookup=look)
+    memo: dict[Key, float] = {}
+    opened = planner.opened(frozenset(), planner.initial())
+    for state, move in walk(planner, opened):
+        assert move.value == pytest.approx(exhaustive(planner, planner.coded(state), memo))
+    assert all(planner._bound(key) <= left + 1e-9 for key, left in memo.items())
+
+
+def test_make_plan_keeps_the_lookup_out_of_the_drafts():
+    """The lookup's table reaches oracle-dynamic's planner, never a choice of draft: a
+    lookup that accepts everything is not oracle-static's best "draft"."""
+    tabs = {"a": table(lambda p: p % 2 == 0), LOOKUP: [4] * 64}
+    static = make_plan("oracle-static", tabs, 4, 4, lambda: 0)
+    assert static is not None and static(None) == "a"
+    dyn = make_plan("oracle-dynamic", tabs, 4, 4, lambda: 0, K=1)
+    assert isinstance(dyn, DynamicPlan) and LOOKUP not in dyn.tables
+    assert dyn.planner.lookup == [4] * 64
+
+
+def test_the_meter_counts_a_lookup_without_a_match_as_a_target_step():
+    meter = PlanCostMeter(PlanCosts.uniform(("a",), 2.7))
+    recs = [IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.1, t_verify=0.0, context=100)
+            for _ in range(8)]
+    recs += [IterationRecord(LOOKUP, 0, 0, 1, 0.0, t_verify=0.05, context=100)
+             for _ in range(8)]
+    recs += [IterationRecord(LOOKUP, 3, 2, 3, 0.0, t_verify=0.07, context=100)
+             for _ in range(8)]
+    meter.observe(recs)
+    got = meter.costs({})
+    assert got.target == pytest.approx(0.5) and got.spec[LOOKUP] == pytest.approx(0.7)
+    assert got.spec["a"] == pytest.approx(1.0)
+
+
+def test_the_plan_prior_comes_from_the_start_up_calibration():
+    """Before a request is timed the plan prices a target step, a draft's iteration and a
+    lookup verify from the calibrated lines (without them every iteration is one unit,
+    the target step too, and every draft looks worth running on a CPU)."""
+    pool = load_pool(DEFAULT_POOL, check=False)
+    gate = GateCosts(target=(0.004, 1e-6), verify=(0.007, 3e-6), draft_prior_s=0.003,
+                     gamma=pool.gamma)
+    got = plan_costs(pool, {}, gate)
+    ctx = CALIBRATED_CONTEXT
+    unit = 0.007 + 0.003 + 3e-6 * ctx
+    assert got.iteration(pool.general, ctx) == pytest.approx(1.0)
+    assert got.iteration(None, ctx) == pytest.approx((0.004 + 1e-6 * ctx) / unit)
+    assert got.iteration(LOOKUP, ctx) == pytest.approx((0.007 + 3e-6 * ctx) / unit)
+    assert plan_costs(pool, {}).iteration(None, ctx) == 1.0  # (no calibration: one unit)
+
+
+def test_a_prompt_s_tables_gain_the_lookup_s_own_when_the_engine_runs_it():
+    prompt, tokens = [1, 2, 3, 1, 2], (3, 1, 2, 3, 9)
+    index = {tuple(prompt): Traced({"a": [1, 0, 2, 0, 0]}, tokens)}
+    plain = prompt_tables(index, "oracle-dynamic", prompt, True)
+    assert plain == {"a": [1, 0, 2, 0, 0]}
+    looked = prompt_tables(index, "oracle-dynamic", prompt, True, lookup=2, gamma=4)
+    assert looked[LOOKUP] == lookup_table(prompt, tokens, 4, 2) == [4, 3, 2, 1, 0]
+    assert lookup_table([5, 6], (7, 8), 4, 2) == [None, None]  # (no suffix seen before)
+    with pytest.raises(RequestError, match="no acceptance tables"):
+        prompt_tables(index, "oracle-dynamic", [7, 7], True)
+
+
+def test_the_meter_learns_the_prefill_head_start_the_loads_get():
+    meter = PlanCostMeter(PlanCosts.uniform(("a",), 2.7))
+    meter.observe([IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.1, t_verify=0.0, context=100)
+                   for _ in range(8)])
+    meter.observe_prefill(100, 0.2)
+    assert meter.costs({}).prefill == 0.0  # (one prompt length: no line yet)
+    meter.observe_prefill(300, 0.4)
+    got = meter.costs({})
+    assert got.prefill == pytest.approx(1.0) and got.prefill_per_token == pytest.approx(0.01)

@@ -17,7 +17,9 @@ from memspec.common.tuned import TUNED_FILE, knob, tuned_knobs
 from memspec.procs.decoder import engine, loop
 from memspec.procs.decoder.gate import SpecGate
 from memspec.procs.decoder.head import scored_rows, stop_floor
+from memspec.procs.decoder.loadplan import PlanCosts
 from memspec.procs.decoder.lookup_depth import LookupDepth
+from memspec.procs.decoder.oracle import DynamicPlan
 
 RUNTIME = {  # knob -> the value the runtime runs
     "gate.ALPHA": lambda: SpecGate.ALPHA,
@@ -38,6 +40,8 @@ RUNTIME = {  # knob -> the value the runtime runs
     "lookup.DEPTH_WEIGHT": lambda: LookupDepth.WEIGHT,
     "head.VOCAB": lambda: _head_rows(),
     "head.STOP": lambda: stop_floor("cpu"),
+    "oracle.PLAN_BUDGET": lambda: DynamicPlan({"a": [0]}, 4, 4, 1, PlanCosts.uniform(("a",), 1.0),
+                                              lambda: 0).budget,
 }
 MEASURED = {"lookup.DEPTH_PRIOR": "prior"}
 

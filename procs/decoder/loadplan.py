@@ -12,7 +12,9 @@ A shortest-path search over scheduling points. A state is (position, active draf
 far its KV cache is behind, resident set, the load queue with what is left of its head); a
 move is which resident draft runs next, or the target alone (always a choice: with the
 tables the plan knows when no draft pays, the speculation gate's question answered
-exactly), for N iterations or for one (the gate's probe: the plan decides as finely as any
+exactly; where the runtime runs its context lookup there, the plan counts what the lookup's
+own table gains and its verifies cost, so no draft is chosen that the lookup alone beats),
+for N iterations or for one (the gate's probe: the plan decides as finely as any
 online policy), and which drafts to append to the queue, evicting residents that do not
 run. Time is counted in SD iterations (`PlanCosts`) as the simulator and the runtime charge
 it: each draft's own iteration cost and a target step, both growing with the context; a
@@ -43,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations, permutations, product
 
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.replay import Table, step_accepted
 
 Loading = tuple[tuple[str, float], ...]  # the load queue in issue order: (draft, iterations
@@ -79,8 +82,12 @@ class PlanCosts:
         return cls(load={d: float(load_iters) for d in drafts}, **kw)  # type: ignore[arg-type]
 
     def iteration(self, run: str | None, context: int) -> float:
-        """One iteration of `run` (None: a target step) at `context` tokens."""
-        base = self.target if run is None else self.spec.get(run, 1.0)
+        """One iteration of `run` (None: a target step; LOOKUP: the context lookup's
+        verify, as dear as a target step until it is known) at `context` tokens."""
+        if run is None:
+            base = self.target
+        else:
+            base = self.spec.get(run, self.target if run == LOOKUP else 1.0)
         return base + self.per_token * context
 
     def slowed(self, work: float, busy: float) -> float:
@@ -120,8 +127,12 @@ class LoadPlanner:
     decoder solves it when a request starts."""
 
     def __init__(self, tables: Mapping[str, Table], gamma: int, N: int, K: int,
-                 costs: PlanCosts, prompt_len: int = 0, budget: int | None = None) -> None:
+                 costs: PlanCosts, prompt_len: int = 0, budget: int | None = None,
+                 lookup: Sequence[int | None] | None = None) -> None:
         self.prompt_len = prompt_len
+        # the context lookup's table (`lookup.lookup_table`): where the plan runs the target
+        # alone the runtime runs the lookup, whose match is a verify that may gain tokens
+        self.lookup = list(lookup) if lookup is not None else None
         self.budget = budget  # states one search may expand (None: no limit); counted, not
         # timed, so the decoder and the simulator give up at the same point
         self.expanded = 0  # states expanded by every search so far
@@ -168,9 +179,17 @@ class LoadPlanner:
             t, i, p, tail = 0.0, 0, pos, 0
             name = self.drafts[run] if run >= 0 else None
             table = self.tables[name] if name is not None else None
+            look = self.lookup if run < 0 else None
             while i < length and p < self.n:
-                t += self.costs.iteration(name, self.prompt_len + p)
-                a = 0 if table is None else step_accepted(table, p, self.gamma)
+                if table is not None:
+                    t += self.costs.iteration(name, self.prompt_len + p)
+                    a = step_accepted(table, p, self.gamma)
+                elif look is not None and p < len(look) and look[p] is not None:
+                    t += self.costs.iteration(LOOKUP, self.prompt_len + p)
+                    a = max(0, min(int(look[p]), self.gamma, self.n - p))
+                else:
+                    t += self.costs.iteration(None, self.prompt_len + p)
+                    a = 0
                 p, tail, i = p + a + 1, 2 if a >= self.gamma else 1, i + 1
             got = self._intervals[(run, pos, length)] = (min(p, self.n), t, i, tail)
         return got
@@ -251,6 +270,8 @@ class LoadPlanner:
         # an evicted draft is no longer "active": reloaded, it catches up like any other
         if active < 0 or not res >> active & 1:
             active, behind = -1, 0
+        elif behind > 2 and c.switch_per_token == 0:
+            behind = 3  # (past two tokens a resume costs the same however far behind)
         return self._pack(nxt, active, behind, res, queue), dt
 
     def _catchup(self, run: int, active: int, behind: int, pos: int) -> float:

@@ -61,3 +61,30 @@ class NgramIndex:
         ``tail``: the last tokens of the context (committed + proposed), newest last."""
         n = self.match(tail)
         return self.tokens[self._at[tuple(tail[len(tail) - n:])]] if n else None
+
+
+def lookup_table(prompt_ids: Sequence[int], tokens: Sequence[int], gamma: int, n_min: int
+                 ) -> list[int | None]:
+    """The lookup's own acceptance along a greedy trajectory, for the oracle's plan: at each
+    ``t`` (tokens committed), None where it proposes nothing (that iteration is a plain
+    target step), else how many of its up to gamma chained proposals the target accepts.
+    The engine may propose fewer (``LookupDepth``) and then accepts at most that many: the
+    table is what the lookup could gain there, never less."""
+    idx = NgramIndex(n_min, prompt_ids)
+    seq = [int(x) for x in prompt_ids] + [int(x) for x in tokens]
+    P, n = len(prompt_ids), len(tokens)
+    out: list[int | None] = []
+    for t in range(n):
+        tail = seq[max(0, P + t - idx.n_max):P + t]
+        c = idx.propose(tail)
+        if c is None:
+            out.append(None)
+        else:
+            a = 0
+            while c is not None and a < min(gamma, n - t) and c == seq[P + t + a]:
+                tail.append(c)
+                a += 1
+                c = idx.propose(tail)
+            out.append(a)
+        idx.extend(seq[P + t:P + t + 1])
+    return out

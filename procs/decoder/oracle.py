@@ -8,7 +8,10 @@ names the best single draft; oracle-dynamic follows a plan of runs *and loads*
 the runtime is really in at each scheduling point. At run time the tables come from
 `memspec trace`'s files (traced in the decoder's target precision), looked up by the
 prompt's token ids: an oracle knows the future only of a traced prompt under greedy
-decoding.
+decoding. Where the engine runs the context lookup, the index also holds the lookup's own
+table (under LOOKUP, from the trajectory): the runtime runs the lookup wherever the plan
+runs the target alone, so the plan must know what that gains, or it picks drafts that the
+lookup alone beats (measured: oracle-dynamic at 0.74x lookup-only in real runs).
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from __future__ import annotations
 import functools
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from memspec.common.config import PoolConfig
 from memspec.common.errors import RequestError
 from memspec.common.metrics import IterationRecord
+from memspec.common.tuned import knob
 from memspec.procs.decoder.cache_manager import CacheActions
+from memspec.procs.decoder.gate import GateCosts
 from memspec.procs.decoder.loadplan import (
     Loading,
     LoadPlanner,
@@ -32,7 +38,7 @@ from memspec.procs.decoder.loadplan import (
     Step,
     linear_fit,
 )
-from memspec.procs.decoder.lookup import LOOKUP
+from memspec.procs.decoder.lookup import LOOKUP, lookup_table
 from memspec.procs.decoder.policies import Decision, OraclePlan, SchedView
 from memspec.procs.decoder.replay import Table, oracle_static, replay_static
 from memspec.procs.decoder.tablefiles import (
@@ -45,11 +51,20 @@ from memspec.procs.decoder.tablefiles import (
 )
 
 ORACLE_POLICIES = ("oracle-static", "oracle-dynamic")
-PLAN_BUDGET = 300  # states one plan search may expand past the narrowest: chosen on dev
-# (stores pool, 17 traced prompts): 0 / 300 / 1,000 / 3,000 / 12,000 states took 0.04 / 0.08 /
-# 0.20 / 0.65 / 1.74 s a request and gave plans 0.77% faster at most, while the plan runs on
-# the request's end-to-end clock (a 128-token request takes ~1.3 s on 2 cores)
-OracleIndex = dict[tuple[int, ...], dict[str, list[int]]]
+PLAN_BUDGET = knob("oracle.PLAN_BUDGET")  # states one plan search may expand past the
+# narrowest: the plan runs on the request's end-to-end clock, so `memspec bench tune` counts
+# the search's time beside the plan it finds (tuned.json)
+
+
+@dataclass(frozen=True)
+class Traced:
+    """One traced prompt: its drafts' tables and the greedy trajectory they were made on."""
+
+    tables: Mapping[str, list[int]]
+    tokens: tuple[int, ...]
+
+
+OracleIndex = dict[tuple[int, ...], Traced]
 
 
 def static_plan(tables: Mapping[str, Table], gamma: int) -> OraclePlan:
@@ -79,15 +94,18 @@ class DynamicPlan:
 
     def __init__(self, tables: Mapping[str, Table], gamma: int, interval: int, K: int,
                  costs: PlanCosts, position: Callable[[], int], prompt_len: int = 0,
-                 budget: int | None = PLAN_BUDGET) -> None:
-        self.tables, self.position, self.budget = dict(tables), position, budget
+                 budget: int | None | Literal["tuned"] = "tuned",
+                 lookup: Sequence[int | None] | None = None) -> None:
+        self.tables, self.position = dict(tables), position
+        self.budget = PLAN_BUDGET if budget == "tuned" else budget
         self._planner_of = functools.partial(LoadPlanner, gamma=gamma, N=interval, K=K,
-                                             costs=costs, prompt_len=prompt_len)
+                                             costs=costs, prompt_len=prompt_len,
+                                             lookup=lookup)
         alone = {d: replay_static(self.tables, d, gamma).iterations for d in self.tables}
         self.order = sorted(self.tables, key=lambda d: alone[d])  # stable: pool order on ties
         self.n = min((len(t) for t in self.tables.values()), default=0)
         self.width = len(self.order)  # the top drafts the planner may use (a request met
-        self.planner = self._planner(frozenset(), budget)  # mid-way narrows it in `step`)
+        self.planner = self._planner(frozenset(), self.budget)  # mid-way narrows it in `step`)
         self.expected: State | None = None  # the state the plan expects next
         self.last: tuple[str, int, int] | None = None  # (active, position, behind) then
         self.opened = False
@@ -104,7 +122,7 @@ class DynamicPlan:
         self.width = 1
         self.planner = self._planner(resident, None)
         move = self.planner.initial(resident)
-        while self.width < len(self.order):
+        while self.width < len(self.order) and self.budget != 0:  # (no wider search fits 0)
             self.width += 1
             wider = self._planner(resident, self.budget)
             try:
@@ -183,21 +201,43 @@ def _decision(move: Step, view: SchedView, waiting_for: str | None) -> Decision:
 
 
 def dynamic_plan(tables: Mapping[str, Table], gamma: int, interval: int, K: int,
-                 costs: PlanCosts, position: Callable[[], int], prompt_len: int = 0
-                 ) -> DynamicPlan:
+                 costs: PlanCosts, position: Callable[[], int], prompt_len: int = 0,
+                 lookup: Sequence[int | None] | None = None) -> DynamicPlan:
     """oracle-dynamic: runs and loads planned together from the tables (loadplan.py)."""
-    return DynamicPlan(tables, gamma, interval, K, costs, position, prompt_len)
+    return DynamicPlan(tables, gamma, interval, K, costs, position, prompt_len,
+                       lookup=lookup)
 
 
-def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None) -> PlanCosts:
-    """oracle-dynamic's beliefs before the decoder has measured anything: the pool's
+CALIBRATED_CONTEXT = 176  # where the calibration's lines are read for a prior with one slope:
+# midway between the two contexts it times (calibration.CONTEXTS)
+
+
+def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None,
+               gate: GateCosts | None = None) -> PlanCosts:
+    """oracle-dynamic's beliefs before the decoder has timed a request: the pool's
     load/iteration ratio for the general draft (edge-emulated storage is paced to it; a
-    benchmark pins the measured one), scaled by each draft's size."""
+    benchmark pins the measured one), scaled by each draft's size; and, from the start-up
+    calibration when there is one (`gate`), what a target step, each draft's iteration and
+    the lookup's verify cost, in the general draft's iteration. Without it every iteration
+    costs one unit, a target step too, which on a CPU makes every draft look worth running."""
     sizes = draft_bytes or {}
     ref = sizes.get(pool.general) or 0
     load = {d.name: pool.load_iter_ratio * (sizes.get(d.name, ref) / ref if ref else 1.0)
             for d in pool.drafts}
-    return PlanCosts(load=load)
+    if gate is None:
+        return PlanCosts(load=load)
+    slope = gate.target[1]  # one slope: the verify's steeper one read at CALIBRATED_CONTEXT
+
+    def at(line: tuple[float, float]) -> float:
+        return line[0] + (line[1] - slope) * CALIBRATED_CONTEXT
+
+    unit = at(gate.spec_line(pool.general)) + slope * CALIBRATED_CONTEXT
+    if unit <= 0:
+        return PlanCosts(load=load)
+    spec = {d.name: at(gate.spec_line(d.name)) / unit for d in pool.drafts}
+    spec[LOOKUP] = at(gate.spec_line(LOOKUP)) / unit
+    return PlanCosts(load=load, spec=spec, target=at(gate.target) / unit,
+                     per_token=slope / unit)
 
 
 class PlanCostMeter:
@@ -216,12 +256,16 @@ class PlanCostMeter:
         self.target: deque[tuple[float, float]] = deque(maxlen=window)  # (context, seconds)
         self.catchup: deque[tuple[float, float]] = deque(maxlen=window)
         self.binds: deque[float] = deque(maxlen=window)
+        self.look: deque[tuple[float, float]] = deque(maxlen=window)  # lookup verifies
+        self.prefills: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, s)
 
     def observe(self, records: Iterable[IterationRecord]) -> None:
         for r in records:
-            if r.draft is None:
-                self.target.append((float(r.context), r.duration))
-            elif r.draft != LOOKUP:  # the context lookup is no draft the plan runs
+            if r.draft is None or (r.draft == LOOKUP and r.proposed == 0):
+                self.target.append((float(r.context), r.duration))  # (a lookup with no
+            elif r.draft == LOOKUP:  # match is a target step)
+                self.look.append((float(r.context), r.duration))
+            else:
                 self.spec.append((r.draft, float(r.context), r.duration - r.t_catchup))
                 if r.t_catchup > 0 and r.catchup_tokens > 0:
                     self.catchup.append((float(r.catchup_tokens), r.t_catchup))
@@ -230,6 +274,11 @@ class PlanCostMeter:
         """A request's binds: `loads` landed drafts bound in `seconds` (RunStats.t_bind)."""
         if loads > 0:
             self.binds.append(seconds / loads)
+
+    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        """A request's start to its decode loop (its prefill): the head start its loads get."""
+        if prompt_tokens > 0 and seconds > 0:
+            self.prefills.append((float(prompt_tokens), seconds))
 
     def costs(self, load_s: Mapping[str, float]) -> PlanCosts:
         """`load_s`: the latest load time of each draft the loader reported."""
@@ -244,8 +293,16 @@ class PlanCostMeter:
             ca, cb = linear_fit([n for n, _ in self.catchup], [t for _, t in self.catchup])
             switch, per_token = max(0.0, ca) / unit, cb / unit
         bind = statistics.fmean(self.binds) / unit if self.binds else p.bind
-        return replace(p, load=load, spec={d: self._intercept(d, slope, a) / unit
-                                           for d in p.load},
+        spec = {d: self._intercept(d, slope, a) / unit for d in p.load}
+        if len(self.look) >= self.ENOUGH:
+            spec[LOOKUP] = statistics.fmean(x - slope * c for c, x in self.look) / unit
+        elif LOOKUP in p.spec:
+            spec[LOOKUP] = p.spec[LOOKUP]
+        pre, pre_per_token = p.prefill, p.prefill_per_token
+        if len({n for n, _ in self.prefills}) >= 2:  # (a line needs two prompt lengths)
+            pa, pb = linear_fit([n for n, _ in self.prefills], [t for _, t in self.prefills])
+            pre, pre_per_token = max(0.0, pa) / unit, pb / unit
+        return replace(p, load=load, spec=spec, prefill=pre, prefill_per_token=pre_per_token,
                        target=self._target(slope, unit), per_token=slope / unit, bind=bind,
                        switch=switch, switch_per_token=per_token,
                        timed=len(self.target) >= self.ENOUGH)
@@ -270,40 +327,56 @@ def make_plan(policy: str, tables: Mapping[str, Table], gamma: int, interval: in
               position: Callable[[], int], K: int = 2, costs: PlanCosts | None = None,
               prompt_len: int = 0) -> OraclePlan | None:
     """The plan an oracle policy needs (None for every other policy); `K`, `costs`
-    (default: 2.7 iterations per load) and the prompt's length shape oracle-dynamic's."""
+    (default: 2.7 iterations per load) and the prompt's length shape oracle-dynamic's.
+    `tables` may hold the context lookup's (under LOOKUP): no draft to load, it is what
+    oracle-dynamic's target-alone intervals gain."""
+    lookup = tables.get(LOOKUP)
+    drafts = {d: t for d, t in tables.items() if d != LOOKUP}
     if policy == "oracle-static":
-        return static_plan(tables, gamma)
+        return static_plan(drafts, gamma)
     if policy == "oracle-dynamic":
-        costs = costs or PlanCosts.uniform(list(tables), 2.7)
-        return dynamic_plan(tables, gamma, interval, K, costs, position, prompt_len)
+        costs = costs or PlanCosts.uniform(list(drafts), 2.7)
+        return dynamic_plan(drafts, gamma, interval, K, costs, position, prompt_len,
+                            lookup=lookup)
     return None
 
 
-def oracle_index(pool: PoolConfig, dtype: str) -> OracleIndex:
-    """Prompt ids -> per-draft tables, over every prompt set traced in the decoder's target
-    precision whose tables match the pool's drafts (empty when none do: oracle requests
-    then get a one-line error)."""
+def oracle_index(pool: PoolConfig, dtype: str, sets: Sequence[str] | None = None
+                 ) -> OracleIndex:
+    """Prompt ids -> per-draft tables and trajectory, over every prompt set traced in the
+    decoder's target precision whose tables match the pool's drafts (empty when none do:
+    oracle requests then get a one-line error). `sets`: only these prompt sets (a tuning
+    reads dev alone)."""
     fp = pool_fingerprint(pool)
     out: OracleIndex = {}
     for which in traced_sets(pool, dtype):
+        if sets is not None and which not in sets:
+            continue
         tt = read_tables(tables_path(pool, which, dtype), pool.gamma, fp, dtype)
         if tt is None:
             continue
         rows = trajectory_rows(trajectories_path(pool, which, dtype), list(tt.rows))
         for pid, row in rows.items():
-            out[tuple(row["prompt_ids"])] = tt.rows[pid]["tables"]
+            out[tuple(row["prompt_ids"])] = Traced(tt.rows[pid]["tables"],
+                                                   tuple(int(t) for t in row["tokens"]))
     return out
 
 
-def prompt_tables(index: OracleIndex, policy: str, ids: list[int], greedy: bool
-                  ) -> dict[str, list[int]]:
-    """This prompt's tables, or a one-line RequestError saying why an oracle cannot run."""
+def prompt_tables(index: OracleIndex, policy: str, ids: list[int], greedy: bool,
+                  lookup: int = 0, gamma: int = 4) -> dict[str, list[int | None]]:
+    """This prompt's tables, or a one-line RequestError saying why an oracle cannot run;
+    with the engine's context lookup on (`lookup`: its minimum suffix), the lookup's own
+    table too (LOOKUP), made here for this prompt alone (~2 ms; for every traced prompt at
+    once it would be seconds on the first oracle request's clock)."""
     if not greedy:
         raise RequestError(f"policy '{policy}' replays greedy acceptance tables",
                            "use temperature 0, or another policy")
-    tables = index.get(tuple(ids))
-    if tables is None:
+    traced = index.get(tuple(ids))
+    if traced is None:
         raise RequestError(f"policy '{policy}' has no acceptance tables for this prompt",
                            "run `memspec trace` and use a traced prompt "
                            "(prompts/<domain>.jsonl, prompts/train.jsonl), or another policy")
+    tables: dict[str, list[int | None]] = dict(traced.tables)
+    if lookup:
+        tables[LOOKUP] = lookup_table(ids, traced.tokens, gamma, lookup)
     return tables

@@ -64,7 +64,7 @@ from memspec.procs.decoder.oracle import (
 from memspec.procs.decoder.policies import make_policy
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft, draft_weights_file
 from memspec.procs.decoder.stops import StopMatcher
-from memspec.procs.decoder.tablefiles import runtime_key
+from memspec.procs.decoder.tablefiles import runtime_key, traced_sets
 from memspec.procs.decoder.threads import ThreadPlan
 
 Emit = Callable[[Message], None]
@@ -322,19 +322,31 @@ class DecoderService:
             self.clock, channels, slots, cold_start=cold_start, log=log)
         self.controller.table.failed.update(quarantined or {})  # found at start
         self.current: _Current | None = None
-        self._oracles: OracleIndex | None = None
         self.K = len(slots.buffers)
         self.slots = slots
-        self._plan_prior = plan_costs(pool, {d: f.layout.data_size for d, f in slots.files.items()})
-        # oracle-dynamic's beliefs, learnt per policy: no policy learns from another's requests
-        self.plan_meters: dict[str, PlanCostMeter] = {}
         # what the speculation gate believes an iteration costs, from this decoder's first
         # request on: the target timed at start (cached per machine and build); a draft's
         # own cost is measured by its first iteration in each request (the gate's first look)
         self.gate_costs = gate_costs if gate_costs is not None else self._calibrate()
+        self._plan_prior = plan_costs(pool, {d: f.layout.data_size for d, f in slots.files.items()},
+                                      self.gate_costs)
+        # oracle-dynamic's beliefs, learnt per policy: no policy learns from another's requests
+        self.plan_meters: dict[str, PlanCostMeter] = {}
+        # the oracle policies' tables, read at start where this pool was traced (a benchmark
+        # machine; ~2 ms a traced prompt, seconds for every set, which the first oracle
+        # request would otherwise pay on its clock); elsewhere on the first oracle request
+        key = runtime_key(pool, engine.device)
+        self._oracles: OracleIndex | None = self._oracle_index() \
+            if traced_sets(pool, key) else None
         if self.gate_costs is not None and self.gate_costs.verify is not None:
             engine.depth_costs = (self.gate_costs.target, self.gate_costs.verify)
         self.crash_on = os.environ.get(CRASH_ON_ENV, "")
+
+    def _oracle_index(self) -> OracleIndex:
+        t0 = time.perf_counter()
+        index = oracle_index(self.pool, runtime_key(self.pool, self.engine.device))
+        log(f"oracle tables for {len(index)} traced prompts ({time.perf_counter() - t0:.2f}s)")
+        return index
 
     def _calibrate(self) -> GateCosts | None:
         try:
@@ -403,14 +415,15 @@ class DecoderService:
         # every snapshot carries the predictor's text: cut once to what it reads
         ranked = rank_text(req.prompt or chat_text(req.messages))
         plan = None
-        meter = self.plan_meters.setdefault(policy_name, PlanCostMeter(self._plan_prior))
-        costs = meter.costs(self.controller.load_seconds)
+        costs = None  # (only oracle-dynamic has beliefs about costs: no other request pays
+        if policy_name == "oracle-dynamic":  # for fitting them, ~4 ms with full windows)
+            meter = self.plan_meters.setdefault(policy_name, PlanCostMeter(self._plan_prior))
+            costs = meter.costs(self.controller.load_seconds)
         if policy_name in ORACLE_POLICIES:
             if self._oracles is None:
-                self._oracles = oracle_index(self.pool,
-                                             runtime_key(self.pool, self.engine.device))
-                log(f"oracle tables for {len(self._oracles)} traced prompts")
-            tables = prompt_tables(self._oracles, policy_name, ids, params.greedy)
+                self._oracles = self._oracle_index()
+            tables = prompt_tables(self._oracles, policy_name, ids, params.greedy,
+                                   self.engine.lookup, self.pool.gamma)
             plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
                              lambda: len(self.current.session.generated) if self.current else 0,
                              self.K, costs, len(ids))
@@ -473,9 +486,11 @@ class DecoderService:
         if summary is None:
             return
         self.current = None
-        meter, stats = self.plan_meters[summary.policy], cur.session.stats
-        meter.observe(stats.records)
-        meter.observe_binds(stats.loads, stats.t_bind)  # what binding a landed draft costs
+        meter, stats = self.plan_meters.get(summary.policy), cur.session.stats
+        if meter is not None:
+            meter.observe(stats.records)
+            meter.observe_binds(stats.loads, stats.t_bind)  # what binding a landed draft costs
+            meter.observe_prefill(cur.prompt_len, stats.t_prefill)  # (loads go out before it)
         summary.prompt_tokens = cur.prompt_len
         self._done(cur.req, cur.emit, out, cur.session.generated[:out.kept], summary)
 
