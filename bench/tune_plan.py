@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memspec.common.config import PoolConfig
+from memspec.common.errors import ConfigError
 from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.oracle import DynamicPlan, oracle_index, prompt_tables
 from memspec.procs.decoder.tablefiles import runtime_key, trajectories_path, trajectory_rows
@@ -42,8 +43,6 @@ def tune_plan_budget(pool: PoolConfig, prompt_ids: Sequence[str], cost: CostMode
               for ids in traced]
     lens = [len(ids) for ids in traced]
     if not tables:
-        from memspec.common.errors import ConfigError
-
         raise ConfigError("no traced dev prompt has tables for this pool's drafts",
                           "run `memspec trace --sets dev:4` first")
     costs, unit = cost.plan_costs(), cost.mean_iteration_s or 1.0

@@ -186,7 +186,7 @@ class LoadPlanner:
                     a = step_accepted(table, p, self.gamma)
                 elif look is not None and p < len(look) and look[p] is not None:
                     t += self.costs.iteration(LOOKUP, self.prompt_len + p)
-                    a = max(0, min(int(look[p]), self.gamma, self.n - p))
+                    a = min(step_accepted(look, p, self.gamma), self.n - p)  # type: ignore[arg-type]
                 else:
                     t += self.costs.iteration(None, self.prompt_len + p)
                     a = 0

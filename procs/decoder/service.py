@@ -335,9 +335,8 @@ class DecoderService:
         # the oracle policies' tables, read at start where this pool was traced (a benchmark
         # machine; ~2 ms a traced prompt, seconds for every set, which the first oracle
         # request would otherwise pay on its clock); elsewhere on the first oracle request
-        key = runtime_key(pool, engine.device)
         self._oracles: OracleIndex | None = self._oracle_index() \
-            if traced_sets(pool, key) else None
+            if traced_sets(pool, runtime_key(pool, engine.device)) else None
         if self.gate_costs is not None and self.gate_costs.verify is not None:
             engine.depth_costs = (self.gate_costs.target, self.gate_costs.verify)
         self.crash_on = os.environ.get(CRASH_ON_ENV, "")
