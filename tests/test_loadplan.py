@@ -427,9 +427,9 @@ def test_the_plan_runs_the_lookup_where_it_beats_every_draft():
     assert steps[0][1].value < blind[0][1].value
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_the_search_with_the_lookup_finds_the_exhaustive_optimum(seed):
-    rng = random.Random(seed)
+def lookup_case(rng: random.Random, overhead: float
+                ) -> tuple[dict[str, list[int]], list[int | None], PlanCosts]:
+    """Striped drafts, a lookup that matches half the positions, and costs drawn."""
     tabs = striped(rng, 24, 6)
     look = [None if rng.random() < 0.5 else rng.randrange(0, 5) for _ in range(24)]
     drafts = tuple(tabs)
@@ -437,14 +437,42 @@ def test_the_search_with_the_lookup_finds_the_exhaustive_optimum(seed):
                       spec={**{d: rng.uniform(0.8, 1.2) for d in drafts},
                             LOOKUP: rng.uniform(0.5, 0.8)},
                       target=rng.uniform(0.3, 0.6), switch=0.05, switch_per_token=0.002,
-                      bind=rng.uniform(0.0, 1.0), per_token=0.001, overhead=0.02,
+                      bind=rng.uniform(0.0, 1.0), per_token=0.001, overhead=overhead,
                       prefill=rng.uniform(0.0, 2.0))
+    return tabs, look, costs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_search_with_the_lookup_finds_the_exhaustive_optimum(seed):
+    tabs, look, costs = lookup_case(random.Random(seed), 0.02)
     planner = LoadPlanner(tabs, 4, 2, 2, costs, 20, lookup=look)
     memo: dict[Key, float] = {}
     opened = planner.opened(frozenset(), planner.initial())
     for state, move in walk(planner, opened):
         assert move.value == pytest.approx(exhaustive(planner, planner.coded(state), memo))
     assert all(planner._bound(key) <= left + 1e-9 for key, left in memo.items())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_that_settles_loses_nothing_against_every_later_load(seed):
+    """Where loads do not slow iterations, a plan that leaves a slot free with the loader
+    idle tries no later load (`LoadPlanner._declines`). Its value at every state it passes
+    through must still be the exhaustive optimum of the unrestricted programme, and the
+    pruned search expands no more states."""
+    rng = random.Random(seed)
+    tabs, look, costs = lookup_case(rng, 0.0)
+    K = rng.choice((1, 2, 3))
+    pruned = LoadPlanner(tabs, 4, 2, K, costs, 20, lookup=look)
+    full = LoadPlanner(tabs, 4, 2, K, costs, 20, lookup=look, settle=False)
+    memo: dict[Key, float] = {}
+    opened = pruned.opened(frozenset(), pruned.initial())
+    settled = 0
+    for state, move in walk(pruned, opened):
+        settled += state[5]
+        key = full.coded((*state[:5], False))
+        assert move.value == pytest.approx(exhaustive(full, key, memo))
+    full.opened(frozenset(), full.initial())
+    assert settled and pruned.expanded <= full.expanded
 
 
 def test_make_plan_keeps_the_lookup_out_of_the_drafts():

@@ -30,7 +30,8 @@ runtime does not have). At request start the loads go out before the prompt pref
 The search is A* under an admissible bound (the rest with the drafts held all resident, or
 any draft for one more bind), so its value is exact for the costs it is given, as an
 exhaustive dynamic programme's would be (tests/test_loadplan.py checks the two agree), at a
-fraction of the states. oracle-static's schedule (load the best single draft at the start,
+fraction of the states; a plan that leaves a slot free while the loader is idle tries no
+later load (it could only have loaded sooner), which halves a request's opening search. oracle-static's schedule (load the best single draft at the start,
 run it throughout) is one of the plans it considers, so the plan is never slower than it
 in its own cost model. Pure (lists and ints); the decoder and the simulator run the same
 plan.
@@ -50,8 +51,9 @@ from memspec.procs.decoder.replay import Table, step_accepted
 
 Loading = tuple[tuple[str, float], ...]  # the load queue in issue order: (draft, iterations
 # left); the loader serves the first, the others wait for it
-State = tuple[int, str | None, frozenset[str], Loading, int]  # (position, active, resident,
-# queue, tokens the active draft's KV cache is behind: it catches up on them when it runs)
+State = tuple[int, str | None, frozenset[str], Loading, int, bool]  # (position, active,
+# resident, queue, tokens the active draft's KV cache is behind: it catches up on them when it
+# runs, settled: the plan left a slot free when it could have filled it, so it loads no more)
 EPS = 1e-9
 
 
@@ -107,9 +109,9 @@ class Step:
     limit: int = 0  # iterations before the next scheduling point (0: N)
 
 
-Key = tuple[int, int, int, int, int, int, tuple[int, ...]]  # a State coded for the search:
-# (position, active (-1: none), its KV behind, resident bit mask, queue head (-1: none), its
-# quanta left, the drafts queued behind it: they have not started)
+Key = tuple[int, int, int, int, int, int, tuple[int, ...], int]  # a State coded for the
+# search: (position, active (-1: none), its KV behind, resident bit mask, queue head (-1: none),
+# its quanta left, the drafts queued behind it: they have not started, settled (0/1))
 Code = tuple[int, tuple[int, ...], int, int, int, int]  # a move coded: (run (-1: target),
 # loads, evict mask, quanta of the loads, quanta of the last load, iterations)
 _TARGET: Code = (-1, (), 0, 0, 0, 0)
@@ -128,8 +130,11 @@ class LoadPlanner:
 
     def __init__(self, tables: Mapping[str, Table], gamma: int, N: int, K: int,
                  costs: PlanCosts, prompt_len: int = 0, budget: int | None = None,
-                 lookup: Sequence[int | None] | None = None) -> None:
+                 lookup: Sequence[int | None] | None = None, settle: bool = True) -> None:
         self.prompt_len = prompt_len
+        # a plan that leaves a slot free with the loader idle loads nothing later (`_declines`;
+        # False: every later load is tried too, as the tests' exhaustive programme does)
+        self.settle = settle
         # the context lookup's table (`lookup.lookup_table`): where the plan runs the target
         # alone the runtime runs the lookup, whose match is a verify that may gain tokens
         self.lookup = list(lookup) if lookup is not None else None
@@ -244,8 +249,9 @@ class LoadPlanner:
         (`queued`: quanta of load time in its queue); None for a move that queues a load
         behind one the loader is still on at the next point (queueing it there instead is
         the same to the loader and keeps the slot free for the interval)."""
-        pos, active, behind, res, head, left, rest = key
+        pos, active, behind, res, head, left, rest, settled = key
         run, loads, evict, added, last, length = code
+        settled = settled or self._declines(key, code)
         c = self.costs
         nxt, work, its, tail = self._interval(run, pos, length)
         busy = queued + added
@@ -272,7 +278,18 @@ class LoadPlanner:
             active, behind = -1, 0
         elif behind > 2 and c.switch_per_token == 0:
             behind = 3  # (past two tokens a resume costs the same however far behind)
-        return self._pack(nxt, active, behind, res, queue), dt
+        return self._pack(nxt, active, behind, res, queue, settled), dt
+
+    def _declines(self, key: Key, code: Code) -> bool:
+        """`code` leaves a slot free while the loader is idle and a draft is not resident.
+        Where loads do not slow iterations, a load queued now rather than at a later point
+        lands sooner at the same cost, so a plan that declines here is no faster for loading
+        later: the search then tries no later load (without this, the same load at every
+        later point: half the states of a 128-token plan, measured)."""
+        if not self.settle or code[1] or key[4] >= 0 or self.costs.load_slowdown:
+            return False
+        res = key[3] & ~code[2]
+        return res.bit_count() < self.K and res != (1 << len(self.drafts)) - 1
 
     def _catchup(self, run: int, active: int, behind: int, pos: int) -> float:
         """A draft's KV catch-up before its interval: over the whole context when another
@@ -289,12 +306,12 @@ class LoadPlanner:
         return (key[5] if key[4] >= 0 else 0) + sum(self._full[d] for d in key[6])
 
     @staticmethod
-    def _pack(pos: int, active: int, behind: int, res: int, queue: list[tuple[int, int]]
-              ) -> Key:
+    def _pack(pos: int, active: int, behind: int, res: int, queue: list[tuple[int, int]],
+              settled: int = 0) -> Key:
         if not queue:
-            return pos, active, behind, res, -1, 0, ()
+            return pos, active, behind, res, -1, 0, (), settled
         return (pos, active, behind, res, queue[0][0], queue[0][1],
-                tuple(d for d, _ in queue[1:]))
+                tuple(d for d, _ in queue[1:]), settled)
 
     def successors(self, key: Key) -> list[tuple[Code, Key, float]]:
         """(move, next state, iterations of time) of every move the plan makes from a
@@ -304,6 +321,8 @@ class LoadPlanner:
         units = self._queued(key)
         out = []
         for code in self._moves(key[3], queued, len(rest) + (head >= 0)):
+            if key[7] and code[1]:
+                continue  # (settled: no more loads)
             moved = self._go(key, code, units)
             if moved is not None:
                 out.append((code, *moved))
@@ -375,6 +394,8 @@ class LoadPlanner:
             return known[0]
         pos, a, res, head, rest = key[0], key[1] + 1, key[3], key[4], key[6]
         now = self._relaxed(res)[pos][a]
+        if key[7]:
+            return now  # (settled: the residents are all it will run)
         c, q = self.costs, self.costs.quantum
         queued = sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
         busy = self._queued(key) * q
@@ -439,7 +460,7 @@ class LoadPlanner:
 
     # ---- the runtime's view ---------------------------------------------------------------
     def state(self, pos: int, active: str | None, resident: frozenset[str],
-              queue: Loading = (), behind: int = 0) -> State:
+              queue: Loading = (), behind: int = 0, settled: bool = False) -> State:
         """A runtime state in the plan's terms (resident: runnable drafts only; a load in
         flight is at least one quantum from landing)."""
         resident = frozenset(d for d in resident if d in self.tables)
@@ -448,23 +469,24 @@ class LoadPlanner:
                       if d in self.tables and d not in resident)
         if active not in resident:
             active, behind = None, 0
-        return min(pos, self.n), active, resident, queue, max(0, behind)
+        return min(pos, self.n), active, resident, queue, max(0, behind), settled
 
     def coded(self, state: State) -> Key:
         """A state as the search codes it."""
-        pos, active, resident, queue, behind = self.state(*state)
+        pos, active, resident, queue, behind, settled = self.state(*state)
         ix = self._ix
         items = [(ix[d], max(1, round(left / self.costs.quantum))) for d, left in queue]
         return self._pack(pos, ix[active] if active is not None else -1, behind,
-                          sum(1 << ix[d] for d in resident), items)
+                          sum(1 << ix[d] for d in resident), items, int(settled))
 
     def _state(self, key: Key) -> State:
-        pos, active, behind, res, head, left, rest = key
+        pos, active, behind, res, head, left, rest, settled = key
         names, q = self.drafts, self.costs.quantum
         queue = () if head < 0 else ((names[head], left * q),
                                      *((names[d], self._full[d] * q) for d in rest))
         resident = frozenset(d for i, d in enumerate(names) if res >> i & 1)
-        return pos, names[active] if active >= 0 else None, resident, queue, behind
+        return (pos, names[active] if active >= 0 else None, resident, queue, behind,
+                bool(settled))
 
     def _step(self, code: Code, value: float) -> Step:
         run, loads, evict = code[:3]
@@ -533,7 +555,8 @@ class LoadPlanner:
         pre = self.prefill_time()
         landed = self._serve(queue, self._units(pre))
         bind = self._bind(landed, queue)
-        return self._pack(0, -1, 0, (start[3] & ~code[2]) | landed, queue), pre + bind
+        return self._pack(0, -1, 0, (start[3] & ~code[2]) | landed, queue,
+                          int(self._declines(start, code))), pre + bind
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

@@ -154,7 +154,8 @@ class DynamicPlan:
             return _decision(move, view, move.loads[0] if move.loads else None)
         self.opened = True
         active, behind = self._active(view, pos)
-        state = (pos, active, resident, self._queue(view), behind)
+        settled = self.expected[5] if self.expected is not None else False
+        state = (pos, active, resident, self._queue(view), behind, settled)
         move = self.step(state)
         p = self.planner
         state = p.state(*state)
