@@ -12,6 +12,7 @@ comparing the parent's pid: the child exits at once instead of living on as an o
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -50,3 +51,12 @@ def start(proc: str) -> None:
             os.nice(int(nice))
         except OSError:
             pass
+
+
+def freeze_heap() -> None:
+    """Move what the process built while starting (modules, the engine, tables) out of the
+    garbage collector's reach: it lives as long as the process, and a full collection that
+    walks it (~200k objects: ~140 ms in the decoder, measured on AVX2) would otherwise land
+    in the middle of some request every few dozen requests."""
+    gc.collect()
+    gc.freeze()

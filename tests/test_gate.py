@@ -3,6 +3,7 @@ from a decoder's first request on, and a closed gate costs nothing."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 
@@ -717,3 +718,27 @@ def test_two_target_steps_do_not_outweigh_many_verifies():
     assert gate.target_s(100) == pytest.approx(0.003)
     gate.observe(rec(None, 0, 0.004))  # a third step of its own: those decide again
     assert gate.target_s(100) == pytest.approx(0.005)
+
+
+def test_a_calibration_cached_on_a_busy_machine_is_measured_again(tiny_dir, tmp_path,
+                                                                   monkeypatch):
+    """Lines cached while the machine was busy (a target step three times its cost) are
+    re-measured by the next decoder that reads them, and the faster lines are kept; lines
+    that the target still matches are read as they are."""
+    from memspec.common.paths import HOME_ENV
+    from memspec.procs.decoder.calibration import CONTEXTS, at, cache_key, gate_costs
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path))
+    eng = engine_with(tiny_dir, [], dtype="int4")
+    pool = load_pool(check=False)
+    first = gate_costs(eng, pool, "int4-test")  # (measured and cached)
+    path = tmp_path / "calib" / f"{cache_key(eng, pool, 'int4-test')}.json"
+    raw = json.loads(path.read_text())
+    assert gate_costs(eng, pool, "int4-test").target == tuple(raw["step"])  # (read as is)
+    slow = [3 * raw["step"][0] + 0.01, raw["step"][1]]
+    path.write_text(json.dumps({**raw, "step": slow,
+                                "verify": [3 * raw["verify"][0] + 0.02, raw["verify"][1]]}))
+    again = gate_costs(eng, pool, "int4-test")
+    assert at(again.target, CONTEXTS[0]) < at(tuple(slow), CONTEXTS[0]) / 2
+    assert json.loads(path.read_text())["step"] != slow
+    assert at(first.target, CONTEXTS[0]) > 0

@@ -292,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     proc = DecoderProcess(channels, service)
     # the supervisor caches the slots for `memspec status`
     service.controller.on_slots_changed = lambda: channels.push(proc.status())
+    child.freeze_heap()
     clock.mark("ready")
     send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info=DecoderInfo(
         load_s=time.perf_counter() - t0, K=k, transport=transport, dtype=dtype,

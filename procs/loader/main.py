@@ -183,6 +183,7 @@ class LoaderProcess:
         return writer
 
     def run(self) -> None:
+        child.freeze_heap()
         info = LoaderInfo(transports=list(TRANSPORTS), io=self.io_mode, chunk=self.chunk)
         self._push(Ready(proc=PROC, pid=os.getpid(), info=info))
         log(f"ready (pid {os.getpid()}, io={self.io_mode}, chunk={self.chunk})")

@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             LOG.warning(ranker.warning)
         load_s = time.perf_counter() - t0
         server = Server(router, control, ranker)
+        child.freeze_heap()
         head = f"{FALLBACK}{ranker.notice}" if ranker.notice else str(head_path_for(pool,
                                                                                    args.head))
         send(control, Ready(proc=PROC, pid=os.getpid(), info=PredictorInfo(
