@@ -326,6 +326,8 @@ class RunStats:
     switches: int = 0
     bytes_loaded: int = 0
     prompt_tokens: int = 0
+    prefill_shared: bool = False  # a load was in flight as the prefill began (it slows it)
+    points: int = 0  # scheduling points (decisions) the request's decode loop made
 
     def report(self) -> Summary:
         """The metrics, typed."""

@@ -427,6 +427,26 @@ def test_the_plan_runs_the_lookup_where_it_beats_every_draft():
     assert steps[0][1].value < blind[0][1].value
 
 
+def test_the_plan_turns_the_lookup_off_where_its_proposals_are_rejected():
+    """A lookup verify costs more than a target step, so where the plan knows that the
+    lookup's proposals are all rejected it asks for plain target steps (one at a time),
+    and where they are accepted it runs the lookup; the plan is then faster than one that
+    runs the lookup wherever it proposes."""
+    n = 48
+    look = [0 if p % 12 < 6 else 4 for p in range(n)]
+    costs = PlanCosts(load={"a": 1.0}, spec={"a": 1.0, LOOKUP: 0.7}, target=0.4, switch=0.0)
+    never = table(lambda p: False, n)
+    planner = LoadPlanner({"a": never}, 4, 4, 1, costs, lookup=look)
+    steps = walk(planner, planner.state(0, None, frozenset()))
+    assert all(m.run is None for _, m in steps)
+    assert all(m.lookup == (look[s[0]] != 0) for s, m in steps if s[0] < n - 1)
+    assert not steps[-1][1].lookup  # (one token left: a step, not a verify)
+    assert all(m.limit == 1 for _, m in steps if not m.lookup)
+    on = LoadPlanner({"a": never}, 4, 4, 1, costs, lookup=look)
+    on._alone = (-1,)  # (the plan as it was: the lookup wherever the target runs alone)
+    assert steps[0][1].value < on.step(on.state(0, None, frozenset())).value - 1.0
+
+
 def lookup_case(rng: random.Random, overhead: float
                 ) -> tuple[dict[str, list[int]], list[int | None], PlanCosts]:
     """Striped drafts, a lookup that matches half the positions, and costs drawn."""
@@ -455,12 +475,14 @@ def test_the_search_with_the_lookup_finds_the_exhaustive_optimum(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_plan_that_settles_loses_nothing_against_every_later_load(seed):
-    """Where loads do not slow iterations, a plan that leaves a slot free with the loader
-    idle tries no later load (`LoadPlanner._declines`). Its value at every state it passes
+    """A plan that leaves a slot free with the loader idle tries no later load
+    (`LoadPlanner._declines`), whether or not loads slow the decoder. Its value at every state it passes
     through must still be the exhaustive optimum of the unrestricted programme, and the
     pruned search expands no more states."""
     rng = random.Random(seed)
     tabs, look, costs = lookup_case(rng, 0.0)
+    costs = replace(costs, load_slowdown=(0.0, 0.0, 0.2, 0.5)[seed],
+                    prefill_slowdown=(0.0, 0.3, 0.0, 0.5)[seed])
     K = rng.choice((1, 2, 3))
     pruned = LoadPlanner(tabs, 4, 2, K, costs, 20, lookup=look)
     full = LoadPlanner(tabs, 4, 2, K, costs, 20, lookup=look, settle=False)
@@ -500,6 +522,35 @@ def test_the_meter_counts_a_lookup_without_a_match_as_a_target_step():
     assert got.spec["a"] == pytest.approx(1.0)
 
 
+def test_the_meter_never_prices_a_target_step_at_nothing():
+    """Draft iterations that happen to grow steeply over a narrow span of contexts give a
+    slope that would put a target step below zero (every target step free to the plan):
+    the meter then prices iterations at their mean ratios instead."""
+    meter = PlanCostMeter(PlanCosts.uniform(("a",), 2.7))
+    meter.observe([IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.01 + 1e-3 * (ctx - 100),
+                                   t_verify=0.0, context=ctx) for ctx in range(100, 116)])
+    meter.observe([IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.004, context=ctx)
+                   for ctx in range(100, 116)])
+    got = meter.costs({})
+    assert got.per_token == 0.0
+    assert got.target == pytest.approx(0.004 / 0.0175)
+
+
+def test_a_calibrated_meter_keeps_the_calibration_s_slope_and_learns_before_drafting():
+    """With a calibrated prior the meter keeps its slope (timed at two contexts on purpose)
+    and prices target steps from their timings even before any draft has run: an oracle
+    that drafts little would otherwise plan with the prior for ever."""
+    prior = PlanCosts(load={"a": 2.7}, target=0.5, per_token=0.001, spec={"a": 1.0},
+                      unit_s=0.01)
+    meter = PlanCostMeter(prior)
+    assert meter.costs({}) is prior  # (nothing timed)
+    meter.observe([IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.003 + 1e-5 * ctx,
+                                   context=ctx) for ctx in range(100, 110)])
+    got = meter.costs({})
+    assert got.per_token == pytest.approx(0.001) and got.target == pytest.approx(0.3)
+    assert got.spec["a"] == pytest.approx(1.0) and got.load["a"] == pytest.approx(2.7)
+
+
 def test_the_plan_prior_comes_from_the_start_up_calibration():
     """Before a request is timed the plan prices a target step, a draft's iteration and a
     lookup verify from the calibrated lines (without them every iteration is one unit,
@@ -537,3 +588,47 @@ def test_the_meter_learns_the_prefill_head_start_the_loads_get():
     meter.observe_prefill(300, 0.4)
     got = meter.costs({})
     assert got.prefill == pytest.approx(1.0) and got.prefill_per_token == pytest.approx(0.01)
+
+
+def test_the_meter_prices_what_the_loader_s_work_costs_the_decoder():
+    """On two cores a load's reads, checks and copies stall the decoder: iterations and a
+    prefill timed while the loader worked are kept out of the lines and price the
+    slowdowns, which make an opening load dearer to the plan."""
+    meter = PlanCostMeter(PlanCosts.uniform(("a",), 2.7))
+    quiet = IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.1, t_verify=0.0, context=100)
+    busy = IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.15, t_verify=0.0, context=100,
+                           shared=True)
+    meter.observe([quiet] * 8 + [busy] * 8)
+    meter.observe_prefill(100, 0.2)
+    meter.observe_prefill(300, 0.4)
+    for _ in range(3):
+        meter.observe_prefill(200, 0.45, shared=True)
+    got = meter.costs({})
+    assert got.spec["a"] == pytest.approx(1.0)  # (the busy iterations are not the line)
+    assert got.load_slowdown == pytest.approx(0.5)
+    assert got.prefill_slowdown == pytest.approx(0.5)
+    # the opening that loads during the prefill now pays for it
+    tabs = {"a": table(lambda p: True, 32)}
+    plain = PlanCosts(load={"a": 5.0}, prefill=10.0)
+    for slow, more in ((0.0, 0.0), (0.5, 5.0 - 5.0 / 1.5)):  # (5 of loading at 1/1.5 speed)
+        planner = LoadPlanner(tabs, 4, 4, 1, replace(plain, prefill_slowdown=slow))
+        start = planner.coded(planner.state(0, None, frozenset()))
+        _, t = planner._open(start, (-1, (0,), 0, planner._full[0], planner._full[0], 4))
+        assert t == pytest.approx(10.0 + more)
+
+
+def test_the_meter_prices_a_scheduling_point():
+    """Each scheduling point drains replies, decides and streams: once timed, the plan
+    counts it, so it runs whole intervals where cutting one gains nothing."""
+    meter = PlanCostMeter(PlanCosts.uniform(("a",), 2.7))
+    meter.observe([IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.01, t_verify=0.0,
+                                   context=100)] * 8)
+    for _ in range(3):
+        meter.observe_points(20, 0.004)
+    assert meter.costs({}).overhead == pytest.approx(0.02)
+    look = [0] * 16
+    tabs = {"a": table(lambda p: False, 16)}
+    costs = PlanCosts(load={"a": 1.0}, spec={LOOKUP: 0.5}, target=0.5, overhead=0.02)
+    steps = walk(LoadPlanner(tabs, 4, 4, 1, costs, lookup=look),
+                 (0, None, frozenset(), (), 0))
+    assert all(m.limit == 0 for _, m in steps[:-1])  # (whole intervals: no point is free)

@@ -367,3 +367,6 @@ def test_oracle_dynamic_runs_the_lookup_where_its_plan_runs_the_target_alone():
                 assert d.preferred == ("math" if what == "waiting" else
                                        LOOKUP if lookup else None)
                 assert d.actions == move.actions
+    plain = Decision(None, None, CacheActions(), lookup=False)  # (the plan knows it fails)
+    p = make_policy("oracle-dynamic", oracle_plan=lambda _v: plain, lookup=True)
+    assert p.decide(view(resident={"code"})).run is None

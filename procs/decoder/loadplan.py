@@ -78,6 +78,10 @@ class PlanCosts:
     load_slowdown: float = 0.0  # iterations run this much slower while the loader works
     prefill: float = 0.0  # request start to decode loop (the loads' head start), fixed part
     prefill_per_token: float = 0.0  # ... and per prompt token
+    prefill_slowdown: float = 0.0  # the prefill runs this much slower while the loader works
+    # (on two cores its reads, checks and copies stall the prefill's threads)
+    unit_s: float = 0.0  # seconds in the unit where known (a calibrated prior: the meter
+    # then keeps the calibration's slope and converts the prior's values)
 
     @classmethod
     def uniform(cls, drafts: Sequence[str], load_iters: float, **kw: float) -> PlanCosts:
@@ -92,9 +96,10 @@ class PlanCosts:
             base = self.spec.get(run, self.target if run == LOOKUP else 1.0)
         return base + self.per_token * context
 
-    def slowed(self, work: float, busy: float) -> float:
-        """Wall time of `work` iterations while the loader has `busy` time of loads left."""
-        s = 1.0 + self.load_slowdown
+    def slowed(self, work: float, busy: float, slowdown: float | None = None) -> float:
+        """Wall time of `work` iterations (or a prefill, at its own `slowdown`) while the
+        loader has `busy` time of loads left."""
+        s = 1.0 + (self.load_slowdown if slowdown is None else slowdown)
         if s == 1.0 or busy <= 0:
             return work
         return work * s if busy >= work * s else busy + (work - busy / s)
@@ -107,7 +112,11 @@ class Step:
     evicts: tuple[str, ...] = ()  # ... after evicting these residents
     value: float = 0.0  # iterations to the end of the trajectory under this plan
     limit: int = 0  # iterations before the next scheduling point (0: N)
+    lookup: bool = True  # where `run` is None, the context lookup runs (False: plain target
+    # steps, where the plan knows the lookup's proposals would be rejected)
 
+
+PLAIN = -2  # a move's run: the target alone with the context lookup off (-1: with it on)
 
 Key = tuple[int, int, int, int, int, int, tuple[int, ...], int]  # a State coded for the
 # search: (position, active (-1: none), its KV behind, resident bit mask, queue head (-1: none),
@@ -152,9 +161,14 @@ class LoadPlanner:
         # an interval runs N iterations, or one (the speculation gate's probe: a scheduling
         # point after every iteration is as fine as any online policy decides)
         self.lengths = (N, 1) if N > 1 else (N,)
+        # the target alone: with the lookup where it matches, or (knowing where its
+        # proposals are rejected, a verify dearer than a step) with it off
+        self._alone = (-1, PLAIN) if self.lookup is not None else (-1,)
         self._codes: dict[tuple[int, int, int], list[Code]] = {}
-        self._h: dict[int, list[list[float]]] = {}  # relaxed bounds by drafts held
+        self._h: dict[int, tuple[list[list[float]], list[list[float]]]] = {}  # relaxed
+        # bounds by drafts held: (the active draft fresh, stale)
         self._env: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
+        self._at: dict[int, list[tuple[int, int, float]]] = {}  # intervals by position
 
     # ---- time -----------------------------------------------------------------------------
     def load_left(self, draft: str) -> float:
@@ -184,7 +198,7 @@ class LoadPlanner:
             t, i, p, tail = 0.0, 0, pos, 0
             name = self.drafts[run] if run >= 0 else None
             table = self.tables[name] if name is not None else None
-            look = self.lookup if run < 0 else None
+            look = self.lookup if run == -1 else None
             while i < length and p < self.n:
                 if table is not None:
                     t += self.costs.iteration(name, self.prompt_len + p)
@@ -233,7 +247,7 @@ class LoadPlanner:
         todo = [i for i in range(len(self.drafts)) if not (res | queued) >> i & 1]
         free = self.K - len(resident) - qlen
         out: list[Code] = []
-        for run, length in product((*resident, -1), self.lengths):
+        for run, length in product((*resident, *self._alone), self.lengths):
             out.append((run, (), 0, 0, 0, length))
             evictable = [i for i in resident if i != run]
             for n in range(1, min(len(todo), free + len(evictable)) + 1):
@@ -282,14 +296,22 @@ class LoadPlanner:
 
     def _declines(self, key: Key, code: Code) -> bool:
         """`code` leaves a slot free while the loader is idle and a draft is not resident.
-        Where loads do not slow iterations, a load queued now rather than at a later point
-        lands sooner at the same cost, so a plan that declines here is no faster for loading
-        later: the search then tries no later load (without this, the same load at every
-        later point: half the states of a 128-token plan, measured)."""
-        if not self.settle or code[1] or key[4] >= 0 or self.costs.load_slowdown:
+        A load queued now rather than at a later point lands sooner, and slows as much of
+        the decoding while it runs (the same loader time), so a plan that declines here is
+        no faster for loading later: the search then tries no later load (without this,
+        the same load at every later point: half the states of a 128-token plan, measured;
+        tests check the value against the unrestricted programme, slowdowns included)."""
+        if not self.settle or code[1] or key[4] >= 0:
             return False
         res = key[3] & ~code[2]
         return res.bit_count() < self.K and res != (1 << len(self.drafts)) - 1
+
+    def _plain(self, pos: int) -> bool:
+        """A plain target step at `pos` differs from the target alone with the lookup on
+        (the lookup proposes there). One step at a time is enough: a plain stretch is those
+        steps, each at a scheduling point that costs what an iteration's end does."""
+        return self.lookup is not None and pos < len(self.lookup) \
+            and self.lookup[pos] is not None
 
     def _catchup(self, run: int, active: int, behind: int, pos: int) -> float:
         """A draft's KV catch-up before its interval: over the whole context when another
@@ -320,9 +342,10 @@ class LoadPlanner:
         queued = sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
         units = self._queued(key)
         out = []
+        plain = self._plain(key[0])
         for code in self._moves(key[3], queued, len(rest) + (head >= 0)):
-            if key[7] and code[1]:
-                continue  # (settled: no more loads)
+            if (key[7] and code[1]) or (code[0] == PLAIN and not (plain and code[5] == 1)):
+                continue  # (settled: no more loads; a plain step only where it differs)
             moved = self._go(key, code, units)
             if moved is not None:
                 out.append((code, *moved))
@@ -393,7 +416,8 @@ class LoadPlanner:
         if known is not None:
             return known[0]
         pos, a, res, head, rest = key[0], key[1] + 1, key[3], key[4], key[6]
-        now = self._relaxed(res)[pos][a]
+        stale = a > 0 and key[2] > 2  # (resuming the active draft catches it up)
+        now = self._relaxed(res, stale)[pos][a]
         if key[7]:
             return now  # (settled: the residents are all it will run)
         c, q = self.costs, self.costs.quantum
@@ -403,8 +427,8 @@ class LoadPlanner:
         avail = min(key[5] * q if head >= 0 else math.inf,
                     busy + min(new) * q if new else math.inf)
         later = self._later(res, pos, now, avail) if avail < math.inf else math.inf
-        held = self._relaxed(res | queued)[pos][a]
-        free = self._relaxed((1 << len(self.drafts)) - 1)[pos][a] + c.bind
+        held = self._relaxed(res | queued, stale)[pos][a]
+        free = self._relaxed((1 << len(self.drafts)) - 1, stale)[pos][a] + c.bind
         return max(min(now, later), min(held, free))
 
     def _later(self, res: int, pos: int, now: float, avail: float) -> float:
@@ -435,28 +459,61 @@ class LoadPlanner:
         k = bisect.bisect_right(keys, avail - now)
         return min(avail + pre[k - 1] if k else math.inf, now + suf[k])
 
-    def _relaxed(self, mask: int) -> list[list[float]]:
+    def _relaxed(self, mask: int, stale: bool = False) -> list[list[float]]:
         """h[pos][active + 1]: the fastest rest with the drafts of `mask` resident from now
         and nothing to load, bind or slow down (catch-ups as the plan charges them, a
-        resumed draft's free)."""
+        resumed draft's at its least: over three tokens). `stale`: the active draft's KV
+        cache is more than two tokens behind, so resuming it catches up; without that the
+        search had to walk every (position, tokens behind) pair a resume could meet
+        (measured: four in five of a 128-token plan's states once catch-up is priced per
+        token). Where the target alone moves two tokens or more the draft is stale after."""
         got = self._h.get(mask)
         if got is not None:
-            return got
+            return got[stale]
         n, D, c = self.n, len(self.drafts), self.costs
         runs = [-1, *(d for d in range(D) if mask >> d & 1)]
         h = [[0.0] * (D + 1) for _ in range(n + 1)]
-        for pos in range(n - 1, -1, -1):
+        hs = [[0.0] * (D + 1) for _ in range(n + 1)]
+        resume = c.switch + c.switch_per_token * 3
+        inf = math.inf
+        for pos in range(n - 1, -1, -1):  # (the search's hot spot: plain loops, no min())
             switch = c.switch + c.switch_per_token * (self.prompt_len + pos)
+            moves = [m for m in self._pos_moves(pos) if m[0] < 0 or mask >> m[0] & 1]
             for a in runs:
-                best = math.inf
-                for run, length in product(runs, self.lengths):
-                    nxt, work, its, _tail = self._interval(run, pos, length)
-                    dt = work + c.overhead + c.inner * (its - 1) \
-                        + (switch if run >= 0 and run != a else 0.0)
-                    best = min(best, dt + h[nxt][(run if run >= 0 else a) + 1])
-                h[pos][a + 1] = best
-        self._h[mask] = h
-        return h
+                b0 = b1 = inf
+                for run, nxt, dt in moves:
+                    if run >= 0:
+                        v0 = dt + h[nxt][run + 1]
+                        if run != a:
+                            v0 += switch
+                            v1 = v0
+                        else:
+                            v1 = v0 + resume
+                    else:
+                        v1 = dt + hs[nxt][a + 1]
+                        v0 = v1 if a >= 0 and nxt - pos >= 2 else dt + h[nxt][a + 1]
+                    if v0 < b0:
+                        b0 = v0
+                    if v1 < b1:
+                        b1 = v1
+                h[pos][a + 1], hs[pos][a + 1] = b0, b1 if a >= 0 else b0
+        self._h[mask] = (h, hs)
+        return hs if stale else h
+
+    def _pos_moves(self, pos: int) -> list[tuple[int, int, float]]:
+        """(run, position after, iterations of time) of every interval from `pos`, with no
+        load, bind or catch-up: what `_relaxed` weighs at each position."""
+        got = self._at.get(pos)
+        if got is None:
+            c, got = self.costs, []
+            for run, length in product((*self._alone, *range(len(self.drafts))),
+                                       self.lengths):
+                if run == PLAIN and not (length == 1 and self._plain(pos)):
+                    continue
+                nxt, work, its, _tail = self._interval(run, pos, length)
+                got.append((run, nxt, work + c.overhead + c.inner * (its - 1)))
+            self._at[pos] = got
+        return got
 
     # ---- the runtime's view ---------------------------------------------------------------
     def state(self, pos: int, active: str | None, resident: frozenset[str],
@@ -493,12 +550,13 @@ class LoadPlanner:
         names = self.drafts
         return Step(names[run] if run >= 0 else None, tuple(names[d] for d in loads),
                     tuple(d for i, d in enumerate(names) if evict >> i & 1), value,
-                    0 if code[5] == self.N else code[5])
+                    0 if code[5] == self.N else code[5], run != PLAIN)
 
     def _code(self, move: Step) -> Code:
         ix, full = self._ix, self._full
         loads = tuple(ix[d] for d in move.loads)
-        return (ix[move.run] if move.run is not None else -1, loads,
+        run = ix[move.run] if move.run is not None else -1 if move.lookup else PLAIN
+        return (run, loads,
                 sum(1 << ix[d] for d in move.evicts), sum(full[d] for d in loads),
                 full[loads[-1]] if loads else 0, move.limit or self.N)
 
@@ -550,9 +608,13 @@ class LoadPlanner:
         return self._state(self._open(start, self._code(move))[0])
 
     def _open(self, start: Key, code: Code) -> tuple[Key, float]:
-        """The prefill after the opening move: the loads progress, what lands is bound."""
+        """The prefill after the opening move: the loads progress (and slow it meanwhile),
+        what lands is bound."""
         queue = [(d, self._full[d]) for d in code[1]]
         pre = self.prefill_time()
+        if queue:
+            busy = sum(left for _, left in queue) * self.costs.quantum
+            pre = self.costs.slowed(pre, busy, self.costs.prefill_slowdown)
         landed = self._serve(queue, self._units(pre))
         bind = self._bind(landed, queue)
         return self._pack(0, -1, 0, (start[3] & ~code[2]) | landed, queue,

@@ -198,7 +198,7 @@ def _decision(move: Step, view: SchedView, waiting_for: str | None) -> Decision:
     actions = CacheActions(prefetch=loads, evict=evicts)
     chose_target = move.run is None and bool(view.runnable() - set(evicts))
     return Decision(run, run if run is not None or chose_target else waiting_for, actions,
-                    limit=move.limit)
+                    limit=move.limit, lookup=move.lookup)
 
 
 def dynamic_plan(tables: Mapping[str, Table], gamma: int, interval: int, K: int,
@@ -238,7 +238,7 @@ def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None,
     spec = {d.name: at(gate.spec_line(d.name)) / unit for d in pool.drafts}
     spec[LOOKUP] = at(gate.spec_line(LOOKUP)) / unit
     return PlanCosts(load=load, spec=spec, target=at(gate.target) / unit,
-                     per_token=slope / unit)
+                     per_token=slope / unit, unit_s=unit)
 
 
 class PlanCostMeter:
@@ -259,10 +259,19 @@ class PlanCostMeter:
         self.binds: deque[float] = deque(maxlen=window)
         self.look: deque[tuple[float, float]] = deque(maxlen=window)  # lookup verifies
         self.prefills: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, s)
+        # the same while the loader worked (`IterationRecord.shared`; a prefill with the
+        # opening loads in flight): kept out of the lines, they price the slowdown
+        self.during: deque[tuple[str | None, float, float]] = deque(maxlen=window)
+        self.prefills_during: deque[tuple[float, float]] = deque(maxlen=window)
+        self.points: deque[tuple[int, float]] = deque(maxlen=window)  # (points, sched s)
 
     def observe(self, records: Iterable[IterationRecord]) -> None:
         for r in records:
-            if r.draft is None or (r.draft == LOOKUP and r.proposed == 0):
+            if r.shared:
+                step = r.draft is None or (r.draft == LOOKUP and r.proposed == 0)
+                self.during.append((None if step else r.draft, float(r.context),
+                                    r.duration - r.t_catchup))
+            elif r.draft is None or (r.draft == LOOKUP and r.proposed == 0):
                 self.target.append((float(r.context), r.duration))  # (a lookup with no
             elif r.draft == LOOKUP:  # match is a target step)
                 self.look.append((float(r.context), r.duration))
@@ -276,37 +285,75 @@ class PlanCostMeter:
         if loads > 0:
             self.binds.append(seconds / loads)
 
-    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
-        """A request's start to its decode loop (its prefill): the head start its loads get."""
+    def observe_prefill(self, prompt_tokens: int, seconds: float, shared: bool = False
+                        ) -> None:
+        """A request's prefill: the head start its loads get (`shared`: loads ran during
+        it, which slow it)."""
         if prompt_tokens > 0 and seconds > 0:
-            self.prefills.append((float(prompt_tokens), seconds))
+            (self.prefills_during if shared else self.prefills).append(
+                (float(prompt_tokens), seconds))
+
+    def observe_points(self, points: int, seconds: float) -> None:
+        """A request's scheduling points and the time they took (draining replies,
+        deciding, streaming): what one more point costs, so that the plan does not cut
+        intervals it could run whole (measured ~0.3 ms a point on AVX2, a target step's
+        twentieth)."""
+        if points > 0 and seconds >= 0:
+            self.points.append((points, seconds))
 
     def costs(self, load_s: Mapping[str, float]) -> PlanCosts:
-        """`load_s`: the latest load time of each draft the loader reported."""
-        if len(self.spec) < self.ENOUGH:
-            return self.prior
+        """`load_s`: the latest load time of each draft the loader reported. With a
+        calibrated prior (`PlanCosts.unit_s`) every iteration grows with the context at the
+        calibration's slope, timed at two contexts on purpose (a slope fitted over a few
+        requests' contexts put a target step at -0.15 of an iteration, every target step
+        free to the plan), and what has been timed replaces the prior even before the
+        drafts have run ENOUGH iterations (a plan that drafts little learns the rest)."""
         p = self.prior
-        unit = statistics.fmean(x for *_, x in self.spec)
-        a, slope = linear_fit([c for _, c, _ in self.spec], [x for *_, x in self.spec])
-        load = {d: load_s[d] / unit if load_s.get(d) else v for d, v in p.load.items()}
-        switch, per_token = p.switch, p.switch_per_token
+        if len(self.spec) >= self.ENOUGH:
+            unit = statistics.fmean(x for *_, x in self.spec)
+        elif p.unit_s > 0 and (self.target or self.look or self.prefills):
+            unit = p.unit_s
+        else:
+            return p
+        k = p.unit_s / unit if p.unit_s > 0 else 1.0  # a prior's value in this unit
+        if p.unit_s > 0:
+            slope = p.per_token * p.unit_s
+            a = statistics.fmean(x - slope * c for _, c, x in self.spec) if self.spec else 0.0
+        else:
+            a, slope = linear_fit([c for _, c, _ in self.spec], [x for *_, x in self.spec])
+            if slope > 0 and any(statistics.fmean(x - slope * c for c, x in rows) <= 0
+                                 for rows in (self.target, self.look) if rows):
+                a, slope = statistics.fmean(x for *_, x in self.spec), 0.0  # (mean ratios)
+        load = {d: load_s[d] / unit if load_s.get(d) else v * k for d, v in p.load.items()}
+        switch, per_token = p.switch * k, p.switch_per_token * k
         if len(self.catchup) >= 5:
             ca, cb = linear_fit([n for n, _ in self.catchup], [t for _, t in self.catchup])
             switch, per_token = max(0.0, ca) / unit, cb / unit
-        bind = statistics.fmean(self.binds) / unit if self.binds else p.bind
-        spec = {d: self._intercept(d, slope, a) / unit for d in p.load}
+        bind = statistics.fmean(self.binds) / unit if self.binds else p.bind * k
+        spec = {d: (self._intercept(d, slope, a) / unit if self.spec else p.spec.get(d, 1.0) * k)
+                for d in p.load}
         if len(self.look) >= self.ENOUGH:
             spec[LOOKUP] = statistics.fmean(x - slope * c for c, x in self.look) / unit
         elif LOOKUP in p.spec:
-            spec[LOOKUP] = p.spec[LOOKUP]
-        pre, pre_per_token = p.prefill, p.prefill_per_token
+            spec[LOOKUP] = p.spec[LOOKUP] * k
+        pre, pre_per_token = p.prefill * k, p.prefill_per_token * k
+        pre_slow = p.prefill_slowdown
         if len({n for n, _ in self.prefills}) >= 2:  # (a line needs two prompt lengths)
             pa, pb = linear_fit([n for n, _ in self.prefills], [t for _, t in self.prefills])
             pre, pre_per_token = max(0.0, pa) / unit, pb / unit
-        return replace(p, load=load, spec=spec, prefill=pre, prefill_per_token=pre_per_token,
-                       target=self._target(slope, unit), per_token=slope / unit, bind=bind,
-                       switch=switch, switch_per_token=per_token,
-                       timed=len(self.target) >= self.ENOUGH)
+            pre_slow = _slowdown([t / unit / (pre + pre_per_token * n)
+                                  for n, t in self.prefills_during
+                                  if pre + pre_per_token * n > 0], pre_slow, 3)
+        got = replace(p, load=load, spec=spec, prefill=pre, prefill_per_token=pre_per_token,
+                      target=self._target(slope, unit, k), per_token=slope / unit, bind=bind,
+                      switch=switch, switch_per_token=per_token, unit_s=unit,
+                      timed=len(self.target) >= self.ENOUGH, prefill_slowdown=pre_slow)
+        if len(self.points) >= 3:
+            got = replace(got, overhead=sum(t for _, t in self.points)
+                          / sum(n for n, _ in self.points) / unit)
+        during = [x / unit / got.iteration(run, c) for run, c, x in self.during
+                  if got.iteration(run, c) > 0]
+        return replace(got, load_slowdown=_slowdown(during, p.load_slowdown, self.ENOUGH))
 
     def _intercept(self, draft: str, slope: float, pooled: float) -> float:
         """A draft's iteration at an empty context: its own once it has run ENOUGH
@@ -315,13 +362,23 @@ class PlanCostMeter:
         own = [x - slope * c for d, c, x in self.spec if d == draft]
         return statistics.fmean(own) if len(own) >= self.ENOUGH else pooled
 
-    def _target(self, slope: float, unit: float) -> float:
-        """A target step at an empty context, in the unit (the prior's ratio, taken at the
-        contexts the drafts ran at, until target steps were timed)."""
+    def _target(self, slope: float, unit: float, k: float) -> float:
+        """A target step at an empty context, in the unit (the prior's, until target steps
+        were timed; without a calibrated prior its ratio at the drafts' contexts)."""
         if self.target:
             return statistics.fmean(x - slope * c for c, x in self.target) / unit
+        if self.prior.unit_s > 0 or not self.spec:
+            return self.prior.target * k
         ctx = statistics.fmean(c for _, c, _ in self.spec)
         return max(0.0, self.prior.target - slope * ctx / unit)
+
+
+def _slowdown(ratios: Sequence[float], prior: float, enough: int) -> float:
+    """How much slower than the lines things ran while the loader worked (the median
+    ratio, less one; never below zero: a load never speeds the decoder up)."""
+    if len(ratios) < enough:
+        return prior
+    return max(0.0, statistics.median(ratios) - 1.0)
 
 
 def make_plan(policy: str, tables: Mapping[str, Table], gamma: int, interval: int,

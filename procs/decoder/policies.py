@@ -66,6 +66,8 @@ class Decision:
     wait_for: str | None = None  # blocking policies: wait until resident, then run it
     limit: int = 0  # iterations before the next scheduling point (0: the pool's N); the
     # speculation gate probes a draft with one
+    lookup: bool = True  # with run None: whether the context lookup may run there
+    # (oracle-dynamic's plan turns it off where it knows its proposals are rejected)
 
 
 class Policy(Protocol):
@@ -330,7 +332,7 @@ class OracleDynamic(TargetOnly):
             d = Decision(None, None, NO_ACTIONS)
         if d.run is not None and d.run not in _after(view, d.actions):
             d = replace(d, run=None)  # guard: only resident drafts run
-        if d.run is None and self.lookup:
+        if d.run is None and self.lookup and d.lookup:
             d = replace(d, run=LOOKUP, preferred=LOOKUP if d.preferred is None else d.preferred)
         return d
 

@@ -489,7 +489,8 @@ class DecoderService:
         if meter is not None:
             meter.observe(stats.records)
             meter.observe_binds(stats.loads, stats.t_bind)  # what binding a landed draft costs
-            meter.observe_prefill(cur.prompt_len, stats.t_prefill)  # (loads go out before it)
+            meter.observe_prefill(cur.prompt_len, stats.t_prefill, stats.prefill_shared)
+            meter.observe_points(stats.points, stats.t_sched)
         summary.prompt_tokens = cur.prompt_len
         self._done(cur.req, cur.emit, out, cur.session.generated[:out.kept], summary)
 
