@@ -497,6 +497,30 @@ def test_a_plan_that_settles_loses_nothing_against_every_later_load(seed):
     assert settled and pruned.expanded <= full.expanded
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_an_opening_that_loads_nothing_keeps_later_loads_where_the_prefill_is_slowed(seed):
+    """A load during the prefill may cost more than one after it (`prefill_slowdown` above
+    `load_slowdown`): an opening that loads nothing must still let the plan load later,
+    so the opening's value is the unrestricted programme's."""
+    rng = random.Random(100 + seed)
+    tabs, look, costs = lookup_case(rng, 0.0)
+    costs = replace(costs, prefill_slowdown=rng.choice((0.5, 1.0)), load_slowdown=0.0,
+                    prefill=rng.uniform(1.0, 4.0))
+    K = rng.choice((1, 2))
+    pruned = LoadPlanner(tabs, 4, 2, K, costs, 20, lookup=look)
+    full = LoadPlanner(tabs, 4, 2, K, costs, 20, lookup=look, settle=False)
+    assert pruned.initial().value == pytest.approx(full.initial().value)
+
+
+def test_a_settled_state_with_a_load_in_flight_is_bounded_below_what_is_left():
+    """The runtime can meet a settled plan with a load still in flight (one left from an
+    earlier request): the bound must count that it may land and run."""
+    tabs, look, costs = lookup_case(random.Random(7), 0.0)
+    planner = LoadPlanner(tabs, 4, 2, 2, costs, 20, lookup=look)
+    key = planner.coded(planner.state(0, "b", frozenset({"b"}), (("a", 1.0),), 1, True))
+    assert planner._bound(key) <= exhaustive(planner, key, {}) + 1e-9
+
+
 def test_make_plan_keeps_the_lookup_out_of_the_drafts():
     """The lookup's table reaches oracle-dynamic's planner, never a choice of draft: a
     lookup that accepts everything is not oracle-static's best "draft"."""

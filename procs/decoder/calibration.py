@@ -115,7 +115,8 @@ def gate_costs(engine: Any, pool: Any, numerics: str, log=lambda msg: None) -> G
     except (OSError, ValueError, KeyError, TypeError):
         lines = None
     cached = lines
-    if cached is not None and at(cached["step"], CONTEXTS[0]) > STALE * step_now(engine):
+    cpu = torch.device(engine.device).type == "cpu"  # (a GPU's helpers do not share its cores)
+    if cached is not None and cpu and at(cached["step"], CONTEXTS[0]) > STALE * step_now(engine):
         log(f"the cached target step ({1e3 * at(cached['step'], CONTEXTS[0]):.2f} ms) is "
             "slower than the target is now: measuring again")
         lines = None

@@ -300,7 +300,9 @@ class LoadPlanner:
         the decoding while it runs (the same loader time), so a plan that declines here is
         no faster for loading later: the search then tries no later load (without this,
         the same load at every later point: half the states of a 128-token plan, measured;
-        tests check the value against the unrestricted programme, slowdowns included)."""
+        tests check the value against the unrestricted programme, slowdowns included).
+        At the opening this holds only where a load slows the prefill no more than the
+        decoding after it (`_open`)."""
         if not self.settle or code[1] or key[4] >= 0:
             return False
         res = key[3] & ~code[2]
@@ -418,8 +420,8 @@ class LoadPlanner:
         pos, a, res, head, rest = key[0], key[1] + 1, key[3], key[4], key[6]
         stale = a > 0 and key[2] > 2  # (resuming the active draft catches it up)
         now = self._relaxed(res, stale)[pos][a]
-        if key[7]:
-            return now  # (settled: the residents are all it will run)
+        if key[7] and head < 0:
+            return now  # (settled, nothing in flight: the residents are all it will run)
         c, q = self.costs, self.costs.quantum
         queued = sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
         busy = self._queued(key) * q
@@ -526,6 +528,8 @@ class LoadPlanner:
                       if d in self.tables and d not in resident)
         if active not in resident:
             active, behind = None, 0
+        elif active is not None:
+            behind = max(1, behind)  # (a draft that ran keeps at most all but one token)
         return min(pos, self.n), active, resident, queue, max(0, behind), settled
 
     def coded(self, state: State) -> Key:
@@ -618,7 +622,8 @@ class LoadPlanner:
         landed = self._serve(queue, self._units(pre))
         bind = self._bind(landed, queue)
         return self._pack(0, -1, 0, (start[3] & ~code[2]) | landed, queue,
-                          int(self._declines(start, code))), pre + bind
+                          int(self._declines(start, code) and self.costs.prefill_slowdown
+                              <= self.costs.load_slowdown)), pre + bind
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

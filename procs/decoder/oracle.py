@@ -154,8 +154,11 @@ class DynamicPlan:
             return _decision(move, view, move.loads[0] if move.loads else None)
         self.opened = True
         active, behind = self._active(view, pos)
-        settled = self.expected[5] if self.expected is not None else False
-        state = (pos, active, resident, self._queue(view), behind, settled)
+        queue, exp = self._queue(view), self.expected
+        # the plan's own "no more loads" holds only where the runtime is where it expected
+        settled = bool(exp is not None and exp[5] and not queue
+                       and exp[2] == frozenset(d for d in resident if d in self.tables))
+        state = (pos, active, resident, queue, behind, settled)
         move = self.step(state)
         p = self.planner
         state = p.state(*state)
