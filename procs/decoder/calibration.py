@@ -115,18 +115,18 @@ def gate_costs(engine: Any, pool: Any, numerics: str, log=lambda msg: None) -> G
     except (OSError, ValueError, KeyError, TypeError):
         lines = None
     cached = lines
+    cached_s = at(cached["step"], CONTEXTS[0]) if cached is not None else 0.0
     cpu = torch.device(engine.device).type == "cpu"  # (a GPU's helpers do not share its cores)
-    if cached is not None and cpu and at(cached["step"], CONTEXTS[0]) > STALE * step_now(engine):
-        log(f"the cached target step ({1e3 * at(cached['step'], CONTEXTS[0]):.2f} ms) is "
-            "slower than the target is now: measuring again")
+    if cached is not None and cpu and cached_s > STALE * step_now(engine):
+        log(f"the cached target step ({1e3 * cached_s:.2f} ms) is slower than the target is "
+            "now: measuring again")
         lines = None
     if lines is None:
         t0 = time.perf_counter()
         lines = measure_target(engine, pool.gamma)
         if not _sane(lines["step"], lines["verify"]):  # a disturbed measurement: once more
             lines = measure_target(engine, pool.gamma)
-        if cached is not None and at(cached["step"], CONTEXTS[0]) <= at(lines["step"],
-                                                                         CONTEXTS[0]):
+        if cached is not None and cached_s <= at(lines["step"], CONTEXTS[0]):
             lines = cached  # (the new measurement was the disturbed one)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"format": FORMAT, "numerics": numerics,
@@ -159,7 +159,7 @@ def step_now(engine: Any) -> float:
 
 def _sane(step: Line, verify: Line) -> bool:
     """A verify of gamma+1 rows costs at least a 1-row step (at the context measured)."""
-    return step[0] > 0 and verify[0] + verify[1] * CONTEXTS[0] >= step[0] + step[1] * CONTEXTS[0]
+    return step[0] > 0 and at(verify, CONTEXTS[0]) >= at(step, CONTEXTS[0])
 
 
 @torch.inference_mode()

@@ -31,9 +31,9 @@ The search is A* under an admissible bound (the rest with the drafts held all re
 any draft for one more bind), so its value is exact for the costs it is given, as an
 exhaustive dynamic programme's would be (tests/test_loadplan.py checks the two agree), at a
 fraction of the states; a plan that leaves a slot free while the loader is idle tries no
-later load (it could only have loaded sooner), which halves a request's opening search. oracle-static's schedule (load the best single draft at the start,
-run it throughout) is one of the plans it considers, so the plan is never slower than it
-in its own cost model. Pure (lists and ints); the decoder and the simulator run the same
+later load (it could only have loaded sooner), which halves a request's opening search.
+oracle-static's schedule (load the best single draft at the start, run it throughout) is
+one of the plans it considers, so the plan is never slower than it in its own cost model. Pure (lists and ints); the decoder and the simulator run the same
 plan.
 """
 
@@ -308,12 +308,13 @@ class LoadPlanner:
         res = key[3] & ~code[2]
         return res.bit_count() < self.K and res != (1 << len(self.drafts)) - 1
 
-    def _plain(self, pos: int) -> bool:
-        """A plain target step at `pos` differs from the target alone with the lookup on
-        (the lookup proposes there). One step at a time is enough: a plain stretch is those
-        steps, each at a scheduling point that costs what an iteration's end does."""
-        return self.lookup is not None and pos < len(self.lookup) \
-            and self.lookup[pos] is not None
+    def _offered(self, run: int, length: int, pos: int) -> bool:
+        """Every interval is, but a plain target step only where it differs from the
+        target alone with the lookup on (the lookup proposes there), and one at a time: a
+        plain stretch is those steps, each at a scheduling point that costs what an
+        iteration's end does."""
+        return run != PLAIN or (length == 1 and self.lookup is not None
+                                and pos < len(self.lookup) and self.lookup[pos] is not None)
 
     def _catchup(self, run: int, active: int, behind: int, pos: int) -> float:
         """A draft's KV catch-up before its interval: over the whole context when another
@@ -344,10 +345,9 @@ class LoadPlanner:
         queued = sum(1 << d for d in rest) | (1 << head if head >= 0 else 0)
         units = self._queued(key)
         out = []
-        plain = self._plain(key[0])
         for code in self._moves(key[3], queued, len(rest) + (head >= 0)):
-            if (key[7] and code[1]) or (code[0] == PLAIN and not (plain and code[5] == 1)):
-                continue  # (settled: no more loads; a plain step only where it differs)
+            if (key[7] and code[1]) or not self._offered(code[0], code[5], key[0]):
+                continue  # (settled: no more loads)
             moved = self._go(key, code, units)
             if moved is not None:
                 out.append((code, *moved))
@@ -510,7 +510,7 @@ class LoadPlanner:
             c, got = self.costs, []
             for run, length in product((*self._alone, *range(len(self.drafts))),
                                        self.lengths):
-                if run == PLAIN and not (length == 1 and self._plain(pos)):
+                if not self._offered(run, length, pos):
                     continue
                 nxt, work, its, _tail = self._interval(run, pos, length)
                 got.append((run, nxt, work + c.overhead + c.inner * (its - 1)))

@@ -270,13 +270,13 @@ class PlanCostMeter:
 
     def observe(self, records: Iterable[IterationRecord]) -> None:
         for r in records:
-            if r.shared:
-                step = r.draft is None or (r.draft == LOOKUP and r.proposed == 0)
+            step = r.draft is None or (r.draft == LOOKUP and r.proposed == 0)  # (a lookup
+            if r.shared:  # with no match is a target step)
                 self.during.append((None if step else r.draft, float(r.context),
                                     r.duration - r.t_catchup))
-            elif r.draft is None or (r.draft == LOOKUP and r.proposed == 0):
-                self.target.append((float(r.context), r.duration))  # (a lookup with no
-            elif r.draft == LOOKUP:  # match is a target step)
+            elif step:
+                self.target.append((float(r.context), r.duration))
+            elif r.draft == LOOKUP:
                 self.look.append((float(r.context), r.duration))
             else:
                 self.spec.append((r.draft, float(r.context), r.duration - r.t_catchup))
