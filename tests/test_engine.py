@@ -388,3 +388,63 @@ def test_a_head_scores_the_tuned_cut_of_its_vocabulary_and_stays_lossless(
             ref, _ = eng.generate(prompt, 40)
             out, _ = eng.generate(prompt, 40, select=lambda s: "h")
             assert out == ref
+
+
+def test_exact_lookup_depth_proposes_only_what_the_target_accepts(tiny_dir):
+    """oracle-dynamic's lookup depth (`Session.propose`, from the trajectory's lookup
+    table): every proposal is accepted whole, a position where the lookup would be
+    rejected is a plain step, the walk is the full-depth lookup's, and the output is the
+    target's own greedy output."""
+    from memspec.procs.decoder.lookup import LOOKUP, lookup_table
+    from memspec.procs.decoder.oracle import exact_depth
+
+    eng = engine_with(tiny_dir, [], lookup=1)
+    saved = 0
+    for prompt in PROMPTS:
+        ref, _ = eng.generate(prompt, 60)
+        propose = exact_depth({LOOKUP: lookup_table(prompt, ref, eng.gamma, 1)}, eng.gamma)
+
+        def exact(s, propose=propose):
+            s.propose = propose
+            return LOOKUP
+
+        out, stats = eng.generate(prompt, 60, select=exact)
+        full, fstats = eng.generate(prompt, 60, select=lambda s: LOOKUP)
+        assert out == ref == full
+        assert all(r.accepted == r.proposed for r in stats.records)
+        assert [r.emitted for r in stats.records] == [r.emitted for r in fstats.records]
+        saved += sum(r.proposed for r in fstats.records) - sum(r.proposed for r in stats.records)
+    assert saved > 0, "the full-depth lookup never had a proposal rejected"
+
+
+@pytest.mark.parametrize("draft", ["small", "head"])
+def test_exact_draft_proposals_stop_where_the_target_would_reject(tiny_dir, tiny_heads, draft):
+    """A draft told its table (`Session.propose`) proposes only the tokens the target
+    accepts (one at least): the same walk as gamma proposals, fewer draft steps and rows,
+    the target's own greedy output; a model draft's KV cache stays right after a short
+    proposal (the next iteration's proposals are still accepted as the table says)."""
+    from memspec.procs.decoder.oracle import exact_depth
+    from memspec.zoo.tables import runtime_table
+
+    eng = engine_with(tiny_dir, [] if draft == "head" else [draft], dtype="int4", lookup=1)
+    if draft == "head":
+        eng.add_draft(load_into_slot(draft, tiny_heads[0], SlotBuffer(1 << 20), TINY_VOCAB,
+                                     eng.target_parts))
+    saved = 0
+    for prompt in PROMPTS:
+        ref, _ = eng.generate(prompt, 40)
+        table = runtime_table(eng, eng.drafts[draft], prompt, ref)
+        propose = exact_depth({draft: table}, eng.gamma)
+
+        def exact(s, propose=propose):
+            s.propose = propose
+            return draft
+
+        out, stats = eng.generate(prompt, 40, select=exact)
+        full, fstats = eng.generate(prompt, 40, select=lambda s: draft)
+        assert out == ref == full
+        assert all(r.accepted == r.proposed or (r.accepted == 0 and r.proposed == 1)
+                   for r in stats.records)
+        assert [r.emitted for r in stats.records] == [r.emitted for r in fstats.records]
+        saved += sum(r.proposed for r in fstats.records) - sum(r.proposed for r in stats.records)
+    assert saved > 0

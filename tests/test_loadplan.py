@@ -447,6 +447,27 @@ def test_the_plan_turns_the_lookup_off_where_its_proposals_are_rejected():
     assert steps[0][1].value < on.step(on.state(0, None, frozenset())).value - 1.0
 
 
+def test_an_exact_lookup_is_priced_per_row_and_needs_no_plain_steps():
+    """Where the runtime proposes exactly the lookup tokens the target accepts
+    (`PlanCosts.row`), a rejected proposal costs nothing, so the plan never turns the
+    lookup off; it prices each lookup verify as a step and a row per accepted token, and
+    is faster than the plan that had to turn the lookup off to skip rejections."""
+    n = 48
+    look = [(0, 1, 4)[p % 12 // 4] for p in range(n)]  # rejected, one accepted, all
+    costs = PlanCosts(load={"a": 1.0}, spec={"a": 1.0, LOOKUP: 0.7}, target=0.4, switch=0.0)
+    never = table(lambda p: False, n)
+    exact = LoadPlanner({"a": never}, 4, 4, 1, replace(costs, row=0.075), lookup=look)
+    steps = walk(exact, exact.state(0, None, frozenset()))
+    assert all(m.run is None and m.lookup for _, m in steps)
+    p, want = 0, 0.0
+    while p < n:
+        a = min(look[p], 4, n - p)
+        want, p = want + 0.4 + 0.075 * a, p + a + 1
+    assert steps[0][1].value == pytest.approx(want)
+    off = LoadPlanner({"a": never}, 4, 4, 1, costs, lookup=look)
+    assert want < off.step(off.state(0, None, frozenset())).value - 1.0
+
+
 def lookup_case(rng: random.Random, overhead: float
                 ) -> tuple[dict[str, list[int]], list[int | None], PlanCosts]:
     """Striped drafts, a lookup that matches half the positions, and costs drawn."""
@@ -462,9 +483,11 @@ def lookup_case(rng: random.Random, overhead: float
     return tabs, look, costs
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(5))
 def test_the_search_with_the_lookup_finds_the_exhaustive_optimum(seed):
     tabs, look, costs = lookup_case(random.Random(seed), 0.02)
+    costs = replace(costs, row=(0.0, 0.0, 0.0, 0.05, 0.12)[seed],  # (exact proposals)
+                    call={d: 0.04 for d in tabs} if seed >= 3 else {})
     planner = LoadPlanner(tabs, 4, 2, 2, costs, 20, lookup=look)
     memo: dict[Key, float] = {}
     opened = planner.opened(frozenset(), planner.initial())
@@ -546,6 +569,62 @@ def test_the_meter_counts_a_lookup_without_a_match_as_a_target_step():
     assert got.spec["a"] == pytest.approx(1.0)
 
 
+def test_the_meter_learns_a_lookup_row_from_verifies_of_every_length():
+    """A lookup verify of k proposals costs a target step and k rows: the meter reads the
+    row off verifies of several lengths (the prior's until ENOUGH are timed)."""
+    prior = PlanCosts(load={"a": 2.7}, target=0.5, per_token=0.0, spec={"a": 1.0},
+                      unit_s=0.01, row=0.2)
+    meter = PlanCostMeter(prior)
+    meter.observe([IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.004, context=100)
+                   for _ in range(8)])
+    meter.observe([IterationRecord(LOOKUP, k, k, k + 1, 0.0, t_verify=0.004 + 0.0008 * k,
+                                   context=100) for k in (1, 2, 3, 4)])
+    assert meter.costs({}).row == pytest.approx(0.2)  # (4 verifies: the prior's)
+    meter.observe([IterationRecord(LOOKUP, k, k, k + 1, 0.0, t_verify=0.004 + 0.0008 * k,
+                                   context=100) for k in (1, 2, 3, 4)])
+    got = meter.costs({})
+    assert got.row == pytest.approx(0.08) and got.target == pytest.approx(0.4)
+    assert got.lookup(3, 100) == pytest.approx((0.004 + 0.0024) / 0.01)
+
+
+def test_the_meter_learns_what_loads_cost_a_prefill_with_no_prefill_alone():
+    """A cold-start oracle that loads at every opening never times a prefill without a
+    load beside it: the slowdown is read against the calibrated prefill line."""
+    prior = PlanCosts(load={"a": 2.7}, target=0.5, spec={"a": 1.0}, unit_s=0.01,
+                      prefill=0.2, prefill_per_token=0.05)
+    meter = PlanCostMeter(prior)
+    meter.observe([IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.005, context=100)
+                   for _ in range(8)])
+    for n in (40, 80, 120):  # each 30% slower than the line, loads beside every one
+        meter.observe_prefill(n, 1.3 * (0.002 + 0.0005 * n), shared=True)
+    got = meter.costs({})
+    assert got.prefill_slowdown == pytest.approx(0.3)
+    assert got.prefill == pytest.approx(0.2) and got.prefill_per_token == pytest.approx(0.05)
+
+
+def test_the_meter_prices_a_draft_by_the_proposals_it_makes():
+    """With exact proposals a draft's iterations differ in length: the meter reads a
+    draft step off them (a line over the proposals made) and a verify row off the
+    lookup's, keeps spec[d] as an iteration of gamma proposals, and prices each length as
+    it was timed."""
+    prior = PlanCosts(load={"a": 2.7}, target=0.5, spec={"a": 1.0}, unit_s=0.01, row=0.2,
+                      call={"a": 0.3})
+    meter = PlanCostMeter(prior, gamma=4)
+    meter.observe([IterationRecord(None, 0, 0, 1, 0.0, t_verify=0.004, context=100)
+                   for _ in range(8)])
+    meter.observe([IterationRecord(LOOKUP, k, k, k + 1, 0.0, t_verify=0.004 + 0.001 * k,
+                                   context=100) for k in (1, 2, 3, 4) * 2])
+    meter.observe([IterationRecord("a", k, k, k + 1, 0.0, t_draft=0.0005 + 0.0007 * k,
+                                   t_verify=0.004 + 0.001 * k, context=100)
+                   for k in (1, 2, 3, 4) * 2])
+    got = meter.costs({})
+    unit = 0.0045 + 0.0017 * 2.5  # (the mean iteration timed)
+    assert got.row == pytest.approx(0.001 / unit) and got.call["a"] == pytest.approx(0.0007 / unit)
+    assert got.spec["a"] == pytest.approx((0.0045 + 0.0017 * 4) / unit)
+    for k in (1, 2, 3, 4):
+        assert got.proposing("a", 100, k, 4) == pytest.approx((0.0045 + 0.0017 * k) / unit)
+
+
 def test_the_meter_never_prices_a_target_step_at_nothing():
     """Draft iterations that happen to grow steeply over a narrow span of contexts give a
     slope that would put a target step below zero (every target step free to the plan):
@@ -581,13 +660,22 @@ def test_the_plan_prior_comes_from_the_start_up_calibration():
     the target step too, and every draft looks worth running on a CPU)."""
     pool = load_pool(DEFAULT_POOL, check=False)
     gate = GateCosts(target=(0.004, 1e-6), verify=(0.007, 3e-6), draft_prior_s=0.003,
-                     gamma=pool.gamma)
+                     gamma=pool.gamma, prefill=(0.002, 5e-4))
     got = plan_costs(pool, {}, gate)
     ctx = CALIBRATED_CONTEXT
     unit = 0.007 + 0.003 + 3e-6 * ctx
+    # the loads' head start: a prompt's prefill as calibrated
+    assert got.prefill == pytest.approx(0.002 / unit)
+    assert got.prefill_per_token == pytest.approx(5e-4 / unit)
     assert got.iteration(pool.general, ctx) == pytest.approx(1.0)
     assert got.iteration(None, ctx) == pytest.approx((0.004 + 1e-6 * ctx) / unit)
     assert got.iteration(LOOKUP, ctx) == pytest.approx((0.007 + 3e-6 * ctx) / unit)
+    # a lookup proposing exactly what is accepted: a step and a row per token, the rows of
+    # the calibrated verify (gamma + 1 of them) less the step's
+    row = (0.003 + 2e-6 * ctx) / pool.gamma / unit
+    assert got.row == pytest.approx(row)
+    assert got.lookup(2, ctx) == pytest.approx(got.iteration(None, ctx) + 2 * row)
+    assert got.lookup(pool.gamma, ctx) == pytest.approx(got.iteration(LOOKUP, ctx))
     assert plan_costs(pool, {}).iteration(None, ctx) == 1.0  # (no calibration: one unit)
 
 

@@ -40,6 +40,7 @@ from memspec.common.messages import (
 from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT
 from memspec.common.sockets import configure, send
 from memspec.launch.supervisor import Supervisor
+from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.service import STREAM_EVERY_S
 from memspec.zoo.prompts import load_prompts
 
@@ -482,12 +483,20 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
         s.start()
         for policy in ("oracle-static", "oracle-dynamic"):
             used: set[str] = set()
+            looked = 0
             for d, prompt in first_prompts().items():
-                done = run(s, prompt, policy)
+                done = run(s, prompt, policy, trace=True)
                 assert isinstance(done, Done), (policy, d, done)
                 assert done.token_ids == reference[d], (policy, d)
                 used |= set(done.stats.drafts_used)
+                if policy == "oracle-dynamic":  # its lookup proposes exactly what is accepted
+                    trace = done.stats.trace
+                    assert trace is not None
+                    looks = [r for r in trace.iterations if r.draft == LOOKUP and r.proposed]
+                    assert all(r.accepted == r.proposed for r in looks), (d, looks)
+                    looked += len(looks)
             assert used, f"{policy} never ran a draft"
+        assert looked, "oracle-dynamic never ran the context lookup"
         err = run(s, "An untraced prompt about nothing in particular.", "oracle-dynamic")
         assert isinstance(err, Error) and "memspec trace" in err.message
         err = run(s, first_prompts()["code"], "oracle-static", temperature=0.7)

@@ -36,7 +36,7 @@ from memspec.procs.decoder.gate import GateCosts, Line
 CONTEXTS = (48, 304)  # two context lengths: the lines' two points
 REPS, WARM = 5, 2
 STALE = 1.2  # a cached step this much slower than one timed now is re-measured
-FORMAT = "memspec-calibration/1"
+FORMAT = "memspec-calibration/2"  # /2: with the prefill line
 _CODE = [Path(__file__).resolve().parent / n for n in ("engine.py", "native.py", "lean.py")]
 
 
@@ -65,20 +65,32 @@ def _line(xs: tuple[int, ...], ys: list[float]) -> Line:
 @torch.inference_mode()
 def measure_target(engine: Any, gamma: int) -> dict[str, Line]:
     """A target step and a verify of gamma+1 rows at CONTEXTS, through the engine's own
-    runner and cache (the rows written are beyond any request's and overwritten later)."""
+    runner and cache (the rows written are beyond any request's and overwritten later),
+    and a prompt's prefill into a fresh cache as a request's is (oracle-dynamic prices
+    the loads that run beside it against this line)."""
     target = engine.target
-    cache = target.new_cache(max(engine.max_len, CONTEXTS[-1] + gamma + 1))
+    size = max(engine.max_len, CONTEXTS[-1] + gamma + 1)
+    cache = target.new_cache(size)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(engine.vocab, 1000), (CONTEXTS[-1] + gamma + 1,), generator=gen)
     ids = ids.to(engine.device)
-    target.forward(ids[:CONTEXTS[-1]], 0, cache, last_only=True)
+
+    def prefill(n: int, into: Any = None) -> None:
+        target.forward(ids[:n], 0, target.new_cache(size) if into is None else into,
+                       last_only=True)
+
+    # the long prefill twice (its first fills the cache the steps are timed on): ~0.7 s
+    long = _fastest_s([lambda: prefill(CONTEXTS[-1], cache)], reps=1, warm=0)[0]
+    short = _fastest_s([lambda: prefill(CONTEXTS[0])], reps=2, warm=1)[0]
+    long = min(long, _fastest_s([lambda: prefill(CONTEXTS[-1])], reps=1, warm=0)[0])
     step, verify = [], []
     for L in CONTEXTS:
         s, v = _fastest_s([lambda L=L: target.forward(ids[L:L + 1], L, cache),
                            lambda L=L: target.forward(ids[L:L + gamma + 1], L, cache)])
         step.append(s)
         verify.append(v)
-    return {"step": _line(CONTEXTS, step), "verify": _line(CONTEXTS, verify)}
+    return {"step": _line(CONTEXTS, step), "verify": _line(CONTEXTS, verify),
+            "prefill": _line(CONTEXTS, [short, long])}
 
 
 def cache_key(engine: Any, pool: Any, numerics: str) -> str:
@@ -111,7 +123,7 @@ def gate_costs(engine: Any, pool: Any, numerics: str, log=lambda msg: None) -> G
     try:
         raw = json.loads(path.read_text())
         if raw.get("format") == FORMAT and _sane(raw["step"], raw["verify"]):
-            lines = {"step": tuple(raw["step"]), "verify": tuple(raw["verify"])}
+            lines = {k: tuple(raw[k]) for k in ("step", "verify", "prefill")}
     except (OSError, ValueError, KeyError, TypeError):
         lines = None
     cached = lines
@@ -138,6 +150,7 @@ def gate_costs(engine: Any, pool: Any, numerics: str, log=lambda msg: None) -> G
     step, verify = lines["step"], lines["verify"]
     # a typical draft's gamma steps before one is timed: a fifth of a target step each
     return GateCosts(target=step, verify=verify, draft_prior_s=0.2 * pool.gamma * step[0],
+                     prefill=lines["prefill"],
                      gamma=pool.gamma, free=frozenset(d.name for d in pool.drafts
                                                       if d.kind == DATASTORE_KIND))
 

@@ -218,6 +218,12 @@ class Session:
             if engine.lookup and params.greedy else None
         self._depth = LookupDepth.tuned(*engine.depth_costs, engine.gamma) \
             if engine.depth_costs is not None and self._ngrams is not None else None
+        # oracle-dynamic's exact proposals: (draft or LOOKUP, tokens committed) -> how many
+        # to propose (those the target will accept; for the lookup 0 is a plain step, a
+        # draft proposes one at least). It knows the trajectory; proposals are made one
+        # after another, so fewer are a prefix of more and the output is the same whatever
+        # it says: only the draft's steps and the verify's rows change
+        self.propose: Callable[[str, int], int] | None = None
         self._drafts: dict[str, _DraftCache] = {}
         # greedy heads stop proposing where they are unsure (sampling drafts gamma)
         self._head_stop = stop_floor(engine.device) if params.greedy else 0.0
@@ -316,13 +322,16 @@ class Session:
         ng, L = self._ngrams, len(self.tokens)
         props: list[int] = []
         led = False
-        depth = self._depth if store is None else None  # a datastore's chain: its own
-        match = 0
+        exact = self.propose if store is None else None
+        depth = self._depth if store is None and exact is None else None  # (a datastore's
+        match = 0  # chain: its own)
         if self.params.greedy and (ng is not None or store is not None):
             tail = self.tokens[-tail_width(ng, store):]
             match = ng.match(tail) if ng is not None else 0
-            props, led = led_chain(ng, store, tail, depth.choose(L, match) if depth
-                                   else self.engine.gamma)
+            k = exact(name, L - self.prompt_len) if exact is not None else \
+                depth.choose(L, match) if depth else self.engine.gamma
+            if k > 0:
+                props, led = led_chain(ng, store, tail, min(k, self.engine.gamma))
         if not props:
             rec = self._target_step(t0)
             rec.draft = name
@@ -365,7 +374,9 @@ class Session:
         ng = self._ngrams
         tail = self.tokens[-ng.n_max:] if ng is not None else []
         stop = self._head_stop if head else 0.0
-        for i in range(g):
+        limit = g if self.propose is None else \
+            max(1, min(g, self.propose(name, L - self.prompt_len)))
+        for i in range(limit):
             row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
             t_id: torch.Tensor | None = None  # the proposal as a target id
             if ng is not None:  # greedy: the context's own continuation, else the draft's
@@ -392,7 +403,7 @@ class Session:
             if t_id is None:
                 t_id = d_idx if to_target is None else to_target[d_idx]
             props.append(t_id)
-            if i < g - 1:
+            if i < limit - 1:
                 draft.next(d_idx, t_id, L + i)
         prop = torch.cat(props)
         self._sync()
@@ -409,7 +420,7 @@ class Session:
         emitted = self._commit(proposals[:n] + [nxt])
         # a head keeps only positions it saw with the target's features (re-run the accepted
         # ones next time, as EAGLE does); a model draft keeps its accepted proposals
-        dc.length = L if head else min(L + min(n, g - 1), len(self.tokens) - 1)
+        dc.length = L if head else min(L + min(n, limit - 1), len(self.tokens) - 1)
         self._sync()
         t1 = time.perf_counter()
         # (re)activation: the draft's cache catches up on what it did not see through its

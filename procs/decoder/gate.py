@@ -56,6 +56,7 @@ class GateCosts:
     draft_prior_s: float = 0.0
     gamma: int = 4  # rows of `verify` minus one
     free: frozenset[str] = frozenset()  # drafts that run no model (datastores), as LOOKUP
+    prefill: Line | None = None  # a prompt's prefill, a line in its tokens (calibrated)
 
     def target_s(self, context: int) -> float:
         return self.target[0] + self.target[1] * context

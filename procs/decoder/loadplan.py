@@ -82,6 +82,11 @@ class PlanCosts:
     # (on two cores its reads, checks and copies stall the prefill's threads)
     unit_s: float = 0.0  # seconds in the unit where known (a calibrated prior: the meter
     # then keeps the calibration's slope and converts the prior's values)
+    row: float = 0.0  # one more row in a verify, where the runtime proposes exactly the
+    # tokens the target accepts (oracle-dynamic knows them): k accepted then cost a target
+    # step and k rows, none a plain step (0: every verify costs spec[d] or spec[LOOKUP])
+    call: Mapping[str, float] = field(default_factory=dict)  # ... and a draft's proposal
+    # step (`spec[d]` is an iteration of gamma proposals: each one fewer saves a row and one)
 
     @classmethod
     def uniform(cls, drafts: Sequence[str], load_iters: float, **kw: float) -> PlanCosts:
@@ -95,6 +100,20 @@ class PlanCosts:
         else:
             base = self.spec.get(run, self.target if run == LOOKUP else 1.0)
         return base + self.per_token * context
+
+    def lookup(self, accepted: int, context: int) -> float:
+        """One iteration of the context lookup where `accepted` of its proposals are."""
+        if self.row > 0:
+            return self.iteration(None, context) + self.row * accepted
+        return self.iteration(LOOKUP, context)
+
+    def proposing(self, run: str, context: int, k: int, gamma: int) -> float:
+        """One iteration of draft `run` proposing `k` of its gamma tokens (exact
+        proposals, `row`; without them every iteration proposes gamma)."""
+        base = self.iteration(run, context)
+        if self.row <= 0 or k >= gamma:
+            return base
+        return base - (gamma - k) * (self.row + self.call.get(run, 0.0))
 
     def slowed(self, work: float, busy: float, slowdown: float | None = None) -> float:
         """Wall time of `work` iterations (or a prefill, at its own `slowdown`) while the
@@ -158,12 +177,14 @@ class LoadPlanner:
         self._full = tuple(self._units(self.load_left(d)) for d in self.drafts)
         self._memo: dict[Key, tuple[float, Code]] = {}
         self._intervals: dict[tuple[int, int, int], tuple[int, float, int, int]] = {}
+        self._ones: dict[int, tuple[list[float], list[int]]] = {}  # one iteration, by run
         # an interval runs N iterations, or one (the speculation gate's probe: a scheduling
         # point after every iteration is as fine as any online policy decides)
         self.lengths = (N, 1) if N > 1 else (N,)
         # the target alone: with the lookup where it matches, or (knowing where its
-        # proposals are rejected, a verify dearer than a step) with it off
-        self._alone = (-1, PLAIN) if self.lookup is not None else (-1,)
+        # proposals are rejected, a verify dearer than a step) with it off; where the
+        # lookup proposes exactly what is accepted (`row`) a rejection costs nothing
+        self._alone = (-1, PLAIN) if self.lookup is not None and costs.row <= 0 else (-1,)
         self._codes: dict[tuple[int, int, int], list[Code]] = {}
         self._h: dict[int, tuple[list[list[float]], list[list[float]]]] = {}  # relaxed
         # bounds by drafts held: (the active draft fresh, stale)
@@ -195,22 +216,39 @@ class LoadPlanner:
         last when all gamma were accepted, and never the bonus token."""
         got = self._intervals.get((run, pos, length))
         if got is None:
-            t, i, p, tail = 0.0, 0, pos, 0
+            cost, acc = self._single(run)
+            t, i, p, tail, n, gamma = 0.0, 0, pos, 0, self.n, self.gamma
+            while i < length and p < n:
+                a = acc[p]
+                t += cost[p]
+                p, tail, i = p + a + 1, 2 if a >= gamma else 1, i + 1
+            got = self._intervals[(run, pos, length)] = (min(p, n), t, i, tail)
+        return got
+
+    def _single(self, run: int) -> tuple[list[float], list[int]]:
+        """(time, accepted) of one iteration of `run` at every position: made once a plan
+        (the search asks for every interval from every position, the bound's hot spot)."""
+        got = self._ones.get(run)
+        if got is None:
+            cost: list[float] = []
+            acc: list[int] = []
+            c, gamma, n = self.costs, self.gamma, self.n
             name = self.drafts[run] if run >= 0 else None
             table = self.tables[name] if name is not None else None
             look = self.lookup if run == -1 else None
-            while i < length and p < self.n:
+            for p in range(n):
+                ctx = self.prompt_len + p
                 if table is not None:
-                    t += self.costs.iteration(name, self.prompt_len + p)
-                    a = step_accepted(table, p, self.gamma)
+                    a = step_accepted(table, p, gamma)
+                    cost.append(c.proposing(name, ctx, max(1, a), gamma))  # type: ignore[arg-type]
                 elif look is not None and p < len(look) and look[p] is not None:
-                    t += self.costs.iteration(LOOKUP, self.prompt_len + p)
-                    a = min(step_accepted(look, p, self.gamma), self.n - p)  # type: ignore[arg-type]
+                    a = min(step_accepted(look, p, gamma), n - p)  # type: ignore[arg-type]
+                    cost.append(c.lookup(a, ctx))
                 else:
-                    t += self.costs.iteration(None, self.prompt_len + p)
                     a = 0
-                p, tail, i = p + a + 1, 2 if a >= self.gamma else 1, i + 1
-            got = self._intervals[(run, pos, length)] = (min(p, self.n), t, i, tail)
+                    cost.append(c.iteration(None, ctx))
+                acc.append(a)
+            got = self._ones[run] = (cost, acc)
         return got
 
     def _serve(self, queue: list[tuple[int, int]], progress: int) -> int:

@@ -56,6 +56,7 @@ from memspec.procs.decoder.oracle import (
     ORACLE_POLICIES,
     OracleIndex,
     PlanCostMeter,
+    exact_depth,
     make_plan,
     oracle_index,
     plan_costs,
@@ -413,10 +414,13 @@ class DecoderService:
         max_new -= len(prior)
         # every snapshot carries the predictor's text: cut once to what it reads
         ranked = rank_text(req.prompt or chat_text(req.messages))
-        plan = None
+        plan = propose = None
         costs = None  # (only oracle-dynamic has beliefs about costs: no other request pays
         if policy_name == "oracle-dynamic":  # for fitting them, ~4 ms with full windows)
-            meter = self.plan_meters.setdefault(policy_name, PlanCostMeter(self._plan_prior))
+            meter = self.plan_meters.get(policy_name)
+            if meter is None:
+                meter = self.plan_meters[policy_name] = PlanCostMeter(self._plan_prior,
+                                                                      gamma=self.pool.gamma)
             costs = meter.costs(self.controller.load_seconds)
         if policy_name in ORACLE_POLICIES:
             if self._oracles is None:
@@ -426,6 +430,8 @@ class DecoderService:
             plan = make_plan(policy_name, tables, self.pool.gamma, self.pool.N,
                              lambda: len(self.current.session.generated) if self.current else 0,
                              self.K, costs, len(ids))
+            if policy_name == "oracle-dynamic" and costs is not None and costs.row > 0:
+                propose = exact_depth(tables, self.pool.gamma)  # (as its plan prices them)
         ucb_c = self.pool.ucb_c if req.ucb_c is None else req.ucb_c
         gate = self.pool.spec_gate if req.gate is None else req.gate
         threads = self.controller.on_helpers
@@ -455,6 +461,7 @@ class DecoderService:
             """The target prefills while the initial loads run (the loop calls this); a
             request the engine refuses (too long, bad ids) raises its RequestError here."""
             session = self.engine.start(ids, max_new, params, stream, between)
+            session.propose = propose
             out.executor = SessionExecutor(session, prior)
             self.current = _Current(req, emit, session, out, prompt_len)
             return out.executor
