@@ -221,6 +221,33 @@ def test_the_trace_table_of_a_store_replays_the_engine(tiny_dir, tmp_path):
     assert any(table) and not all(table)
 
 
+def test_a_store_told_its_table_proposes_only_what_the_target_accepts(tiny_dir, tmp_path):
+    """oracle-dynamic's exact proposals (`Session.propose`) for a datastore: it follows the
+    same chain, so it proposes a prefix of it, every proposal is accepted, a position where
+    it would be rejected is a plain step, and the output is the target's own."""
+    from memspec.procs.decoder.oracle import exact_depth
+    from memspec.zoo.tables import runtime_table
+
+    target = build_target(tiny_dir / "target", "float32")
+    prompt = [1, 5, 9, 22]
+    ref = _greedy(target, prompt, 40)
+    _store_folder(tmp_path / "s", [prompt + ref[:25], [3, 4, 5, 6]])
+    eng = SpecEngine(target, (), gamma=4, lookup=2)
+    eng.add_draft(load_into_slot("s", tmp_path / "s", SlotBuffer(1 << 16), TINY_VOCAB))
+    propose = exact_depth({"s": runtime_table(eng, eng.drafts["s"], prompt, ref)}, 4)
+
+    def exact(s):
+        s.propose = propose
+        return "s"
+
+    out, stats = eng.generate(prompt, 40, select=exact)
+    full, fstats = eng.generate(prompt, 40, select=lambda s: "s")
+    assert out == ref == full
+    assert all(r.accepted == r.proposed for r in stats.records)
+    assert [r.emitted for r in stats.records] == [r.emitted for r in fstats.records]
+    assert sum(r.proposed for r in stats.records) < sum(r.proposed for r in fstats.records)
+
+
 def test_two_pools_on_one_target_keep_their_own_tables(tmp_path, tiny_dir, monkeypatch):
     """Tracing a second pool (datastores, small models) on the default pool's target must not
     overwrite the default pool's tables, nor show up among its traced sets."""

@@ -625,6 +625,22 @@ def test_the_meter_prices_a_draft_by_the_proposals_it_makes():
         assert got.proposing("a", 100, k, 4) == pytest.approx((0.0045 + 0.0017 * k) / unit)
 
 
+def test_a_datastore_that_proposes_nothing_is_a_plain_step_to_the_meter_and_the_plan():
+    """A datastore with no match runs a plain target step (recorded under its name,
+    nothing proposed): the meter times it as one, and with exact proposals the plan prices
+    a datastore's iteration as the lookup's, a step and a row per token, no draft step."""
+    prior = PlanCosts(load={"s": 2.7}, target=0.5, spec={"s": 1.0}, unit_s=0.01, row=0.1,
+                      free=frozenset({"s"}))
+    meter = PlanCostMeter(prior, gamma=4)
+    meter.observe([IterationRecord("s", 0, 0, 1, 0.0, t_verify=0.004, context=100)
+                   for _ in range(8)])
+    got = meter.costs({})
+    assert got.target == pytest.approx(0.4) and len(meter.spec) == 0
+    assert got.proposing("s", 100, 0, 4) == pytest.approx(got.iteration(None, 100))
+    assert got.proposing("s", 100, 3, 4) == pytest.approx(got.iteration(None, 100) + 0.3)
+    assert "s" not in got.call
+
+
 def test_the_meter_never_prices_a_target_step_at_nothing():
     """Draft iterations that happen to grow steeply over a narrow span of contexts give a
     slope that would put a target step below zero (every target step free to the plan):

@@ -322,7 +322,7 @@ class Session:
         ng, L = self._ngrams, len(self.tokens)
         props: list[int] = []
         led = False
-        exact = self.propose if store is None else None
+        exact = self.propose  # (a datastore's table follows this very chain)
         depth = self._depth if store is None and exact is None else None  # (a datastore's
         match = 0  # chain: its own)
         if self.params.greedy and (ng is not None or store is not None):

@@ -87,6 +87,8 @@ class PlanCosts:
     # step and k rows, none a plain step (0: every verify costs spec[d] or spec[LOOKUP])
     call: Mapping[str, float] = field(default_factory=dict)  # ... and a draft's proposal
     # step (`spec[d]` is an iteration of gamma proposals: each one fewer saves a row and one)
+    free: frozenset[str] = frozenset()  # drafts that run no model (datastores): as the
+    # lookup, a verify alone, and a plain step where they propose nothing
 
     @classmethod
     def uniform(cls, drafts: Sequence[str], load_iters: float, **kw: float) -> PlanCosts:
@@ -110,10 +112,12 @@ class PlanCosts:
     def proposing(self, run: str, context: int, k: int, gamma: int) -> float:
         """One iteration of draft `run` proposing `k` of its gamma tokens (exact
         proposals, `row`; without them every iteration proposes gamma)."""
+        if self.row > 0 and run in self.free:
+            return self.iteration(None, context) + self.row * k
         base = self.iteration(run, context)
         if self.row <= 0 or k >= gamma:
             return base
-        return base - (gamma - k) * (self.row + self.call.get(run, 0.0))
+        return base - (gamma - max(1, k)) * (self.row + self.call.get(run, 0.0))
 
     def slowed(self, work: float, busy: float, slowdown: float | None = None) -> float:
         """Wall time of `work` iterations (or a prefill, at its own `slowdown`) while the
@@ -213,15 +217,17 @@ class LoadPlanner:
     def _interval(self, run: int, pos: int, length: int) -> tuple[int, float, int, int]:
         """(position after, iterations of time, iterations, tokens the draft's KV is then
         behind) for one interval of `run`: the engine keeps the accepted proposals but the
-        last when all gamma were accepted, and never the bonus token."""
+        last when all it proposed were accepted (gamma; with exact proposals, whenever one
+        was), and never the bonus token."""
         got = self._intervals.get((run, pos, length))
         if got is None:
             cost, acc = self._single(run)
-            t, i, p, tail, n, gamma = 0.0, 0, pos, 0, self.n, self.gamma
+            t, i, p, tail, n = 0.0, 0, pos, 0, self.n
+            full = 1 if self.costs.row > 0 else self.gamma  # (exact proposals: all accepted)
             while i < length and p < n:
                 a = acc[p]
                 t += cost[p]
-                p, tail, i = p + a + 1, 2 if a >= gamma else 1, i + 1
+                p, tail, i = p + a + 1, 2 if a >= full else 1, i + 1
             got = self._intervals[(run, pos, length)] = (min(p, n), t, i, tail)
         return got
 
@@ -240,7 +246,7 @@ class LoadPlanner:
                 ctx = self.prompt_len + p
                 if table is not None:
                     a = step_accepted(table, p, gamma)
-                    cost.append(c.proposing(name, ctx, max(1, a), gamma))  # type: ignore[arg-type]
+                    cost.append(c.proposing(name, ctx, a, gamma))  # type: ignore[arg-type]
                 elif look is not None and p < len(look) and look[p] is not None:
                     a = min(step_accepted(look, p, gamma), n - p)  # type: ignore[arg-type]
                     cost.append(c.lookup(a, ctx))

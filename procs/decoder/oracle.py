@@ -251,11 +251,12 @@ def plan_costs(pool: PoolConfig, draft_bytes: Mapping[str, int] | None = None,
     # a verify of gamma + 1 rows against a step of one: a row, where it is known
     row = max(0.0, at(gate.verify) - at(gate.target)) / pool.gamma / unit \
         if gate.verify is not None and pool.gamma > 0 else 0.0
-    call = {d.name: gate.draft_prior_s / pool.gamma / unit for d in pool.drafts} \
-        if row > 0 else {}  # (a typical draft step, until the drafts are timed)
+    # a typical draft step until the drafts are timed (a datastore runs none)
+    call = {d.name: gate.draft_prior_s / pool.gamma / unit for d in pool.drafts
+            if not gate.model_free(d.name)} if row > 0 else {}
     pre = gate.prefill or (0.0, 0.0)  # (the loads' head start, and what they slow)
     return PlanCosts(load=load, spec=spec, target=at(gate.target) / unit,
-                     per_token=slope / unit, unit_s=unit, row=row, call=call,
+                     per_token=slope / unit, unit_s=unit, row=row, call=call, free=gate.free,
                      prefill=max(0.0, pre[0]) / unit, prefill_per_token=pre[1] / unit)
 
 
@@ -286,8 +287,8 @@ class PlanCostMeter:
 
     def observe(self, records: Iterable[IterationRecord]) -> None:
         for r in records:
-            step = r.draft is None or (r.draft == LOOKUP and r.proposed == 0)  # (a lookup
-            if r.shared:  # with no match is a target step)
+            step = r.draft is None or r.proposed == 0  # (the lookup or a datastore with no
+            if r.shared:  # match is a target step; a model draft proposes one at least)
                 self.during.append((None if step else r.draft, float(r.context),
                                     r.duration - r.t_catchup, r.proposed))
             elif step:
@@ -345,7 +346,7 @@ class PlanCostMeter:
             # draft step more per proposal it did not make), so that spec[d] stays gamma's
             row = self._row(self._target(slope, unit, k), slope / unit, unit, k)
             if row > 0:
-                calls = {d: self._call(d, unit, k) for d in p.load}
+                calls = {d: self._call(d, unit, k) for d in p.load if d not in p.free}
                 save = {d: (row + c) * unit for d, c in calls.items()}
             pooled = statistics.fmean(save.values()) if save else 0.0
             a = self.spec.rest(slope, None, pooled, self.gamma)
