@@ -327,6 +327,7 @@ class RunStats:
     bytes_loaded: int = 0
     prompt_tokens: int = 0
     prefill_shared: bool = False  # a load was in flight as the prefill began (it slows it)
+    prefill_loads: tuple[str, ...] = ()  # ... those loads
     points: int = 0  # scheduling points (decisions) the request's decode loop made
 
     def report(self) -> Summary:

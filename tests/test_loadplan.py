@@ -707,6 +707,23 @@ def test_a_prompt_s_tables_gain_the_lookup_s_own_when_the_engine_runs_it():
         prompt_tables(index, "oracle-dynamic", [7, 7], True)
 
 
+def test_the_prefill_slowdown_is_read_beside_the_loads_only():
+    """A short load beside a long prefill slows only the part of it that the load ran
+    beside: the meter reads the slowdown as the planner charges it, so that the plan prices
+    an opening load at what it cost (read over the whole prefill, a 28 ms load that cost a
+    150 ms prefill 20 ms looked like 13% and the plan loaded beside every prefill)."""
+    meter = PlanCostMeter(PlanCosts.uniform(("a",), 2.7))
+    meter.observe([IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.1, t_verify=0.0, context=100)
+                   for _ in range(8)])  # (the unit: 0.1 s)
+    meter.observe_prefill(100, 0.2)
+    meter.observe_prefill(300, 0.4)  # (the line: 1 + 0.01 n units)
+    for _ in range(3):  # 3 units of work, 0.5 of loading beside it, 0.4 more time
+        meter.observe_prefill(200, 0.34, shared=True, loads=("a",))
+    got = meter.costs({"a": 0.05})
+    assert got.prefill_slowdown == pytest.approx(4.0)
+    assert got.slowed(3.0, 0.5, got.prefill_slowdown) == pytest.approx(3.4)
+
+
 def test_the_meter_learns_the_prefill_head_start_the_loads_get():
     meter = PlanCostMeter(PlanCosts.uniform(("a",), 2.7))
     meter.observe([IterationRecord("a", 4, 2, 3, 0.0, t_draft=0.1, t_verify=0.0, context=100)

@@ -343,7 +343,7 @@ class Controller:
                 self._open()
         else:
             self._open()
-        loading = bool(self.table.loading - self.table.resident)
+        loading = tuple(sorted(self.table.loading - self.table.resident))
         if job.executor is None:
             assert job.prefill is not None
             self._tell_helpers()
@@ -353,7 +353,7 @@ class Controller:
             run.t_initial = self._wait_initial_ranking()
             self._open()
         stats = job.executor.stats
-        stats.prefill_shared = loading
+        stats.prefill_shared, stats.prefill_loads = bool(loading), loading
         stats.t_prediction += run.t_initial
         run.t_loop = self.clock.now() - job.t_start
         stats.t_pre += run.t_loop - stats.t_prefill - run.t_initial - stats.t_bind

@@ -17,6 +17,7 @@ lookup alone beats (measured: oracle-dynamic at 0.74x lookup-only in real runs).
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -282,7 +283,8 @@ class PlanCostMeter:
         # the same while the loader worked (`IterationRecord.shared`; a prefill with the
         # opening loads in flight): kept out of the lines, they price the slowdown
         self.during: deque[tuple[str | None, float, float, int]] = deque(maxlen=window)
-        self.prefills_during: deque[tuple[float, float]] = deque(maxlen=window)
+        self.prefills_during: deque[tuple[float, float, tuple[str, ...]]] = deque(
+            maxlen=window)  # (tokens, s, the loads in flight as it began)
         self.points: deque[tuple[int, float]] = deque(maxlen=window)  # (points, sched s)
 
     def observe(self, records: Iterable[IterationRecord]) -> None:
@@ -306,13 +308,15 @@ class PlanCostMeter:
         if loads > 0:
             self.binds.append(seconds / loads)
 
-    def observe_prefill(self, prompt_tokens: int, seconds: float, shared: bool = False
-                        ) -> None:
+    def observe_prefill(self, prompt_tokens: int, seconds: float, shared: bool = False,
+                        loads: Sequence[str] = ()) -> None:
         """A request's prefill: the head start its loads get (`shared`: loads ran during
-        it, which slow it)."""
+        it, which slow it; `loads`: those in flight as it began, RunStats.prefill_loads)."""
         if prompt_tokens > 0 and seconds > 0:
-            (self.prefills_during if shared else self.prefills).append(
-                (float(prompt_tokens), seconds))
+            if shared or loads:
+                self.prefills_during.append((float(prompt_tokens), seconds, tuple(loads)))
+            else:
+                self.prefills.append((float(prompt_tokens), seconds))
 
     def observe_points(self, points: int, seconds: float) -> None:
         """A request's scheduling points and the time they took (draining replies,
@@ -378,8 +382,9 @@ class PlanCostMeter:
             pre, pre_per_token = max(0.0, pa) / unit, pb / unit
         # what loads beside a prefill cost it: an oracle that always loads at the opening
         # (a cold start) sees no prefill without one, hence the calibrated line
-        pre_slow = _slowdown([t / unit / (pre + pre_per_token * n)
-                              for n, t in self.prefills_during
+        pre_slow = _slowdown([_slowed_by(t / unit, pre + pre_per_token * n,
+                                         sum(load[d] for d in loads if d in load) or math.inf)
+                              for n, t, loads in self.prefills_during
                               if pre + pre_per_token * n > 0], p.prefill_slowdown, 3)
         got = replace(p, load=load, spec=spec, prefill=pre, prefill_per_token=pre_per_token,
                       target=self._target(slope, unit, k), per_token=slope / unit, bind=bind,
@@ -499,6 +504,23 @@ def _rest(rows: Sequence[tuple[Any, ...]], slope: float, c: int = 0) -> float:
         return 0.0
     return (sum(map(itemgetter(c + 1), rows)) - slope * sum(map(itemgetter(c), rows))) \
         / len(rows)
+
+
+SLOWEST = 10.0  # the most a load is believed to slow what runs beside it
+
+
+def _slowed_by(took: float, work: float, busy: float) -> float:
+    """How much slower `work` ran while the loader had `busy` of loads (as the planner
+    charges it, `PlanCosts.slowed`) given that it `took` this long: the whole of it where
+    the loads outlasted it, else only the part beside them (measured: a 28 ms head load
+    beside a 150 ms prefill cost it ~20 ms, a 10% longer prefill but 3.5x slower beside
+    the load; read as 10% the plan loaded beside every prefill)."""
+    extra = took - work
+    if extra <= 0:
+        return 1.0
+    if busy >= took:
+        return took / work
+    return min(SLOWEST, busy / (busy - extra)) if extra < busy else SLOWEST
 
 
 def _slowdown(ratios: Sequence[float], prior: float, enough: int) -> float:
