@@ -326,9 +326,13 @@ class RunStats:
     switches: int = 0
     bytes_loaded: int = 0
     prompt_tokens: int = 0
-    prefill_shared: bool = False  # a load was in flight as the prefill began (it slows it)
-    prefill_loads: tuple[str, ...] = ()  # ... those loads
+    prefill_loads: tuple[str, ...] = ()  # the loads in flight as the prefill began (they
+    # slow it)
     points: int = 0  # scheduling points (decisions) the request's decode loop made
+
+    @property
+    def prefill_shared(self) -> bool:
+        return bool(self.prefill_loads)
 
     def report(self) -> Summary:
         """The metrics, typed."""

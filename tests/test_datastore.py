@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from exactruns import exact_and_full
 from safetensors.torch import save_file
 from tinymodels import TINY_VOCAB
 
@@ -201,17 +202,24 @@ kind = "datastore"
         check_kind(wrong)
 
 
-def test_the_trace_table_of_a_store_replays_the_engine(tiny_dir, tmp_path):
-    """A_d(t) from zoo/tables.py (what traces, oracles and the predictor's labels read) gives
-    the accepted count of every iteration the engine runs with the store."""
-    from memspec.zoo.tables import runtime_table
-
+def _store_engine(tiny_dir, tmp_path):
+    """A float32 engine with store "s" that knows 25 tokens of the prompt's greedy answer
+    (and one unrelated run), the prompt and that answer (40 tokens)."""
     target = build_target(tiny_dir / "target", "float32")
     prompt = [1, 5, 9, 22]
     ref = _greedy(target, prompt, 40)
     _store_folder(tmp_path / "s", [prompt + ref[:25], [3, 4, 5, 6]])
     eng = SpecEngine(target, (), gamma=4, lookup=2)
     eng.add_draft(load_into_slot("s", tmp_path / "s", SlotBuffer(1 << 16), TINY_VOCAB))
+    return eng, prompt, ref
+
+
+def test_the_trace_table_of_a_store_replays_the_engine(tiny_dir, tmp_path):
+    """A_d(t) from zoo/tables.py (what traces, oracles and the predictor's labels read) gives
+    the accepted count of every iteration the engine runs with the store."""
+    from memspec.zoo.tables import runtime_table
+
+    eng, prompt, ref = _store_engine(tiny_dir, tmp_path)
     table = runtime_table(eng, eng.drafts["s"], prompt, ref)
     _, stats = eng.generate(prompt, 40, select=lambda s: "s")
     t = 0
@@ -225,23 +233,11 @@ def test_a_store_told_its_table_proposes_only_what_the_target_accepts(tiny_dir, 
     """oracle-dynamic's exact proposals (`Session.propose`) for a datastore: it follows the
     same chain, so it proposes a prefix of it, every proposal is accepted, a position where
     it would be rejected is a plain step, and the output is the target's own."""
-    from memspec.procs.decoder.oracle import exact_depth
     from memspec.zoo.tables import runtime_table
 
-    target = build_target(tiny_dir / "target", "float32")
-    prompt = [1, 5, 9, 22]
-    ref = _greedy(target, prompt, 40)
-    _store_folder(tmp_path / "s", [prompt + ref[:25], [3, 4, 5, 6]])
-    eng = SpecEngine(target, (), gamma=4, lookup=2)
-    eng.add_draft(load_into_slot("s", tmp_path / "s", SlotBuffer(1 << 16), TINY_VOCAB))
-    propose = exact_depth({"s": runtime_table(eng, eng.drafts["s"], prompt, ref)}, 4)
-
-    def exact(s):
-        s.propose = propose
-        return "s"
-
-    out, stats = eng.generate(prompt, 40, select=exact)
-    full, fstats = eng.generate(prompt, 40, select=lambda s: "s")
+    eng, prompt, ref = _store_engine(tiny_dir, tmp_path)
+    (out, stats), (full, fstats) = exact_and_full(
+        eng, prompt, 40, "s", runtime_table(eng, eng.drafts["s"], prompt, ref))
     assert out == ref == full
     assert all(r.accepted == r.proposed for r in stats.records)
     assert [r.emitted for r in stats.records] == [r.emitted for r in fstats.records]

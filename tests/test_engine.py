@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from exactruns import exact_and_full
 from safetensors.torch import load_file, save_file
 from tinymodels import TINY_VOCAB, make_tiny, make_tiny_head, save_model
 
@@ -396,20 +397,13 @@ def test_exact_lookup_depth_proposes_only_what_the_target_accepts(tiny_dir):
     rejected is a plain step, the walk is the full-depth lookup's, and the output is the
     target's own greedy output."""
     from memspec.procs.decoder.lookup import LOOKUP, lookup_table
-    from memspec.procs.decoder.oracle import exact_depth
 
     eng = engine_with(tiny_dir, [], lookup=1)
     saved = 0
     for prompt in PROMPTS:
         ref, _ = eng.generate(prompt, 60)
-        propose = exact_depth({LOOKUP: lookup_table(prompt, ref, eng.gamma, 1)}, eng.gamma)
-
-        def exact(s, propose=propose):
-            s.propose = propose
-            return LOOKUP
-
-        out, stats = eng.generate(prompt, 60, select=exact)
-        full, fstats = eng.generate(prompt, 60, select=lambda s: LOOKUP)
+        (out, stats), (full, fstats) = exact_and_full(
+            eng, prompt, 60, LOOKUP, lookup_table(prompt, ref, eng.gamma, 1))
         assert out == ref == full
         assert all(r.accepted == r.proposed for r in stats.records)
         assert [r.emitted for r in stats.records] == [r.emitted for r in fstats.records]
@@ -423,7 +417,6 @@ def test_exact_draft_proposals_stop_where_the_target_would_reject(tiny_dir, tiny
     accepts (one at least): the same walk as gamma proposals, fewer draft steps and rows,
     the target's own greedy output; a model draft's KV cache stays right after a short
     proposal (the next iteration's proposals are still accepted as the table says)."""
-    from memspec.procs.decoder.oracle import exact_depth
     from memspec.zoo.tables import runtime_table
 
     eng = engine_with(tiny_dir, [] if draft == "head" else [draft], dtype="int4", lookup=1)
@@ -433,15 +426,8 @@ def test_exact_draft_proposals_stop_where_the_target_would_reject(tiny_dir, tiny
     saved = 0
     for prompt in PROMPTS:
         ref, _ = eng.generate(prompt, 40)
-        table = runtime_table(eng, eng.drafts[draft], prompt, ref)
-        propose = exact_depth({draft: table}, eng.gamma)
-
-        def exact(s, propose=propose):
-            s.propose = propose
-            return draft
-
-        out, stats = eng.generate(prompt, 40, select=exact)
-        full, fstats = eng.generate(prompt, 40, select=lambda s: draft)
+        (out, stats), (full, fstats) = exact_and_full(
+            eng, prompt, 40, draft, runtime_table(eng, eng.drafts[draft], prompt, ref))
         assert out == ref == full
         assert all(r.accepted == r.proposed or (r.accepted == 0 and r.proposed == 1)
                    for r in stats.records)

@@ -353,7 +353,7 @@ class Controller:
             run.t_initial = self._wait_initial_ranking()
             self._open()
         stats = job.executor.stats
-        stats.prefill_shared, stats.prefill_loads = bool(loading), loading
+        stats.prefill_loads = loading
         stats.t_prediction += run.t_initial
         run.t_loop = self.clock.now() - job.t_start
         stats.t_pre += run.t_loop - stats.t_prefill - run.t_initial - stats.t_bind

@@ -289,8 +289,10 @@ class PlanCostMeter:
 
     def observe(self, records: Iterable[IterationRecord]) -> None:
         for r in records:
-            step = r.draft is None or r.proposed == 0  # (the lookup or a datastore with no
-            if r.shared:  # match is a target step; a model draft proposes one at least)
+            # the lookup or a datastore that proposed nothing ran a target step (a model
+            # draft proposes one at least)
+            step = r.draft is None or r.proposed == 0
+            if r.shared:
                 self.during.append((None if step else r.draft, float(r.context),
                                     r.duration - r.t_catchup, r.proposed))
             elif step:
@@ -343,7 +345,7 @@ class PlanCostMeter:
         else:
             return p
         k = p.unit_s / unit if p.unit_s > 0 else 1.0  # a prior's value in this unit
-        row, calls, save = 0.0, dict(p.call), {}
+        row, calls, save = 0.0, {}, {}
         if p.unit_s > 0:
             slope = p.per_token * p.unit_s
             # exact proposals: each timed iteration as if it had proposed gamma (a row and a
@@ -390,7 +392,7 @@ class PlanCostMeter:
                       target=self._target(slope, unit, k), per_token=slope / unit, bind=bind,
                       switch=switch, switch_per_token=per_token, unit_s=unit,
                       timed=len(self.target) >= self.ENOUGH, prefill_slowdown=pre_slow,
-                      row=row, call=calls if row > 0 else {})
+                      row=row, call=calls)
         if len(self.points) >= 3:
             got = replace(got, overhead=sum(t for _, t in self.points)
                           / sum(n for n, _ in self.points) / unit)

@@ -416,7 +416,7 @@ class DecoderService:
         ranked = rank_text(req.prompt or chat_text(req.messages))
         plan = propose = None
         costs = None  # (only oracle-dynamic has beliefs about costs: no other request pays
-        if policy_name == "oracle-dynamic":  # for fitting them, ~4 ms with full windows)
+        if policy_name == "oracle-dynamic":  # for fitting them, ~1 ms with full windows)
             meter = self.plan_meters.get(policy_name)
             if meter is None:
                 meter = self.plan_meters[policy_name] = PlanCostMeter(self._plan_prior,
