@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from memspec.bench import peers
 from memspec.bench.plotting import save_outputs
 from memspec.common.config import PoolConfig, check_paths, load_pool
 from memspec.common.machine import machine_info, machine_line
@@ -167,46 +168,24 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
     ``llama_decode`` call before the clock starts, as our steady tokens/s leaves prefill
     out. ``LLAMA_CPP_LIB_PATH`` picks another build of libllama (e.g. an AVX2-only one to
     compare with ``MEMSPEC_ISA=avx2``); its own feature line is recorded."""
-    try:
-        import llama_cpp as lc
-    except ImportError:
+    if not peers.available():
         _log("llama-cpp-python is not installed (pip install 'memspec[bench]'): no peer anchor")
         return None
-    import ctypes
-
-    import numpy as np
-
-    from memspec.zoo.target import find_gguf
-
-    gguf = find_gguf()
-    llm = lc.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
-                   n_ctx=2048, n_batch=512, verbose=False, seed=0)
-    ctx = llm._ctx.ctx
-    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm._model.model))
+    llm = peers.LlamaCpp(threads, pool.gamma)
     eos = set(rt.engine.eos_ids)
-
-    def decode(tokens: list[int]) -> None:
-        arr = (ctypes.c_int32 * len(tokens))(*tokens)
-        if lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(tokens))) != 0:
-            raise RuntimeError("llama_decode failed")
-
-    def argmax() -> int:
-        ptr = lc.llama_get_logits_ith(ctx, -1)
-        return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
-
     rates, step_ms, outputs, ours = [], [], [], []
     for prompt in prompts:
         ids = encode_prompt(rt.tokenizer, prompt)
-        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-        decode(ids)
-        out = [argmax()]
+        llm.reset()
+        llm.decode(ids)
+        out = [llm.argmax()]
         decode_s = 0.0
         t0 = time.perf_counter()
         while out[-1] not in eos and len(out) < max_new:
             t = time.perf_counter()
-            decode([out[-1]])
+            llm.decode([out[-1]])
             decode_s += time.perf_counter() - t
-            out.append(argmax())
+            out.append(llm.argmax())
         spent = time.perf_counter() - t0
         if len(out) > 1:
             rates.append((len(out) - 1) / spent)
@@ -216,13 +195,12 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
             ours.append(run_request(rt, prompt, "target-only", max_new,
                                     SamplingParams())["stats"]["tokens_per_s_steady"])
         outputs.append(out)
-    info = lc.llama_print_system_info()
     return {"tok_s": statistics.median(rates), "per_prompt_tok_s": rates,
             "ours_paired_tok_s": ours,
             "ours_over_llama_cpp_paired": gmean([a / b for a, b in zip(ours, rates) if b > 0]),
-            "decode_step_ms": statistics.median(step_ms), "gguf": gguf.name,
-            "threads": threads, "outputs": outputs, "version": lc.__version__,
-            "system_info": info.decode() if isinstance(info, bytes) else str(info),
+            "decode_step_ms": statistics.median(step_ms), "gguf": llm.gguf.name,
+            "threads": threads, "outputs": outputs, "version": llm.lc.__version__,
+            "system_info": llm.system_info(),
             "lib": os.environ.get("LLAMA_CPP_LIB_PATH", "bundled")}
 
 
@@ -234,29 +212,20 @@ def llama_cpp_e2e(rt: LocalRuntime, prompts: list[str], max_new: int, threads: i
     target-only and lookup-only (the runtime's own prompt lookup, which the memspec policy
     gates) on the same prompts, interleaved per prompt. Every clock runs from the call to its
     last token, prefill included; llama-cpp-python's Python sampling is part of what its user
-    gets, which is why its plain rate here is below the per-token C API rate above."""
-    try:
-        import llama_cpp as lc
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
+    gets, which is why its plain rate here is below the per-token C API rate above.
+    (`memspec bench` runs the three-process memspec beside the same peers: bench/peers.py.)"""
+    if not peers.available():
         return None
-    from memspec.zoo.target import find_gguf
-
-    kw = dict(model_path=str(find_gguf()), n_threads=threads, n_threads_batch=threads,
-              n_ctx=2048, n_batch=512, verbose=False, seed=0)
-    peers = {"llama.cpp": lc.Llama(**kw),
-             "llama.cpp+lookup": lc.Llama(**kw, draft_model=LlamaPromptLookupDecoding(
-                 num_pred_tokens=gamma))}
+    llm = peers.LlamaCpp(threads, gamma)
+    names = {"llama.cpp": False, "llama.cpp+lookup": True}
     rates: dict[str, list[float]] = {k: [] for k in
-                                     (*peers, "ours target-only", "ours lookup-only")}
+                                     (*names, "ours target-only", "ours lookup-only")}
     for i, prompt in enumerate(prompts):
         ids = encode_prompt(rt.tokenizer, prompt)
-        for name, llm in peers.items():
-            llm.reset()
+        for name, lookup in names.items():
             t0 = time.perf_counter()
-            out = llm.create_completion(prompt=ids, max_tokens=max_new, temperature=0.0,
-                                        top_k=1)
-            rates[name].append(out["usage"]["completion_tokens"] / (time.perf_counter() - t0))
+            n = llm.completion(ids, max_new, lookup)
+            rates[name].append(n / (time.perf_counter() - t0))
         for policy in ("target-only", "lookup-only"):
             t0 = time.perf_counter()
             got = run_request(rt, prompt, policy, max_new, SamplingParams())

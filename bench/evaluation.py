@@ -38,12 +38,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from memspec.bench import peers
 from memspec.bench.calibrate import calibrate
 from memspec.bench.figures import draw_all
 from memspec.bench.provenance import provenance
 from memspec.bench.realruns import (
     RealResult,
     interleaved,
+    peer_runs,
     pinned_pool,
     run_fingerprint,
     run_real,
@@ -116,6 +118,7 @@ class Sizes:
     real_mixed: int = 30  # mixed prompts run for real
     repeats: int = 2  # real runs per (prompt, policy)
     sweep_per_domain: int = 10  # test prompts per domain in the sweeps
+    peers_per_domain: int = 4  # test prompts per domain run beside llama.cpp (0: none)
 
     def trace_command(self) -> str:
         return (f"memspec trace --sets test:{self.sim_per_domain},mixed:{self.sim_mixed},"
@@ -874,6 +877,15 @@ def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[S
         out["cold_decoder"] = first_requests(
             [{"id": p["id"], "domain": p["domain"], "prompt": p["prompt"]} for p in first],
             real_pool, max_new, max(1, sizes.repeats))
+    beside = [prompts[r.prompt_id]
+              for r in first_per_domain(subsets.get("test", []), sizes.peers_per_domain)]
+    if beside and peers.available():
+        _log(f"peers: {len(beside)} test prompts, memspec and target-only beside llama.cpp")
+        t = time.perf_counter()
+        out["peers"] = peer_runs(beside, real_pool, max_new, pool.gamma, home / "peers.jsonl")
+        out["peers"]["wall_s"] = time.perf_counter() - t
+    elif beside:
+        _log("llama-cpp-python is not installed (pip install 'memspec[bench]'): no peers")
     return out
 
 
@@ -893,8 +905,12 @@ def estimate(result: Mapping[str, Any], sizes: Sizes) -> dict[str, Any]:
     sweep_s = wall.get("sweeps", 0.0) * full.sweep_per_domain / max(1, sizes.sweep_per_domain)
     # a real request also pays supervisor and reply overheads besides its e2e (~0.3 s)
     real_s = n_full * ((per_req or 2.5) + 0.3)
-    total = real_s + sim_s + sweep_s + wall.get("calibration", 0.0)
+    # llama.cpp beside memspec: as long as this run's took, per prompt (0 when cached)
+    peers_s = (result.get("peers") or {}).get("wall_s", 0.0) * full.peers_per_domain \
+        / max(1, sizes.peers_per_domain)
+    total = real_s + sim_s + sweep_s + peers_s + wall.get("calibration", 0.0)
     return {"real_requests": n_full, "real_min": round(real_s / 60, 1),
+            "peers_min": round(peers_s / 60, 1),
             "simulator_min": round(sim_s / 60, 1), "sweeps_min": round(sweep_s / 60, 1),
             "total_min": round(total / 60, 1),
             "note": "excludes tracing and predictor embedding (`memspec trace`, "
@@ -921,9 +937,14 @@ def main_bench(args) -> int:
                       dev_per_domain=args.dev_per_domain,
                       real_per_domain=args.real_per_domain, real_mixed=args.real_mixed,
                       repeats=args.repeats,
+                      peers_per_domain=getattr(args, "peers_per_domain",
+                                               Sizes().peers_per_domain),
                       sweep_per_domain=min(Sizes().sweep_per_domain, args.prompts_per_domain))
         if sizes.repeats < 1:
             raise ConfigError(f"--repeats {sizes.repeats} is below 1", "use --repeats 2")
+        if sizes.peers_per_domain < 0:
+            raise ConfigError(f"--peers-per-domain {sizes.peers_per_domain} is below 0",
+                              "use --peers-per-domain 4 (0: no llama.cpp runs)")
         result = run(getattr(args, "pool", None), sizes, args.max_new_tokens or 128,
                      args.recalibrate, not args.no_sweeps,
                      Path(args.cost_model) if args.cost_model else None)

@@ -204,6 +204,43 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
     return {r.key: done[r.key] for r in requests}
 
 
+def peer_runs(rows: Sequence[dict], pool_path: str | None, max_new: int, gamma: int,
+              out: Path) -> dict[str, Any]:
+    """memspec and target-only through the three processes beside llama.cpp on the same
+    GGUF and prompts (bench/peers.py), interleaved per prompt; each of ours timed by the
+    client, from submitting to the reply (what a user waits)."""
+    from memspec.bench import peers
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.models import encode_prompt, eos_token_ids, load_tokenizer
+
+    pool = load_pool(pool_path)
+    tokenizer = load_tokenizer(pool.target)
+    eos = set(eos_token_ids(pool.target, tokenizer))
+    sup: Supervisor | None = None
+
+    def ours(prompt: str, policy: str) -> tuple[list[int], float]:
+        nonlocal sup
+        if sup is None:
+            sup = Supervisor(pool_path, cold_start=True)
+            sup.start()
+        t0 = time.perf_counter()
+        msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=prompt, policy=policy,
+                             max_new_tokens=max_new), timeout_s=600)
+        spent = time.perf_counter() - t0
+        if not isinstance(msg, Done):
+            reason = msg.message if isinstance(msg, Error) else "no reply in 600 s"
+            raise MemspecError(f"peer run of {policy} failed: {reason}",
+                               "see the decoder log under the run directory")
+        return list(msg.token_ids), spent
+
+    try:
+        return peers.run(rows, ours, lambda p: encode_prompt(tokenizer, p), eos, max_new,
+                         gamma, out, run_fingerprint(pool_path))
+    finally:
+        if sup is not None:
+            sup.shutdown()
+
+
 def pool_copy(pool_path: str | None, out: Path, settings: Mapping[str, str]) -> str:
     """A copy of the pool at `out` with `settings` (TOML values, as text) set in [pool],
     relative paths made absolute and the pool's predictor head named unless `settings`

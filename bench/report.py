@@ -104,6 +104,13 @@ def _head_for_pool(r: dict[str, Any]) -> float | None:
     return None if same is None else float(bool(same))
 
 
+def _peer_row(label: str, key: str, op: str, bound: float) -> Bound:
+    """memspec beside what a user would run instead, same GGUF and test prompts, end to
+    end (bench/peers.py)."""
+    return Bound(f"test: {label}, end to end on the same GGUF", lambda r: _num(
+        r, "peers", "gmean", key), op, bound, lambda r: _get(r, ("peers", "ci95", key)))
+
+
 # issue #10's must-hold list, issue #11's bench figures, then issue #22's
 MUST_HOLD: tuple[Bound, ...] = (
     Bound("prompt sets disjoint by source (train/dev/test/mixed)",
@@ -165,6 +172,10 @@ MUST_HOLD: tuple[Bound, ...] = (
                             _num(r, "predictor", "mixed", "recent_only", "top1")), ">=", 0.0),
     Bound("predictor Table 2 is of a head trained for the runs' pool",
           _head_for_pool, "==", 1.0),
+    _peer_row("memspec / llama.cpp plain (its C API, every core)",
+              "memspec_over_llama_cpp", ">=", 1.5),
+    _peer_row("memspec / llama.cpp with its prompt lookup (llama-cpp-python)",
+              "memspec_over_llama_cpp_lookup", ">", 1.0),
 )
 
 
@@ -271,6 +282,7 @@ def summary_text(r: dict[str, Any]) -> str:
                      f"({cold['prompts']} test prompts x {cold['repeats']}): GMEAN "
                      f"{_f(m['gmean'])}, worst {_f(m['min'])}; tokens identical: "
                      f"{cold['identical_tokens']}")
+    lines += peer_lines(r)[:1]
     lines += [check_line(c) for c in checks(r)]
     est = r.get("estimate_full_run")
     if est:
@@ -349,6 +361,31 @@ def ablation_lines(r: dict[str, Any]) -> list[str]:
                    "on the loader otherwise. Where the ranking rarely changes inside a "
                    "request (pure-domain prompts) the two differ only by that load.")
     return out
+
+
+def peer_lines(r: dict[str, Any]) -> list[str]:
+    """memspec and target-only through the three processes beside llama.cpp: a one-line
+    summary first, then a table of tokens/s and ratios."""
+    p = r.get("peers")
+    if not p:
+        return []
+    g, ci, t = p["gmean"], p["ci95"], p["tok_s"]
+    L = [f"memspec end to end beside llama.cpp on the same GGUF ({p['prompts']} test prompts, "
+         f"{p['threads']} threads): {_f(g.get('memspec_over_llama_cpp'))}x its plain decoding "
+         f"{_ci(ci.get('memspec_over_llama_cpp'))}, "
+         f"{_f(g.get('memspec_over_llama_cpp_lookup'))}x its prompt lookup "
+         f"{_ci(ci.get('memspec_over_llama_cpp_lookup'))}", ""]
+    L += [f"Every clock runs from the call to the last token ({p['clock']}); llama.cpp "
+          f"{p.get('version', '?')} on {p.get('gguf', '?')}, {p['threads']} threads; "
+          f"`llama.cpp` is its C API (decode and argmax, no Python sampling), `-py` is "
+          f"llama-cpp-python's `create_completion`, `+lookup` its `LlamaPromptLookupDecoding` "
+          f"({p['gamma']} tokens a proposal). llama.cpp's greedy tokens equal memspec's on "
+          f"{_pct(p.get('llama_cpp_tokens_identical'))} of the prompts.", "",
+          "| run | tokens/s (mean over prompts) |", "|---|---|"]
+    L += [f"| {n} | {_f(v, '{:.1f}')} |" for n, v in t.items()]
+    L += ["", "| ratio | GMEAN [95% CI] |", "|---|---|"]
+    L += [f"| {k.replace('_over_', ' / ')} | {_f(v)} {_ci(ci.get(k))} |" for k, v in g.items()]
+    return L
 
 
 def must_hold_lines(r: dict[str, Any]) -> list[str]:
@@ -441,6 +478,8 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
               "parts and its wall time). Target alone is split by why it ran: gated (by "
               "choice: target-only, a closed gate) or fallback (nothing preferred resident).",
               ""] + split_table(sec)
+    if r.get("peers"):
+        L += ["", "## Beside llama.cpp (same GGUF, same test prompts)", ""] + peer_lines(r)
     abl = ablation_lines(r)
     if abl:
         L += ["", "## memspec vs prediction-only", ""] + abl
@@ -529,6 +568,8 @@ def readme_block(r: dict[str, Any], readme: Path, plots: Path | None,
     L += ["GMEAN over prompts of per-prompt tokens/s ratios, end to end (request start to "
           "last token) then steady, with 95% intervals; docs/RESULTS.md has the rest.", ""]
     L += headline_lines(r)
+    if r.get("peers"):
+        L += ["", peer_lines(r)[0] + " (docs/RESULTS.md: the table)."]
     for n in figure_names(plots, drawn, ("real_ratios", "real_throughput")):
         L += ["", f"![{n}]({os.path.relpath(plots, readme.parent)}/{n}.png)"]
     L.append(README_END)

@@ -473,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: test prompts per domain run for real (0 with --real-mixed 0: "
                         "no real runs)")
     b.add_argument("--real-mixed", type=int, default=30, help="eval: mixed prompts run for real")
+    b.add_argument("--peers-per-domain", type=int, default=4,
+                   help="eval: test prompts per domain run beside llama.cpp on the same GGUF "
+                        "(plain, and its prompt lookup; 0: none)")
     b.add_argument("--repeats", type=int, default=2,
                    help="eval, floor, horizon, tune (lookup_gate): real runs per "
                         "prompt and policy")

@@ -1,0 +1,223 @@
+"""What a user would run instead of memspec, on the same machine, GGUF and prompts: llama.cpp.
+
+Three peers, each at its fastest setting on this machine (every core):
+- `llama.cpp`: plain greedy decoding through llama.cpp's C API (one `llama_decode` of the
+  prompt, then one per token and the argmax of its logits): llama.cpp itself, with no
+  Python sampling in its way;
+- `llama.cpp-py`: llama-cpp-python's `create_completion` (greedy), what most Python users
+  call;
+- `llama.cpp-py+lookup`: the same with its own prompt-lookup speculation
+  (`LlamaPromptLookupDecoding`, gamma tokens a proposal).
+
+`memspec bench` runs them beside memspec and target-only through the three processes,
+interleaved per prompt, every clock from the call to the last token (prefill included).
+An EOS is never counted (llama.cpp does not count it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from memspec.common.errors import ConfigError
+
+PLAIN, PY, PY_LOOKUP = "llama.cpp", "llama.cpp-py", "llama.cpp-py+lookup"
+PEERS = (PLAIN, PY, PY_LOOKUP)
+OURS = ("memspec", "target-only")
+# the issue's bounds read these: memspec over llama.cpp plain (its fastest, the C API) and
+# over its prompt-lookup speculation
+RATIOS: dict[str, tuple[str, str]] = {
+    "memspec_over_llama_cpp": ("memspec", PLAIN),
+    "memspec_over_llama_cpp_lookup": ("memspec", PY_LOOKUP),
+    "memspec_over_llama_cpp_py": ("memspec", PY),
+    "target_only_over_llama_cpp": ("target-only", PLAIN),
+    "llama_cpp_lookup_over_llama_cpp": (PY_LOOKUP, PLAIN),
+    "llama_cpp_py_over_llama_cpp": (PY, PLAIN),
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench peers] {msg}", file=sys.stderr, flush=True)
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def threads() -> int:
+    """Every core this process may use: llama.cpp's fastest setting on a small CPU."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class LlamaCpp:
+    """The target's GGUF in llama.cpp, plain and with prompt lookup; each call starts from
+    an empty cache."""
+
+    def __init__(self, n_threads: int, gamma: int) -> None:
+        try:
+            import llama_cpp as lc
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError:
+            raise ConfigError("llama-cpp-python is not installed",
+                              "pip install 'memspec[bench]'") from None
+        from memspec.zoo.target import find_gguf
+
+        self.lc, self.gguf, self.threads, self.gamma = lc, find_gguf(), n_threads, gamma
+        kw = dict(model_path=str(self.gguf), n_threads=n_threads, n_threads_batch=n_threads,
+                  n_ctx=2048, n_batch=512, verbose=False, seed=0)
+        self.plain = lc.Llama(**kw)
+        self.lookup = lc.Llama(**kw, draft_model=LlamaPromptLookupDecoding(
+            num_pred_tokens=gamma))
+        self._ctx = self.plain._ctx.ctx
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.plain._model.model))
+
+    def key(self) -> str:
+        """What its figures depend on: the library, the file and the settings."""
+        st = self.gguf.stat()
+        return hashlib.sha256(json.dumps(
+            [self.lc.__version__, self.gguf.name, st.st_size, self.threads, self.gamma,
+             os.environ.get("LLAMA_CPP_LIB_PATH", "bundled")]).encode()).hexdigest()[:16]
+
+    def system_info(self) -> str:
+        info = self.lc.llama_print_system_info()
+        return info.decode() if isinstance(info, bytes) else str(info)
+
+    def reset(self) -> None:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self._ctx), True)
+
+    def decode(self, tokens: Sequence[int]) -> None:
+        arr = (ctypes.c_int32 * len(tokens))(*tokens)
+        if self.lc.llama_decode(self._ctx, self.lc.llama_batch_get_one(arr, len(tokens))) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(self) -> int:
+        import numpy as np
+
+        ptr = self.lc.llama_get_logits_ith(self._ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+
+    def greedy(self, ids: Sequence[int], max_new: int, eos: set[int]) -> list[int]:
+        """Plain greedy decoding through the C API; the tokens, EOS left out."""
+        self.reset()
+        self.decode(list(ids))
+        out: list[int] = []
+        while len(out) < max_new:
+            tok = self.argmax()
+            if tok in eos:
+                break
+            out.append(tok)
+            if len(out) < max_new:
+                self.decode([tok])
+        return out
+
+    def completion(self, ids: Sequence[int], max_new: int, lookup: bool) -> int:
+        """llama-cpp-python's greedy completion; how many tokens it made."""
+        llm = self.lookup if lookup else self.plain
+        llm.reset()
+        out = llm.create_completion(prompt=list(ids), max_tokens=max_new, temperature=0.0,
+                                    top_k=1)
+        return int(out["usage"]["completion_tokens"])
+
+
+Run = dict[str, Any]  # {"tokens": n, "seconds": s, "ids": [...] or None}
+
+
+def timed(fn: Callable[[], tuple[int, list[int] | None]]) -> Run:
+    t0 = time.perf_counter()
+    n, ids = fn()
+    return {"tokens": n, "seconds": time.perf_counter() - t0, "ids": ids}
+
+
+def order(i: int, names: Sequence[str]) -> list[str]:
+    """Every prompt's runs rotated by its index: no entry always runs first or after the
+    same neighbour."""
+    k = i % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def summarise(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """GMEAN over prompts of each ratio with its 95% interval (prompts resampled within
+    domains), tokens/s per entry, and how often llama.cpp's greedy tokens are ours."""
+    from memspec.bench.stats import headline_ratios
+
+    names = (*OURS, *PEERS)
+    runs = {n: {r["id"]: [(r[n]["tokens"], r[n]["seconds"])] for r in rows} for n in names}
+    gm, ci = headline_ratios(runs, {r["id"]: r["domain"] for r in rows}, RATIOS)
+    same = [r["memspec"]["ids"] == r[PLAIN]["ids"] for r in rows]
+    tok_s = {n: [r[n]["tokens"] / r[n]["seconds"] for r in rows if r[n]["seconds"] > 0]
+             for n in names}
+    return {"prompts": len(rows), "gmean": gm, "ci95": ci,
+            "tok_s": {n: sum(v) / len(v) if v else None for n, v in tok_s.items()},
+            "per_prompt_tok_s": tok_s,
+            "tokens": {n: sum(r[n]["tokens"] for r in rows) for n in names},
+            "llama_cpp_tokens_identical": sum(same) / len(same) if same else None}
+
+
+def run(rows: Sequence[Mapping[str, Any]], ours: Callable[[str, str], tuple[list[int], float]],
+        encode: Callable[[str], list[int]], eos: set[int], max_new: int, gamma: int,
+        cache: Path, fingerprint: str) -> dict[str, Any]:
+    """Every prompt of `rows` ({id, domain, prompt}) through memspec and target-only
+    (`ours(prompt, policy)` -> (tokens, seconds), EOS kept as the runtime returns it) and
+    the three peers, interleaved per prompt; cached per prompt in `cache` (JSONL, keyed by
+    `fingerprint`, the peers' own key and the prompt) so a re-render measures nothing."""
+    llama = LlamaCpp(threads(), gamma)
+    key = f"{fingerprint}|{llama.key()}|{max_new}"
+    done: dict[str, dict[str, Any]] = {}
+    if cache.is_file():
+        for line in cache.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("key") == key:
+                done[row["id"]] = row
+    todo = [r for r in rows if r["id"] not in done]
+
+    def one(name: str, prompt: str) -> Run:
+        ids = encode(prompt)
+        if name in OURS:
+            toks, secs = ours(prompt, name)
+            toks = toks[:-1] if toks and toks[-1] in eos else toks
+            return {"tokens": len(toks), "seconds": secs, "ids": toks}
+        if name == PLAIN:
+            return timed(lambda: (len(got := llama.greedy(ids, max_new, eos)), got))
+        return timed(lambda: (llama.completion(ids, max_new, name == PY_LOOKUP), None))
+
+    if todo:
+        _log(f"{len(todo)} prompts x ({', '.join((*OURS, *PEERS))}), {llama.threads} threads "
+             f"for llama.cpp, interleaved")
+        for name in (*OURS, *PEERS):  # first calls pay one-off costs: not measured
+            one(name, todo[0]["prompt"])
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with cache.open("a") as f:
+            for i, r in enumerate(todo):
+                got = {n: one(n, r["prompt"]) for n in order(i, (*OURS, *PEERS))}
+                row = {"key": key, "id": r["id"], "domain": r["domain"], **got}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                done[r["id"]] = row
+                left = (time.perf_counter() - t0) / (i + 1) * (len(todo) - i - 1)
+                _log(f"{i + 1}/{len(todo)}: " + ", ".join(
+                    f"{n} {g['tokens'] / g['seconds']:.0f}" for n, g in got.items()
+                    if g["seconds"] > 0) + f" tok/s (~{left / 60:.1f} min left)")
+    out = summarise([done[r["id"]] for r in rows])
+    out.update(threads=llama.threads, gamma=gamma, max_new_tokens=max_new,
+               gguf=llama.gguf.name, version=llama.lc.__version__,
+               system_info=llama.system_info(),
+               clock="call to last token, prefill included; EOS not counted")
+    return out
