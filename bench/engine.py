@@ -125,11 +125,14 @@ def costs(rt: LocalRuntime, pool: PoolConfig, dtype: str, ctx: int) -> dict[str,
     eng, g = rt.engine, pool.gamma
     target = eng.target
     cache = target.new_cache(eng.max_len)
-    target.forward(torch.randint(0, 1000, (ctx,)), 0, cache, last_only=True)
+    prompt = torch.randint(0, 1000, (ctx,))
+    prefill_ms = _median_ms(lambda: target.forward(prompt, 0, cache, last_only=True), reps=5,
+                            warm=1)
     one = torch.randint(0, 1000, (1,))
     many = torch.randint(0, 1000, (g + 1,))
     out = {"step_ms": _median_ms(lambda: target.forward(one, ctx, cache)),
-           "verify_ms": _median_ms(lambda: target.forward(many, ctx, cache))}
+           "verify_ms": _median_ms(lambda: target.forward(many, ctx, cache)),
+           "prefill_ms": prefill_ms}
     rt.ensure_resident(pool.general)
     draft = eng.drafts[pool.general]
     dcache = draft.new_cache(eng.max_len)
@@ -160,8 +163,26 @@ def _first_divergence(ids: list[int], ref: list[int]) -> int | None:
     return None if len(ids) == len(ref) else min(len(ids), len(ref))
 
 
+def llama_cpp_costs(llm: peers.LlamaCpp, ctx: int, gamma: int) -> dict[str, float]:
+    """llama.cpp's figures for the operations `costs` times of ours, at the same context:
+    a 1-row step and a (gamma + 1)-row verify, every row's logits computed."""
+    prompt = [100 + i % 900 for i in range(ctx)]
+
+    def prefill() -> None:  # the prompt's logits only for its last row, as ours
+        llm.reset()
+        llm.decode(prompt)
+
+    prefill_ms = _median_ms(prefill, reps=5, warm=1)  # leaves the context in the cache
+    one, many = [123], [123 + i for i in range(gamma + 1)]
+    out = {"step_ms": _median_ms(lambda: llm.rows_at(one, ctx), reps=31),
+           "verify_ms": _median_ms(lambda: llm.rows_at(many, ctx), reps=31),
+           "prefill_ms": prefill_ms, "context_tokens": ctx}
+    out["verify_over_step"] = out["verify_ms"] / out["step_ms"]
+    return out
+
+
 def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_new: int,
-                  threads: int) -> dict[str, Any] | None:
+                  threads: int, ctx: int) -> dict[str, Any] | None:
     """llama.cpp's greedy target-only decode on the GGUF our target came from, timed per
     token through its C API: ``llama_decode`` of one token, then the argmax of its logits
     (what our target-only step does too), the same threads; the prompt is one
@@ -173,6 +194,7 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
         return None
     llm = peers.LlamaCpp(threads, pool.gamma)
     eos = set(rt.engine.eos_ids)
+    same = llama_cpp_costs(llm, ctx, pool.gamma)
     rates, step_ms, outputs, ours = [], [], [], []
     for prompt in prompts:
         ids = encode_prompt(rt.tokenizer, prompt)
@@ -200,7 +222,7 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
             "ours_over_llama_cpp_paired": gmean([a / b for a, b in zip(ours, rates) if b > 0]),
             "decode_step_ms": statistics.median(step_ms), "gguf": llm.gguf.name,
             "threads": threads, "outputs": outputs, "version": llm.lc.__version__,
-            "system_info": llm.system_info(),
+            "system_info": llm.system_info(), "same_operation": same,
             "lib": os.environ.get("LLAMA_CPP_LIB_PATH", "bundled")}
 
 
@@ -307,7 +329,8 @@ def run(pool_path: str | None, n_prompts: int, max_new: int,
              f"{c['verify_ms']:.2f} ms, draft step {c['draft_step_ms']:.3f} ms")
     threads = torch.get_num_threads()
     # llama.cpp runs the GGUF the demo target came from: only that target is its peer
-    peer = None if target else llama_cpp_run(pool, rts[chosen], prompts, max_new, threads)
+    peer = None if target else llama_cpp_run(pool, rts[chosen], prompts, max_new, threads,
+                                                 int(ctx))
     top = per_dtype[chosen]
     out: dict[str, Any] = {
         "machine": machine_line(), "machine_info": machine_info(), "threads": threads,
@@ -360,6 +383,15 @@ def _print(res: dict[str, Any]) -> None:
               f"{res['target_only_over_llama_cpp']:.2f}"
               + (f" (paired per prompt: {lc['ours_over_llama_cpp_paired']:.2f})"
                  if lc.get("ours_over_llama_cpp_paired") else ""))
+        same, top = lc.get("same_operation"), res["per_dtype"][res["dtype"]]
+        if same:
+            print(f"  same operation at context {same['context_tokens']}: step "
+                  f"{same['step_ms']:.2f} ms (ours {top['step_ms']:.2f}, floor "
+                  f"{top['floor_step_ms']:.2f}), {res['gamma'] + 1}-row verify "
+                  f"{same['verify_ms']:.2f} ms (ours {top['verify_ms']:.2f}, floor "
+                  f"{top['floor_verify_ms']:.2f}); verify/step {same['verify_over_step']:.2f} "
+                  f"(ours {top['verify_over_step']:.2f}); a {same['context_tokens']}-token "
+                  f"prefill {same['prefill_ms']:.1f} ms (ours {top['prefill_ms']:.1f})")
     if res.get("llama_cpp_e2e"):
         e = res["llama_cpp_e2e"]
         print("end to end through llama-cpp-python's create_completion (gmean tok/s): "

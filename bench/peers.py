@@ -104,6 +104,23 @@ class LlamaCpp:
         if self.lc.llama_decode(self._ctx, self.lc.llama_batch_get_one(arr, len(tokens))) != 0:
             raise RuntimeError("llama_decode failed")
 
+    def rows_at(self, tokens: Sequence[int], pos: int) -> None:
+        """Decode `tokens` at positions pos.. with every row's logits (a verify's work: the
+        LM head for each row, as ours computes), then drop them from the cache, so the
+        same call can be timed again at the same context."""
+        lc = self.lc
+        batch = lc.llama_batch_init(len(tokens), 0, 1)
+        try:
+            batch.n_tokens = len(tokens)
+            for i, tok in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, True
+            if lc.llama_decode(self._ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+        finally:
+            lc.llama_batch_free(batch)
+        lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), 0, pos, -1)
+
     def argmax(self) -> int:
         import numpy as np
 

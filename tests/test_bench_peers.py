@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from memspec.bench import peers
@@ -114,3 +115,28 @@ def test_c_api_greedy_is_llama_cpps_own_greedy() -> None:
     assert len(got) >= 1
     assert llm.plain.detokenize(got).decode("utf-8", "replace") == text
     assert llm.completion(ids, 12, lookup=True) == len(got)
+
+
+def test_rows_at_leaves_the_context_as_it_found_it() -> None:
+    """The engine bench times llama.cpp's step and verify with `rows_at` at one context,
+    again and again: each call must leave the cache as it was, every row's logits made."""
+    pytest.importorskip("llama_cpp")
+    try:
+        llm = peers.LlamaCpp(1, 4)
+    except Exception as exc:  # noqa: BLE001 - no GGUF wheel here
+        pytest.skip(f"no GGUF: {exc}")
+    ids = llm.plain.tokenize(b"The capital of France is", add_bos=False)
+    eos = {llm.lc.llama_vocab_eos(llm.lc.llama_model_get_vocab(llm.plain._model.model))}
+    want = llm.greedy(ids, 6, eos)
+    llm.reset()
+    llm.decode(ids[:-1])
+    for rows in ([ids[-1]], [ids[-1], *want[:4]]):
+        llm.rows_at(rows, len(ids) - 1)
+        # row 0 of the last call saw the whole prompt: it predicts the first token
+        ptr = llm.lc.llama_get_logits_ith(llm._ctx, 0)
+        assert int(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab,)).argmax()) == want[0]
+        if len(rows) > 1:  # the rows after it predict the greedy continuation
+            ptr = llm.lc.llama_get_logits_ith(llm._ctx, len(rows) - 1)
+            assert int(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab,)).argmax()) == want[4]
+    llm.decode([ids[-1]])  # the cache still ends where the context did
+    assert llm.argmax() == want[0]
