@@ -10,8 +10,9 @@ Three peers, each at its fastest setting on this machine (every core):
   (`LlamaPromptLookupDecoding`, gamma tokens a proposal).
 
 `memspec bench` runs them beside memspec and target-only through the three processes,
-interleaved per prompt, every clock from the call to the last token (prefill included).
-An EOS is never counted (llama.cpp does not count it).
+interleaved per prompt, every clock from the call to the last token (prefill included),
+with an unmeasured pause before each run (`SETTLE_S`). An EOS is never counted (llama.cpp
+does not count it).
 """
 
 from __future__ import annotations
@@ -150,7 +151,11 @@ class LlamaCpp:
         return int(out["usage"]["completion_tokens"])
 
 
-Run = dict[str, Any]  # {"tokens": n, "seconds": s, "ids": [...] or None}
+Run = dict[str, Any]  # {"tokens": n, "seconds": s, "ids": [...] or None, ...}
+# between two runs, unmeasured: llama.cpp's OpenMP workers spin on after its last call (a
+# prefill right after one ran up to 2x slower), and no run may inherit another's tail
+SETTLE_S = 0.5
+VERSION = 2  # of the rows' meaning: a cache of another version is measured again
 
 
 def timed(fn: Callable[[], tuple[int, list[int] | None]]) -> Run:
@@ -184,15 +189,17 @@ def summarise(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "llama_cpp_tokens_identical": sum(same) / len(same) if same else None}
 
 
-def run(rows: Sequence[Mapping[str, Any]], ours: Callable[[str, str], tuple[list[int], float]],
+def run(rows: Sequence[Mapping[str, Any]],
+        ours: Callable[[str, str], tuple[list[int], float, dict[str, Any]]],
         encode: Callable[[str], list[int]], eos: set[int], max_new: int, gamma: int,
         cache: Path, fingerprint: str) -> dict[str, Any]:
     """Every prompt of `rows` ({id, domain, prompt}) through memspec and target-only
-    (`ours(prompt, policy)` -> (tokens, seconds), EOS kept as the runtime returns it) and
+    (`ours(prompt, policy)` -> (tokens, seconds, what the runtime said of the run: its
+    own clock and split), EOS kept as the runtime returns it) and
     the three peers, interleaved per prompt; cached per prompt in `cache` (JSONL, keyed by
     `fingerprint`, the peers' own key and the prompt) so a re-render measures nothing."""
     llama = LlamaCpp(threads(), gamma)
-    key = f"{fingerprint}|{llama.key()}|{max_new}"
+    key = f"{fingerprint}|{llama.key()}|{max_new}|v{VERSION}"
     done: dict[str, dict[str, Any]] = {}
     if cache.is_file():
         for line in cache.read_text().splitlines():
@@ -206,10 +213,11 @@ def run(rows: Sequence[Mapping[str, Any]], ours: Callable[[str, str], tuple[list
 
     def one(name: str, prompt: str) -> Run:
         ids = encode(prompt)
+        time.sleep(SETTLE_S)
         if name in OURS:
-            toks, secs = ours(prompt, name)
+            toks, secs, said = ours(prompt, name)
             toks = toks[:-1] if toks and toks[-1] in eos else toks
-            return {"tokens": len(toks), "seconds": secs, "ids": toks}
+            return {"tokens": len(toks), "seconds": secs, "ids": toks, "runtime": said}
         if name == PLAIN:
             return timed(lambda: (len(got := llama.greedy(ids, max_new, eos)), got))
         return timed(lambda: (llama.completion(ids, max_new, name == PY_LOOKUP), None))

@@ -218,7 +218,7 @@ def peer_runs(rows: Sequence[dict], pool_path: str | None, max_new: int, gamma: 
     eos = set(eos_token_ids(pool.target, tokenizer))
     sup: Supervisor | None = None
 
-    def ours(prompt: str, policy: str) -> tuple[list[int], float]:
+    def ours(prompt: str, policy: str) -> tuple[list[int], float, dict[str, Any]]:
         nonlocal sup
         if sup is None:
             sup = Supervisor(pool_path, cold_start=True)
@@ -231,7 +231,11 @@ def peer_runs(rows: Sequence[dict], pool_path: str | None, max_new: int, gamma: 
             reason = msg.message if isinstance(msg, Error) else "no reply in 600 s"
             raise MemspecError(f"peer run of {policy} failed: {reason}",
                                "see the decoder log under the run directory")
-        return list(msg.token_ids), spent
+        st = msg.stats
+        return list(msg.token_ids), spent, {
+            "e2e_s": st.time.e2e, "prefill_s": st.time.prefill, "decode_s": st.time.decode,
+            "sched_s": st.time.sched, "mean_acceptance_length": st.mean_acceptance_length,
+            "loads": st.loads, "drafts_used": dict(st.drafts_used)}
 
     try:
         return peers.run(rows, ours, lambda p: encode_prompt(tokenizer, p), eos, max_new,

@@ -44,10 +44,11 @@ ROWS = [{"id": f"test-{d}-{i}", "domain": d, "prompt": f"{d} prompt {i}"}
 
 def _run(tmp_path: Path, monkeypatch, ours_calls: list) -> dict:
     monkeypatch.setattr(peers, "LlamaCpp", FakeLlama)
+    monkeypatch.setattr(peers, "SETTLE_S", 0.0)
 
-    def ours(prompt: str, policy: str) -> tuple[list[int], float]:
+    def ours(prompt: str, policy: str) -> tuple[list[int], float, dict]:
         ours_calls.append((policy, prompt))
-        return list(range(10, 18)) + [EOS], 0.01  # 8 tokens and the EOS
+        return list(range(10, 18)) + [EOS], 0.01, {"e2e_s": 0.009}  # 8 tokens and the EOS
 
     return peers.run(ROWS, ours, lambda p: [1, 2, 3], {EOS}, 8, 4, tmp_path / "peers.jsonl",
                      "fp")
@@ -60,6 +61,7 @@ def test_run_counts_no_eos_rotates_and_caches(tmp_path: Path, monkeypatch) -> No
     assert [r["id"] for r in rows] == [r["id"] for r in ROWS]
     # EOS not counted: memspec made 8 tokens, as llama.cpp did, and they are the same ones
     assert rows[0]["memspec"]["tokens"] == 8 and rows[0][peers.PLAIN]["tokens"] == 8
+    assert rows[0]["memspec"]["runtime"] == {"e2e_s": 0.009}  # the runtime's own account
     assert out["llama_cpp_tokens_identical"] == 1.0
     assert out["tokens"]["memspec"] == 8 * len(ROWS)
     # every entry runs first on some prompt: no one always pays for a cold start
