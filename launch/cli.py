@@ -258,6 +258,14 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         from memspec.zoo.evaluate import main_eval
 
         return main_eval(args)
+    if args.what == "curves":
+        if args.plots:  # before any reading: plots need the optional extra
+            from memspec.bench.plotting import pyplot
+
+            pyplot()
+        from memspec.zoo.curves import main_curves
+
+        return main_curves(args)
     if args.what == "stores" and args.sources:
         from memspec.zoo.store_sources import main_sources
 
@@ -267,7 +275,7 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
         return main_stores(args)
     raise MemspecError(f"unknown zoo command '{args.what}'",
-                       "use target, corpora, drafts, stores or eval")
+                       "use target, corpora, drafts, stores, eval or curves")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -407,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     mf.set_defaults(func=cmd_manifest)
 
     z = sub.add_parser("zoo", help="build models and corpora")
-    z.add_argument("what", choices=["target", "corpora", "drafts", "stores", "eval"])
+    z.add_argument("what", choices=["target", "corpora", "drafts", "stores", "eval", "curves"])
     _add_pool(z)
     z.add_argument("--force", action="store_true", help="rebuild even if present")
     z.add_argument("--prompts-per-domain", type=int, default=20)
@@ -416,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--only", default=None, help="comma-separated draft names (drafts)")
     z.add_argument("--minutes", type=float, default=None, help="training budget per draft")
     z.add_argument("--json", action="store_true")
+    z.add_argument("--plots", default=None,
+                   help="curves: folder for head_training.png (dev acceptance against "
+                        "training time)")
     z.add_argument("--prompts", action="store_true",
                    help="corpora: also regenerate the committed prompt sets")
     z.add_argument("--sources", action="store_true",
