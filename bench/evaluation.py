@@ -877,15 +877,21 @@ def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[S
         out["cold_decoder"] = first_requests(
             [{"id": p["id"], "domain": p["domain"], "prompt": p["prompt"]} for p in first],
             real_pool, max_new, max(1, sizes.repeats))
-    beside = [prompts[r.prompt_id]
-              for r in first_per_domain(subsets.get("test", []), sizes.peers_per_domain)]
-    if beside and peers.available():
+    chosen = first_per_domain(subsets.get("test", []), sizes.peers_per_domain)
+    if sizes.peers_per_domain > sizes.real_per_domain and chosen:
+        _log(f"peers: {sizes.real_per_domain} test prompts per domain, the real runs' "
+             f"(--real-per-domain), not {sizes.peers_per_domain}")
+    # domains alternated, as in the real runs: a draft's load is paid per domain change
+    beside = _interleave_sets([[prompts[r.prompt_id] for r in chosen if r.domain == d]
+                               for d in pool_domains(pool)])
+    why = peers.unavailable(pool.target) if beside else None
+    if beside and why is None:
         _log(f"peers: {len(beside)} test prompts, memspec and target-only beside llama.cpp")
         t = time.perf_counter()
         out["peers"] = peer_runs(beside, real_pool, max_new, pool.gamma, home / "peers.jsonl")
         out["peers"]["wall_s"] = time.perf_counter() - t
     elif beside:
-        _log("llama-cpp-python is not installed (pip install 'memspec[bench]'): no peers")
+        _log(f"no peers: {why}")
     return out
 
 
@@ -906,8 +912,8 @@ def estimate(result: Mapping[str, Any], sizes: Sizes) -> dict[str, Any]:
     # a real request also pays supervisor and reply overheads besides its e2e (~0.3 s)
     real_s = n_full * ((per_req or 2.5) + 0.3)
     # llama.cpp beside memspec: as long as this run's took, per prompt (0 when cached)
-    peers_s = (result.get("peers") or {}).get("wall_s", 0.0) * full.peers_per_domain \
-        / max(1, sizes.peers_per_domain)
+    ran = result.get("peers") or {}
+    peers_s = ran.get("wall_s", 0.0) * 5 * full.peers_per_domain / max(1, ran.get("prompts", 1))
     total = real_s + sim_s + sweep_s + peers_s + wall.get("calibration", 0.0)
     return {"real_requests": n_full, "real_min": round(real_s / 60, 1),
             "peers_min": round(peers_s / 60, 1),

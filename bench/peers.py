@@ -27,11 +27,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from memspec.common.errors import ConfigError
+from memspec.common.errors import ConfigError, MemspecError
 
 PLAIN, PY, PY_LOOKUP = "llama.cpp", "llama.cpp-py", "llama.cpp-py+lookup"
 PEERS = (PLAIN, PY, PY_LOOKUP)
 OURS = ("memspec", "target-only")
+N_CTX = 4096  # prompt + new tokens a peer run may hold (one llama_decode may fill it)
+# runs before the measured ones, on a prompt of no prompt set: first calls pay one-off
+# costs, and a measured prompt must not find its embedding already cached
+WARM_PROMPT = "Write a Python function that returns the factorial of n."
 # the issue's bounds read these: memspec over llama.cpp plain (its fastest, the C API) and
 # over its prompt-lookup speculation
 RATIOS: dict[str, tuple[str, str]] = {
@@ -54,6 +58,23 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def unavailable(target: Path) -> str | None:
+    """Why llama.cpp cannot run beside this target (None: it can). Its GGUF is the demo
+    target's, so only that target (converted from it) has a peer on the same weights."""
+    from memspec.common.paths import default_target_dir
+    from memspec.zoo.target import find_gguf
+
+    if not available():
+        return "llama-cpp-python is not installed (pip install 'memspec[bench]')"
+    if Path(target).resolve() != default_target_dir().resolve():
+        return f"llama.cpp runs only the demo target's GGUF, not {target}"
+    try:
+        find_gguf()
+    except MemspecError as exc:
+        return str(exc)
+    return None
 
 
 def threads() -> int:
@@ -79,12 +100,13 @@ class LlamaCpp:
 
         self.lc, self.gguf, self.threads, self.gamma = lc, find_gguf(), n_threads, gamma
         kw = dict(model_path=str(self.gguf), n_threads=n_threads, n_threads_batch=n_threads,
-                  n_ctx=2048, n_batch=512, verbose=False, seed=0)
+                  n_ctx=N_CTX, n_batch=N_CTX, verbose=False, seed=0)
         self.plain = lc.Llama(**kw)
         self.lookup = lc.Llama(**kw, draft_model=LlamaPromptLookupDecoding(
             num_pred_tokens=gamma))
         self._ctx = self.plain._ctx.ctx
-        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.plain._model.model))
+        self.vocab = lc.llama_model_get_vocab(self.plain._model.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
 
     def key(self) -> str:
         """What its figures depend on: the library, the file and the settings."""
@@ -100,26 +122,37 @@ class LlamaCpp:
     def reset(self) -> None:
         self.lc.llama_memory_clear(self.lc.llama_get_memory(self._ctx), True)
 
+    def fits(self, n: int) -> None:
+        if n > N_CTX:
+            raise ConfigError(f"a llama.cpp peer run of {n} tokens exceeds its context of "
+                              f"{N_CTX}", "use shorter prompts or fewer new tokens")
+
     def decode(self, tokens: Sequence[int]) -> None:
+        self.fits(len(tokens))
         arr = (ctypes.c_int32 * len(tokens))(*tokens)
         if self.lc.llama_decode(self._ctx, self.lc.llama_batch_get_one(arr, len(tokens))) != 0:
-            raise RuntimeError("llama_decode failed")
+            raise MemspecError("llama.cpp's llama_decode failed", "see its log (verbose=True)")
 
-    def rows_at(self, tokens: Sequence[int], pos: int) -> None:
-        """Decode `tokens` at positions pos.. with every row's logits (a verify's work: the
-        LM head for each row, as ours computes), then drop them from the cache, so the
+    def rows(self, tokens: Sequence[int], pos: int) -> Any:
+        """A batch of `tokens` at positions pos.., every row's logits asked for (a verify's
+        work: the LM head for each row, as ours computes); free it with `free`."""
+        self.fits(pos + len(tokens))
+        batch = self.lc.llama_batch_init(len(tokens), 0, 1)
+        batch.n_tokens = len(tokens)
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
+            batch.seq_id[i][0], batch.logits[i] = 0, True
+        return batch
+
+    def free(self, batch: Any) -> None:
+        self.lc.llama_batch_free(batch)
+
+    def rows_at(self, batch: Any, pos: int) -> None:
+        """Decode a `rows` batch made for `pos`, then drop its rows from the cache, so the
         same call can be timed again at the same context."""
         lc = self.lc
-        batch = lc.llama_batch_init(len(tokens), 0, 1)
-        try:
-            batch.n_tokens = len(tokens)
-            for i, tok in enumerate(tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
-                batch.seq_id[i][0], batch.logits[i] = 0, True
-            if lc.llama_decode(self._ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
-        finally:
-            lc.llama_batch_free(batch)
+        if lc.llama_decode(self._ctx, batch) != 0:
+            raise MemspecError("llama.cpp's llama_decode failed", "see its log (verbose=True)")
         lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), 0, pos, -1)
 
     def argmax(self) -> int:
@@ -129,13 +162,16 @@ class LlamaCpp:
         return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
 
     def greedy(self, ids: Sequence[int], max_new: int, eos: set[int]) -> list[int]:
-        """Plain greedy decoding through the C API; the tokens, EOS left out."""
+        """Plain greedy decoding through the C API until `eos` or any token llama.cpp
+        ends a generation at (as its `create_completion` stops); the tokens, that one
+        left out."""
+        self.fits(len(ids) + max_new)
         self.reset()
         self.decode(list(ids))
         out: list[int] = []
         while len(out) < max_new:
             tok = self.argmax()
-            if tok in eos:
+            if tok in eos or self.lc.llama_vocab_is_eog(self.vocab, tok):
                 break
             out.append(tok)
             if len(out) < max_new:
@@ -144,6 +180,7 @@ class LlamaCpp:
 
     def completion(self, ids: Sequence[int], max_new: int, lookup: bool) -> int:
         """llama-cpp-python's greedy completion; how many tokens it made."""
+        self.fits(len(ids) + max_new)
         llm = self.lookup if lookup else self.plain
         llm.reset()
         out = llm.create_completion(prompt=list(ids), max_tokens=max_new, temperature=0.0,
@@ -155,7 +192,7 @@ Run = dict[str, Any]  # {"tokens": n, "seconds": s, "ids": [...] or None, ...}
 # between two runs, unmeasured: llama.cpp's OpenMP workers spin on after its last call (a
 # prefill right after one ran up to 2x slower), and no run may inherit another's tail
 SETTLE_S = 0.5
-VERSION = 2  # of the rows' meaning: a cache of another version is measured again
+VERSION = 3  # of the rows' meaning: a cache of another version is measured again
 
 
 def timed(fn: Callable[[], tuple[int, list[int] | None]]) -> Run:
@@ -165,10 +202,11 @@ def timed(fn: Callable[[], tuple[int, list[int] | None]]) -> Run:
 
 
 def order(i: int, names: Sequence[str]) -> list[str]:
-    """Every prompt's runs rotated by its index: no entry always runs first or after the
-    same neighbour."""
+    """Every prompt's runs rotated by its index, the cycle reversed on every other round of
+    rotations: each entry runs first as often as any, and after either neighbour."""
     k = i % len(names)
-    return [*names[k:], *names[:k]]
+    cyc = list(names) if (i // len(names)) % 2 == 0 else list(reversed(names))
+    return [*cyc[k:], *cyc[:k]]
 
 
 def summarise(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -225,8 +263,8 @@ def run(rows: Sequence[Mapping[str, Any]],
     if todo:
         _log(f"{len(todo)} prompts x ({', '.join((*OURS, *PEERS))}), {llama.threads} threads "
              f"for llama.cpp, interleaved")
-        for name in (*OURS, *PEERS):  # first calls pay one-off costs: not measured
-            one(name, todo[0]["prompt"])
+        for name in (*OURS, *PEERS):  # not measured (WARM_PROMPT)
+            one(name, WARM_PROMPT)
         cache.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with cache.open("a") as f:
@@ -244,5 +282,6 @@ def run(rows: Sequence[Mapping[str, Any]],
     out.update(threads=llama.threads, gamma=gamma, max_new_tokens=max_new,
                gguf=llama.gguf.name, version=llama.lc.__version__,
                system_info=llama.system_info(),
-               clock="call to last token, prefill included; EOS not counted")
+               clock="call to last token, prefill included; the end-of-generation token "
+                     "not counted")
     return out

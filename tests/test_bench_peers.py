@@ -11,6 +11,7 @@ import pytest
 
 from memspec.bench import peers
 from memspec.bench.report import checks, peer_lines
+from memspec.common.errors import MemspecError
 
 EOS = 2
 
@@ -67,6 +68,9 @@ def test_run_counts_no_eos_rotates_and_caches(tmp_path: Path, monkeypatch) -> No
     # every entry runs first on some prompt: no one always pays for a cold start
     firsts = {next(iter(k for k in r if k in (*peers.OURS, *peers.PEERS))) for r in rows}
     assert firsts == {*peers.OURS, *peers.PEERS}
+    # the warm-up ran on a prompt of no set, before any measured one
+    assert calls[0] == ("memspec", peers.WARM_PROMPT) and all(
+        p != peers.WARM_PROMPT for _, p in calls[2:])
     assert set(out["gmean"]) == set(peers.RATIOS)
     # a second run with the same fingerprint measures nothing and gives the same figures
     calls.clear()
@@ -106,7 +110,7 @@ def test_c_api_greedy_is_llama_cpps_own_greedy() -> None:
     pytest.importorskip("llama_cpp")
     try:
         llm = peers.LlamaCpp(1, 4)
-    except Exception as exc:  # noqa: BLE001 - no GGUF wheel here
+    except MemspecError as exc:  # the GGUF's wheel is not installed here
         pytest.skip(f"no GGUF: {exc}")
     ids = llm.plain.tokenize(b"The capital of France is", add_bos=False)
     eos = {llm.lc.llama_vocab_eos(llm.lc.llama_model_get_vocab(llm.plain._model.model))}
@@ -125,7 +129,7 @@ def test_rows_at_leaves_the_context_as_it_found_it() -> None:
     pytest.importorskip("llama_cpp")
     try:
         llm = peers.LlamaCpp(1, 4)
-    except Exception as exc:  # noqa: BLE001 - no GGUF wheel here
+    except MemspecError as exc:  # the GGUF's wheel is not installed here
         pytest.skip(f"no GGUF: {exc}")
     ids = llm.plain.tokenize(b"The capital of France is", add_bos=False)
     eos = {llm.lc.llama_vocab_eos(llm.lc.llama_model_get_vocab(llm.plain._model.model))}
@@ -133,7 +137,9 @@ def test_rows_at_leaves_the_context_as_it_found_it() -> None:
     llm.reset()
     llm.decode(ids[:-1])
     for rows in ([ids[-1]], [ids[-1], *want[:4]]):
-        llm.rows_at(rows, len(ids) - 1)
+        batch = llm.rows(rows, len(ids) - 1)
+        llm.rows_at(batch, len(ids) - 1)
+        llm.free(batch)
         # row 0 of the last call saw the whole prompt: it predicts the first token
         ptr = llm.lc.llama_get_logits_ith(llm._ctx, 0)
         assert int(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab,)).argmax()) == want[0]
@@ -142,3 +148,25 @@ def test_rows_at_leaves_the_context_as_it_found_it() -> None:
             assert int(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab,)).argmax()) == want[4]
     llm.decode([ids[-1]])  # the cache still ends where the context did
     assert llm.argmax() == want[0]
+
+
+def test_order_gives_every_entry_both_neighbours() -> None:
+    names = (*peers.OURS, *peers.PEERS)
+    before = {n: set() for n in names}
+    for i in range(2 * len(names)):
+        got = peers.order(i, names)
+        assert sorted(got) == sorted(names)
+        for a, b in zip(got, got[1:]):
+            before[b].add(a)
+    # memspec once always ran right after llama.cpp's prompt lookup
+    assert all(len(v) == 2 for v in before.values()), before
+
+
+def test_a_run_too_long_for_llama_cpp_is_one_line() -> None:
+    pytest.importorskip("llama_cpp")
+    try:
+        llm = peers.LlamaCpp(1, 4)
+    except MemspecError as exc:
+        pytest.skip(f"no GGUF: {exc}")
+    with pytest.raises(MemspecError, match="exceeds its context"):
+        llm.greedy([1] * 100, peers.N_CTX, set())

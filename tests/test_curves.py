@@ -27,9 +27,12 @@ def _head(root: Path, name: str, evals: list[tuple[float, float]], init: str | N
 def test_curves_place_domain_heads_and_measure_the_end(tmp_path: Path) -> None:
     g = _head(tmp_path, "general", [(0, 0.0), (10, 1.3), (20, 1.5), (30, 1.45)], None)
     m = _head(tmp_path, "math", [(0, 1.6), (2, 1.7), (4, 1.75), (6, 1.76)], "general")
+    e = _head(tmp_path, "law", [(0, 0.0)], None)  # stopped before a scored checkpoint
     pool = SimpleNamespace(drafts=[SimpleNamespace(name="general", path=g),
-                                   SimpleNamespace(name="math", path=m)])
+                                   SimpleNamespace(name="math", path=m),
+                                   SimpleNamespace(name="law", path=e)])
     c = read_curves(pool)
+    assert "law" not in c
     assert c["general"]["minutes"] == [10, 20, 30]  # step 0 of a fresh head scores nothing
     assert c["general"]["offset_min"] == 0.0
     assert c["math"]["offset_min"] == 20  # from the general head's best checkpoint

@@ -38,6 +38,8 @@ def read_curves(pool: PoolConfig) -> dict[str, dict[str, Any]]:
                               "--force") from None
         if plan.get("init_from") is None:  # trained from scratch: step 0 scores nothing
             evals = [(m, v) for m, v in evals if m > 0]
+        if not evals:  # stopped before its first scored checkpoint: nothing to draw
+            continue
         out[d.name] = {"minutes": [m for m, _ in evals], "dev": [v for _, v in evals],
                        "best": rec.get("best_dev"), "budget_min": plan.get("minutes"),
                        "init_from": plan.get("init_from"), "stopped": rec.get("stopped"),
