@@ -104,16 +104,22 @@ def test_summary_ratios_and_interval() -> None:
     assert missing and not any(c.ok for c in missing)
 
 
-def test_c_api_greedy_is_llama_cpps_own_greedy() -> None:
-    """The C API loop the bench times decodes what llama-cpp-python's greedy completion
-    does on the same GGUF (the plain peer does the same work as the Python one)."""
+@pytest.fixture(scope="module")
+def llama() -> tuple:
+    """The demo target's GGUF in llama.cpp (one thread), a prompt and its EOS."""
     pytest.importorskip("llama_cpp")
     try:
         llm = peers.LlamaCpp(1, 4)
     except MemspecError as exc:  # the GGUF's wheel is not installed here
         pytest.skip(f"no GGUF: {exc}")
     ids = llm.plain.tokenize(b"The capital of France is", add_bos=False)
-    eos = {llm.lc.llama_vocab_eos(llm.lc.llama_model_get_vocab(llm.plain._model.model))}
+    return llm, ids, {llm.lc.llama_vocab_eos(llm.vocab)}
+
+
+def test_c_api_greedy_is_llama_cpps_own_greedy(llama) -> None:
+    """The C API loop the bench times decodes what llama-cpp-python's greedy completion
+    does on the same GGUF (the plain peer does the same work as the Python one)."""
+    llm, ids, eos = llama
     got = llm.greedy(ids, 12, eos)
     llm.plain.reset()
     text = llm.plain.create_completion(prompt=ids, max_tokens=12, temperature=0.0,
@@ -123,16 +129,10 @@ def test_c_api_greedy_is_llama_cpps_own_greedy() -> None:
     assert llm.completion(ids, 12, lookup=True) == len(got)
 
 
-def test_rows_at_leaves_the_context_as_it_found_it() -> None:
+def test_rows_at_leaves_the_context_as_it_found_it(llama) -> None:
     """The engine bench times llama.cpp's step and verify with `rows_at` at one context,
     again and again: each call must leave the cache as it was, every row's logits made."""
-    pytest.importorskip("llama_cpp")
-    try:
-        llm = peers.LlamaCpp(1, 4)
-    except MemspecError as exc:  # the GGUF's wheel is not installed here
-        pytest.skip(f"no GGUF: {exc}")
-    ids = llm.plain.tokenize(b"The capital of France is", add_bos=False)
-    eos = {llm.lc.llama_vocab_eos(llm.lc.llama_model_get_vocab(llm.plain._model.model))}
+    llm, ids, eos = llama
     want = llm.greedy(ids, 6, eos)
     llm.reset()
     llm.decode(ids[:-1])
@@ -162,11 +162,7 @@ def test_order_gives_every_entry_both_neighbours() -> None:
     assert all(len(v) == 2 for v in before.values()), before
 
 
-def test_a_run_too_long_for_llama_cpp_is_one_line() -> None:
-    pytest.importorskip("llama_cpp")
-    try:
-        llm = peers.LlamaCpp(1, 4)
-    except MemspecError as exc:
-        pytest.skip(f"no GGUF: {exc}")
+def test_a_run_too_long_for_llama_cpp_is_one_line(llama) -> None:
+    llm, _, _ = llama
     with pytest.raises(MemspecError, match="exceeds its context"):
         llm.greedy([1] * 100, peers.N_CTX, set())
