@@ -384,7 +384,10 @@ def peer_lines(r: dict[str, Any]) -> list[str]:
           "| run | tokens/s (mean over prompts) |", "|---|---|"]
     L += [f"| {n} | {_f(v, '{:.1f}')} |" for n, v in t.items()]
     L += ["", "| ratio | GMEAN [95% CI] |", "|---|---|"]
-    L += [f"| {k.replace('_over_', ' / ')} | {_f(v)} {_ci(ci.get(k))} |" for k, v in g.items()]
+    from memspec.bench.peers import RATIOS
+
+    L += [f"| {' / '.join(RATIOS[k]) if k in RATIOS else k} | {_f(v)} {_ci(ci.get(k))} |"
+          for k, v in g.items()]
     return L
 
 
