@@ -79,10 +79,9 @@ def unavailable(target: Path) -> str | None:
 
 def threads() -> int:
     """Every core this process may use: llama.cpp's fastest setting on a small CPU."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return os.cpu_count() or 1
+    from memspec.procs.decoder.threads import usable_cores
+
+    return usable_cores()
 
 
 class LlamaCpp:

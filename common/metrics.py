@@ -330,10 +330,6 @@ class RunStats:
     # slow it)
     points: int = 0  # scheduling points (decisions) the request's decode loop made
 
-    @property
-    def prefill_shared(self) -> bool:
-        return bool(self.prefill_loads)
-
     def report(self) -> Summary:
         """The metrics, typed."""
         recs = self.records

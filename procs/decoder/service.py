@@ -496,8 +496,7 @@ class DecoderService:
         if meter is not None:
             meter.observe(stats.records)
             meter.observe_binds(stats.loads, stats.t_bind)  # what binding a landed draft costs
-            meter.observe_prefill(cur.prompt_len, stats.t_prefill, stats.prefill_shared,
-                                  stats.prefill_loads)
+            meter.observe_prefill(cur.prompt_len, stats.t_prefill, loads=stats.prefill_loads)
             meter.observe_points(stats.points, stats.t_sched)
         summary.prompt_tokens = cur.prompt_len
         self._done(cur.req, cur.emit, out, cur.session.generated[:out.kept], summary)
