@@ -489,14 +489,19 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
                 assert isinstance(done, Done), (policy, d, done)
                 assert done.token_ids == reference[d], (policy, d)
                 used |= set(done.stats.drafts_used)
-                if policy == "oracle-dynamic":  # its lookup proposes exactly what is accepted
+                if policy == "oracle-dynamic":  # it proposes exactly what is accepted
                     trace = done.stats.trace
                     assert trace is not None
-                    looks = [r for r in trace.iterations if r.draft == LOOKUP and r.proposed]
-                    assert all(r.accepted == r.proposed for r in looks), (d, looks)
-                    looked += len(looks)
+                    # every draft the plan ran (which ones pay depends on the costs this
+                    # decoder timed, and so on the machine's load); a model draft proposes
+                    # one token at least, where its table says none will be accepted
+                    looks = [r for r in trace.iterations if r.draft is not None and r.proposed]
+                    assert all(r.accepted == r.proposed
+                               or (r.draft != LOOKUP and r.proposed == 1 and r.accepted == 0)
+                               for r in looks), (d, looks)
+                    looked += sum(r.accepted for r in looks)
             assert used, f"{policy} never ran a draft"
-        assert looked, "oracle-dynamic never ran the context lookup"
+        assert looked, "oracle-dynamic's drafts never had a token accepted"
         err = run(s, "An untraced prompt about nothing in particular.", "oracle-dynamic")
         assert isinstance(err, Error) and "memspec trace" in err.message
         err = run(s, first_prompts()["code"], "oracle-static", temperature=0.7)
