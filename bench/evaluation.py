@@ -924,13 +924,14 @@ def estimate(result: Mapping[str, Any], sizes: Sizes) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any], plots: Path | None, results: Path | None,
-           readme: Path | None) -> None:
-    """Plots, RESULTS.md and the README's figures block, from a result alone."""
+           readme: Path | None, source: Path | None = None) -> None:
+    """Plots, RESULTS.md and the README's figures block, from a result alone (`source`:
+    the JSON it is kept in)."""
     drawn = draw_all(result, plots) if plots else []
     for path in drawn:
         _log(f"wrote {path}")
     if results:
-        write_results(result, results, plots, drawn)
+        write_results(result, results, plots, drawn, source)
     if readme:
         write_readme(result, readme, plots, drawn)
 
@@ -959,7 +960,9 @@ def main_bench(args) -> int:
             Path(args.json).write_text(json.dumps(_finite(result), indent=2))
     render(result, Path(args.plots) if args.plots else None,
            Path(args.results) if args.results else None,
-           Path(args.readme) if getattr(args, "readme", None) else None)
+           Path(args.readme) if getattr(args, "readme", None) else None,
+           Path(src) if (src := getattr(args, "from_json", None) or getattr(args, "json", None))
+           else None)
     print(summary_text(result))
     return 0
 

@@ -428,8 +428,9 @@ def figure_names(plots: Path | None, drawn: Sequence[Path], names: Sequence[str]
 
 
 def write_results(r: dict[str, Any], path: Path, plots: Path | None,
-                  drawn: Sequence[Path] = ()) -> None:
-    """docs/RESULTS.md; figures are linked only when this run drew them (`drawn`)."""
+                  drawn: Sequence[Path] = (), source: Path | None = None) -> None:
+    """docs/RESULTS.md; figures are linked only when this run drew them (`drawn`);
+    `source`: the JSON the figures are in (a run on another machine keeps its own)."""
     m = r.get("machine", {})
     sp = r.get("split", {})
     used = sp.get("used", {})
@@ -437,11 +438,13 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
     if r.get("smoke"):
         L += ["> **SMOKE RUN**: fewer prompts or repeats than the full run (the sizes are "
               "below); the intervals say how far each ratio can be trusted.", ""]
-    L += ["Written by `memspec bench --json docs/bench.json --plots docs/plots --results "
-          "docs/RESULTS.md --readme README.md` (or regenerated from the JSON with "
-          "`--from-json docs/bench.json`); every number below is in docs/bench.json.", "",
+    src = str(source or "docs/bench.json")
+    L += [f"Written by `memspec bench --json {src} --plots {plots or 'docs/plots'} --results "
+          f"{path}` (or regenerated from the JSON with `--from-json {src}`); every number "
+          f"below is in {src}.", "",
           "## Setup", "",
-          f"- machine: {m.get('cpu', '?')} ({m.get('cores', '?')} cores), "
+          f"- machine: {m.get('cpu', '?')} ({m.get('cores', '?')} cores, "
+          f"{m.get('isa', '?')} kernels), "
           f"{m.get('torch_threads', '?')} torch threads, device {m.get('device', 'cpu')}, "
           f"torch {m.get('torch', '?')}; target decodes in {r.get('dtype', '?')}",
           f"- pool: drafts {', '.join(r.get('drafts', []))} "
