@@ -59,17 +59,6 @@ def _log(msg: str) -> None:
     print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
 
 
-def _median_ms(fn, reps: int = 15, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def _rounds_ms(fns: dict[str, Any], reps: int = 21, warm: int = 3) -> dict[str, list[float]]:
     """Each of `fns` timed once per round, the rounds back to back: a shared host's load
     drifts by tens of percent within seconds (measured on a 2-core EPYC VM: a step from
@@ -85,6 +74,10 @@ def _rounds_ms(fns: dict[str, Any], reps: int = 21, warm: int = 3) -> dict[str, 
             fn()
             times[k].append(1e3 * (time.perf_counter() - t0))
     return times
+
+
+def _median_ms(fn, reps: int = 15, warm: int = 3) -> float:
+    return statistics.median(_rounds_ms({"": fn}, reps, warm)[""])
 
 
 def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
