@@ -423,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: prompt split to measure on (test: final figures only)")
     z.add_argument("--only", default=None, help="comma-separated draft names (drafts)")
     z.add_argument("--minutes", type=float, default=None, help="training budget per draft")
+    z.add_argument("--continue", dest="cont", action="store_true",
+                   help="drafts (heads): go on training each head from its present weights")
+    z.add_argument("--more-prompts", type=int, default=0, metavar="N",
+                   help="drafts (heads): also train on the target's responses to N more "
+                        "train prompts per domain, made from the training corpora")
     z.add_argument("--json", action="store_true")
     z.add_argument("--plots", default=None,
                    help="curves: folder for head_training.png (dev acceptance against "

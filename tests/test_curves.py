@@ -50,3 +50,29 @@ def test_a_broken_record_is_one_line_naming_the_head(tmp_path: Path) -> None:
     pool = SimpleNamespace(drafts=[SimpleNamespace(name="law", path=folder)])
     with pytest.raises(ConfigError, match="zoo drafts --only law"):
         read_curves(pool)
+
+
+def test_a_continued_head_is_drawn_on_one_clock(tmp_path: Path) -> None:
+    """--continue keeps the run before in the record: its points come first, the new run's
+    after them; an older fine-tune still starts at the first run's choice, a newer one
+    where its record says its parent's choice was."""
+    first = {"evals": [{"step": i, "train_s": 60 * m, "dev": v} for i, (m, v) in
+                       enumerate([(0, 0.0), (10, 1.3), (20, 1.5), (30, 1.45)])],
+             "plan": {"minutes": 30, "init_from": None}, "wall_s": 1800, "best_dev": 1.5}
+    g = tmp_path / "general"
+    g.mkdir()
+    (g / "training.json").write_text(json.dumps({
+        "evals": [{"step": i, "train_s": 60 * m, "dev": v} for i, (m, v) in
+                  enumerate([(0, 1.5), (10, 1.55), (20, 1.6)])],
+        "plan": {"minutes": 20, "init_from": "general@previous"}, "wall_s": 1200,
+        "best_dev": 1.6, "continues": first}))
+    old = _head(tmp_path, "math", [(0, 1.6), (2, 1.7)], "general")
+    new = _head(tmp_path, "law", [(0, 1.62), (2, 1.72)], "general")
+    rec = json.loads((new / "training.json").read_text())
+    (new / "training.json").write_text(json.dumps(rec | {"parent_minutes": 50.0}))
+    pool = SimpleNamespace(drafts=[SimpleNamespace(name=n, path=p) for n, p in
+                                   (("general", g), ("math", old), ("law", new))])
+    c = read_curves(pool)
+    assert c["general"]["minutes"] == [10, 20, 30, 30, 40, 50]
+    assert c["general"]["dev"][-1] == 1.6 and c["general"]["offset_min"] == 0.0
+    assert c["math"]["offset_min"] == 20 and c["law"]["offset_min"] == 50

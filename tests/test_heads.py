@@ -182,3 +182,33 @@ def test_a_fine_tune_whose_parent_is_not_built_stops_at_once(tmp_path):
     (tmp_path / "general").mkdir()
     (tmp_path / "general" / "model.safetensors").write_bytes(b"")
     assert parent_dir(plans["math"], dirs) == tmp_path / "general"
+
+
+def test_a_continued_head_goes_on_from_its_own_weights(tiny_dir, rt, tmp_path, monkeypatch):
+    """--continue: training starts from the head on disk (scored again at step 0), at a
+    lower rate, keeps it if nothing beats it, and its record holds the run before."""
+    from memspec.common.errors import MemspecError
+    from memspec.zoo.heads import CONTINUE_LR, continue_plans
+
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))
+    rows = _responses(rt, 8, 20)
+    shard = build_shard(rt, [r["prompt_ids"] + r["tokens"] for r in rows],
+                        [len(r["prompt_ids"]) - 1 for r in rows], [r["domain"] for r in rows],
+                        "tiny")
+    data = HeadData(rt, tiny_dir / "target", np.arange(TINY_VOCAB), {"responses": shard},
+                    DevSet(rt, rows[:4]), {"note": "tiny"})
+    plan = HeadPlan("general", 1.0, 1e-2, (("responses", ALL, 1.0),), batch_rows=256,
+                    warmup_steps=5, max_steps=60, eval_every_steps=30, patience=5, seed=1)
+    dirs = {"general": tmp_path / "heads" / "general"}
+    plans = {"general": plan}
+    with pytest.raises(MemspecError, match="no weights to continue from"):
+        continue_plans(plans, ["general"], dirs)
+    first = train_one(data, SHAPE, plan, dirs)
+    continue_plans(plans, ["general"], dirs)
+    assert plans["general"].init_from == "general@previous"
+    assert plans["general"].lr == pytest.approx(plan.lr * CONTINUE_LR)
+    second = train_one(data, SHAPE, plans["general"], dirs)
+    assert second["evals"][0]["dev"] == pytest.approx(first["best_dev"], abs=1e-9)
+    assert second["best_dev"] >= first["best_dev"]
+    assert second["continues"]["steps"] == 60 and second["continues"]["best_dev"] == \
+        first["best_dev"]

@@ -3,7 +3,9 @@
 budget still buying acceptance, or has it stopped paying?
 
 A domain head is fine-tuned from the general head's chosen checkpoint, so its curve starts
-where the general head's was chosen (its x axis continues the general head's time). The
+where the general head's was chosen (its x axis continues the general head's time). A head
+trained on from its own weights (`memspec zoo drafts --continue`) keeps the runs before in
+its record; its curve shows them all on one clock. The
 general head is scored on every domain's dev prompts, a domain head on its own domain's.
 Each run's learning rate decays (cosine) to a tenth at the end of its own budget, so a
 curve flattening at its end is partly that schedule: a longer budget is a longer schedule,
@@ -20,34 +22,60 @@ from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 
 
+def run_points(rec: dict[str, Any]) -> tuple[list[tuple[float, float]], float]:
+    """(training minutes, dev) of a record, the runs it continues (``continues``, written by
+    ``--continue``) first, on one clock; and the record's training minutes in all."""
+    before = rec.get("continues")
+    points, offset = run_points(before) if before else ([], 0.0)
+    own = [(offset + float(e["train_s"]) / 60, float(e["dev"])) for e in rec["evals"]]
+    if rec.get("plan", {}).get("init_from") is None:  # from scratch: step 0 scores nothing
+        own = [(m, v) for m, v in own if m > offset]
+    wall_s = rec.get("wall_s", rec["evals"][-1]["train_s"] if rec["evals"] else 0.0)
+    return points + own, offset + float(wall_s) / 60
+
+
+def chosen_minute(rec: dict[str, Any]) -> float:
+    """Training minutes, all runs counted, at the checkpoint a record kept (its best)."""
+    points, _ = run_points(rec)
+    return max(points, key=lambda p: p[1])[0] if points else 0.0
+
+
+def first_run(rec: dict[str, Any]) -> dict[str, Any]:
+    while rec.get("continues"):
+        rec = rec["continues"]
+    return rec
+
+
 def read_curves(pool: PoolConfig) -> dict[str, dict[str, Any]]:
     """{head: {"minutes": [...], "dev": [...], "best", "budget_min", "init_from",
     "offset_min"}} for every head of the pool with a training record."""
     out: dict[str, dict[str, Any]] = {}
+    recs: dict[str, dict[str, Any]] = {}
     for d in pool.drafts:
         f = Path(d.path) / "training.json"
         if not f.is_file():
             continue
         try:
-            rec = json.loads(f.read_text())
-            evals = [(float(e["train_s"]) / 60, float(e["dev"])) for e in rec["evals"]]
+            rec = recs[d.name] = json.loads(f.read_text())
+            evals, _ = run_points(rec)
             plan = rec.get("plan", {})
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise ConfigError(f"{f} is not a training record this memspec reads ({exc})",
                               f"retrain the head: memspec zoo drafts --only {d.name} "
                               "--force") from None
-        if plan.get("init_from") is None:  # trained from scratch: step 0 scores nothing
-            evals = [(m, v) for m, v in evals if m > 0]
         if not evals:  # stopped before its first scored checkpoint: nothing to draw
             continue
         out[d.name] = {"minutes": [m for m, _ in evals], "dev": [v for _, v in evals],
                        "best": rec.get("best_dev"), "budget_min": plan.get("minutes"),
-                       "init_from": plan.get("init_from"), "stopped": rec.get("stopped"),
-                       "rows_seen": rec.get("rows_seen")}
-    for c in out.values():
-        base = out.get(c["init_from"] or "")
-        c["offset_min"] = (base["minutes"][base["dev"].index(max(base["dev"]))]
-                           if base and base["dev"] else 0.0)
+                       "init_from": None if rec.get("continues") else plan.get("init_from"),
+                       "stopped": rec.get("stopped"), "rows_seen": rec.get("rows_seen")}
+    for name, c in out.items():
+        # a fine-tune starts where its parent's kept checkpoint was: recorded since heads can
+        # be continued; older fine-tunes came from the parent's first run
+        offset = recs[name].get("parent_minutes")
+        if offset is None and c["init_from"] in recs:
+            offset = chosen_minute(first_run(recs[c["init_from"]]))
+        c["offset_min"] = float(offset or 0.0)
     return out
 
 

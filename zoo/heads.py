@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 
 from memspec.common.config import tokenizer_fingerprint
 from memspec.common.errors import MemspecError
-from memspec.common.paths import PACKAGE_ROOT, default_target_dir
+from memspec.common.manifest import write_manifest
+from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
 from memspec.procs.decoder.head import (
     HEAD_KIND,
     HeadArch,
@@ -44,6 +45,7 @@ from memspec.procs.decoder.replay import pooled, replay_static
 from memspec.procs.decoder.runners import read_config
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
 from memspec.zoo.corpora import DOMAINS
+from memspec.zoo.curves import chosen_minute
 from memspec.zoo.drafts import chat_tokens, corpus_tokens, coverage, rank_vocabulary
 from memspec.zoo.engine_trajectories import engine_trajectories
 from memspec.zoo.head_model import TrainableHead
@@ -68,6 +70,8 @@ DEV_PER_DOMAIN = 20  # dev prompts per domain scored at every checkpoint
 MAX_HEAD_BYTES = 12_000_000
 MAX_POOL_BYTES = 60_000_000
 CORPUS_WINDOWS = 64  # per domain
+PREVIOUS = "@previous"  # a continued head's parent: its own weights before this run
+CONTINUE_LR = 0.5  # a continued head's peak rate, as a share of its plan's (not swept)
 SEED = 20261
 
 
@@ -154,8 +158,6 @@ def pack_stored(folder: Path) -> bool:
     after it; False where it was packed already or its shapes do not tile."""
     from safetensors import safe_open
     from safetensors.torch import load_file
-
-    from memspec.common.manifest import write_manifest
 
     path = Path(folder) / "model.safetensors"
     tensors = load_file(str(path))
@@ -304,11 +306,31 @@ def draft_vocabulary(rows: Sequence[dict], corpora: dict[str, np.ndarray], token
     return vocab
 
 
+def more_prompts(per_domain: int) -> list[dict]:
+    """``per_domain`` train prompts per domain beyond prompts/train.jsonl (cached: building
+    them scans every training document)."""
+    from memspec.zoo.corpora import read_jsonl, write_jsonl
+    from memspec.zoo.prompts import SPLITS
+    from memspec.zoo.promptsets import more_train_prompts
+
+    path = work_dir() / f"prompts-more-{per_domain}.jsonl"
+    if path.is_file():
+        return read_jsonl(path)
+    corpora = memspec_home() / "corpora"
+    if not (corpora / "general" / "train.jsonl").is_file():
+        raise MemspecError("the training corpora are not built", "run `memspec zoo corpora`")
+    log("a", f"{per_domain} more train prompts per domain from the training corpora")
+    rows = more_train_prompts(corpora, per_domain, [r for s in SPLITS for r in load_prompts(s)])
+    write_jsonl(path, rows)
+    return rows
+
+
 def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = None,
-            vocab: np.ndarray | None = None) -> HeadData:
+            vocab: np.ndarray | None = None, more_per_domain: int = 0) -> HeadData:
     """Steps a-c (cached): responses, vocabulary, target rows, dev set. ``vocab``: the draft
     vocabulary to keep (a present general head's, which its fine-tunes must share) instead of
-    ranking one from this machine's responses (which differ a little by ISA)."""
+    ranking one from this machine's responses (which differ a little by ISA).
+    ``more_per_domain``: responses to that many more train prompts per domain as well."""
     t0 = time.perf_counter()
     tok = load_tokenizer(target_dir)
     rt = open_runtime_target(target_dir, shape.extract_layers(read_config(target_dir)),
@@ -318,6 +340,10 @@ def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = N
                            train_per_domain)
     train_rows = engine_trajectories(rt.engine, rt.dtype, tok, prompts, work_dir() /
                                      f"responses-train-{rt.dtype}.jsonl", RESPONSE_TOKENS)
+    more_rows = [] if more_per_domain <= 0 else engine_trajectories(
+        rt.engine, rt.dtype, tok, more_prompts(more_per_domain),
+        work_dir() / f"responses-more-{rt.dtype}.jsonl", RESPONSE_TOKENS)
+    train_rows = train_rows + more_rows
     dev_rows = engine_trajectories(rt.engine, rt.dtype, tok,
                                    load_prompts("dev", DOMAINS, DEV_PER_DOMAIN),
                                    work_dir() / f"responses-dev-{rt.dtype}.jsonl", EVAL_TOKENS)
@@ -339,6 +365,7 @@ def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = N
     dev = DevSet(rt, dev_rows)
     summary = {
         "train_prompts": len(train_rows),
+        "more_prompts": len(more_rows),
         "response_tokens": int(sum(len(r["tokens"]) for r in train_rows)),
         "response_rows": int(responses.offsets[-1]),
         "corpus_windows": int(corpus.sequences),
@@ -413,6 +440,13 @@ def train_one(data: HeadData, shape: HeadShape, plan: HeadPlan, dirs: dict[str, 
     size = save_head(best, data.to_target, arch, dirs[plan.name], data.target_dir)
     out = asdict(rec) | {"size_bytes": size, "eval_s": eval_s[0], "arch": asdict(arch),
                          "shape": asdict(shape), "data": data.summary}
+    prev = parent / "training.json" if parent is not None else None
+    if prev is not None and prev.is_file():
+        before = json.loads(prev.read_text())
+        if plan.init_from.endswith(PREVIOUS):  # the run it goes on from
+            out["continues"] = before
+        else:  # where on the parent's clock this fine-tune starts (zoo curves)
+            out["parent_minutes"] = chosen_minute(before)
     (dirs[plan.name] / "training.json").write_text(json.dumps(out, indent=2) + "\n")
     log(plan.name, f"saved {size:,} bytes: best dev {rec.best_dev:.4f} at step "
         f"{rec.best_step} ({rec.steps} steps, {rec.wall_s:.0f}s training, "
@@ -436,24 +470,44 @@ def dev_report(data: HeadData, names: Sequence[str], dirs: dict[str, Path]) -> d
     return rep
 
 
+def continue_plans(plans: dict[str, HeadPlan], names: Sequence[str],
+                   dirs: dict[str, Path]) -> None:
+    """Each named head goes on from its present weights (copied aside, since training
+    writes over them): a longer budget split over sessions. Its optimiser state is not
+    kept, so it warms up again, from a lower rate: the weights are already trained."""
+    for n in names:
+        if not (dirs[n] / "model.safetensors").is_file():
+            raise MemspecError(f"head {n} has no weights to continue from",
+                               f"train it first: memspec zoo drafts --only {n}")
+        prev = work_dir() / "continue" / n
+        shutil.rmtree(prev, ignore_errors=True)
+        shutil.copytree(dirs[n], prev)
+        dirs[f"{n}{PREVIOUS}"] = prev
+        plans[n] = replace(plans[n], init_from=f"{n}{PREVIOUS}", lr=plans[n].lr * CONTINUE_LR)
+
+
 def build_heads(names: Sequence[str] | None = None, minutes: float | None = None,
                 force: bool = False, shape: HeadShape | None = None,
                 target_dir: Path | None = None, dirs: dict[str, Path] | None = None,
-                train_per_domain: int | None = None) -> dict:
-    """Steps a-e; heads already on disk are kept unless ``force``. ``dirs``: each head's
-    folder (default drafts/heads/<name>)."""
+                train_per_domain: int | None = None, more_per_domain: int = 0,
+                cont: bool = False) -> dict:
+    """Steps a-e; heads already on disk are kept unless ``force`` or ``cont`` (go on from
+    them). ``dirs``: each head's folder (default drafts/heads/<name>)."""
     torch.set_num_threads(min(torch.get_num_threads(), 2))  # the issue's 2-core budget
     shape, target_dir = shape or HeadShape(), target_dir or default_target_dir()
-    dirs = dirs or {n: heads_dir() / n for n in HEAD_NAMES}
+    dirs = dict(dirs or {n: heads_dir() / n for n in HEAD_NAMES})
     names = [n for n in HEAD_NAMES if n in dirs and n in (names or HEAD_NAMES)]
     t0 = time.perf_counter()
     plans = default_plans(minutes)
+    if cont:
+        continue_plans(plans, names, dirs)
+        force = True
     fresh = [n for n in names if force or not (dirs[n] / "model.safetensors").is_file()]
     vocab = None
     for n in fresh:  # a kept parent's vocabulary binds its fine-tunes
         if plans[n].init_from and plans[n].init_from not in fresh:
             vocab = read_head_weights(parent_dir(plans[n], dirs))[1]
-    data = prepare(shape, target_dir, train_per_domain, vocab)
+    data = prepare(shape, target_dir, train_per_domain, vocab, more_per_domain)
     for name in names:
         if (dirs[name] / "model.safetensors").is_file() and not force:
             log(name, "present, skipped (use --force to retrain)")
@@ -465,6 +519,8 @@ def build_heads(names: Sequence[str] | None = None, minutes: float | None = None
     report = dev_report(data, present, dirs)
     (work_dir() / "dev_acceptance.json").write_text(json.dumps(report, indent=2))
     write_cards(dirs, present, report, PACKAGE_ROOT / "docs" / "zoo_eval.json")
+    for n in present:  # every card was rewritten, so every manifest is measured again
+        write_manifest(dirs[n])
     total = sum((dirs[n] / "model.safetensors").stat().st_size for n in present)
     log("e", f"pool {total:,} bytes; done in {time.perf_counter() - t0:.0f}s")
     if total > MAX_POOL_BYTES:
@@ -486,7 +542,9 @@ def main_heads(args, pool) -> int:
     if bad:
         raise ConfigError(f"unknown head '{bad[0]}'", f"choose from {', '.join(dirs)}")
     report = build_heads(only, getattr(args, "minutes", None), getattr(args, "force", False),
-                         target_dir=pool.target, dirs=dirs)
+                         target_dir=pool.target, dirs=dirs,
+                         more_per_domain=getattr(args, "more_prompts", 0) or 0,
+                         cont=getattr(args, "cont", False))
     print(json.dumps(report))
     return 0
 
@@ -510,6 +568,13 @@ def write_card(name: str, rec: dict, out_dir: Path, dev: dict | None,
                     for src, dom, w in plan["mix"])
     origin = "trained from a random initialisation" if not plan.get("init_from") else \
         f"fine-tuned from `{plan['init_from']}`"
+    before = rec.get("continues")
+    if plan.get("init_from", "").endswith(PREVIOUS) and before:
+        origin = (f"trained for {before['wall_s'] / 60:.0f} min (dev {before['best_dev']:.3f}),"
+                  f" then for {rec['wall_s'] / 60:.0f} min more from those weights")
+    more = data.get("more_prompts", 0)
+    sources = ("`prompts/train.jsonl`" if not more else f"`prompts/train.jsonl` and {more} "
+               "more made from the same training sources by `--more-prompts`")
     cov = data.get("vocab_coverage_dev", {})
     evals = ", ".join(f"{e['step']}: {e['dev']:.3f}" for e in rec["evals"])
     sections = [f"""# memspec draft head `{name}`
@@ -531,7 +596,7 @@ target ids (frequency-ranked, `memspec.draft_to_target`), {rec.get('stored', STO
 All from the runtime target ({data.get('target_dtype', '?')} weights, the precision the
 decoder runs on this machine), never from dev or test prompts:
 - the target's greedy responses (engine, batch 1, up to {RESPONSE_TOKENS} new tokens) to
-  {data['train_prompts']} train prompts (`prompts/train.jsonl`): {data['response_tokens']:,}
+  {data['train_prompts']} train prompts ({sources}): {data['response_tokens']:,}
   response tokens; {data['response_rows']:,} teacher-forced rows with the prompts
 - {data['corpus_windows']} windows of domain train corpora ({data['corpus_rows']:,} rows)
 - per row: the target's residual streams, its argmax and (recomputed from its last layer)

@@ -236,6 +236,25 @@ def interleave(groups: Sequence[Sequence[Any]]) -> list[Any]:
     return [item for *_, item in sorted(keyed, key=lambda x: x[:2])]
 
 
+def more_train_prompts(corpus_dir: Path, per_domain: int, taken: Sequence[dict]
+                       ) -> list[dict]:
+    """Train prompts beyond the committed set, for draft training only: the same makers on
+    the same training groups (so as disjoint by source from dev and test as train is), none
+    whose body a committed prompt (``taken``) already has. Deterministic, so cached
+    responses stay valid; domains interleaved, so any prefix is mixed."""
+    seen = {prompt_body(r["prompt"]) for r in taken}
+    groups = []
+    for domain in DOMAINS:
+        prefix = PROMPT_SOURCES.get(domain, ((), ("",)))[1]
+        pool = [d for d in load_corpus(corpus_dir, domain, "train") if d["id"].startswith(prefix)]
+        chosen = select_prompts(domain, pool, per_domain, seen, salt=f"more/{domain}",
+                                strict=False, whole_words=False)
+        groups.append([{"id": f"more-{domain}-{i:04d}", "domain": domain, "prompt": p,
+                        "source": doc["group"], "split": "train"}
+                       for i, (p, doc) in enumerate(chosen)])
+    return interleave(groups)
+
+
 # --------------------------------------------------------------------------- leak guard
 
 
