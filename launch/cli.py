@@ -302,6 +302,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_horizon(args)
+    if args.what == "heads":
+        from memspec.bench.heads_ab import main_bench_heads
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_heads(args)
     if args.what == "floor":
         from memspec.bench.floor import main_bench_floor
 
@@ -340,7 +345,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     raise MemspecError(f"unknown benchmark '{args.what}'",
                        "use eval, engine, pipeline, messages, gpu, soak, http, floor, faults, "
-                       "gate, tune or horizon")
+                       "gate, tune, horizon or heads")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -465,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
                    choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http",
-                            "floor", "faults", "gate", "tune", "horizon"],
+                            "floor", "faults", "gate", "tune", "horizon", "heads"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
@@ -507,7 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
     b.add_argument("--per-domain", type=int, default=4,
                    help="floor: dev prompts per domain (beside the README's prompt); gate: "
-                        "traced dev prompts per domain; tune, horizon: the same")
+                        "traced dev prompts per domain; tune, horizon: the same; heads: dev "
+                        "prompts per domain past those checkpoint choices scored")
+    b.add_argument("--against", default=None, metavar="POOL",
+                   help="heads: the pool whose general draft --pool's is measured against")
     b.add_argument("--only", default=None,
                    help="tune: comma-separated sections to re-run (gate, ranking, ucb_c, "
                         "chunked_wait, lookup, prefill_chunk, lookup_gate); the rest kept "
