@@ -36,7 +36,7 @@ def unscored_dev(per_domain: int, skip: int = DEV_PER_DOMAIN) -> list[dict]:
     if not all(by):
         raise ConfigError(f"dev has no prompts past the first {skip} of a domain",
                           "use fewer --per-domain or rebuild the prompt sets")
-    return [r for i in range(per_domain) for rows in by if i < len(rows) for r in rows[i:i + 1]]
+    return [rows[i] for i in range(per_domain) for rows in by if i < len(rows)]
 
 
 def run(pool_a: str | None, pool_b: str, per_domain: int, max_new: int) -> dict[str, Any]:
