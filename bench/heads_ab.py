@@ -125,6 +125,9 @@ def _plot(res: dict[str, Any], folder: Path) -> Path:
 def main_bench_heads(args) -> int:
     if not args.against:
         raise ConfigError("bench heads compares two pools", "name the other with --against P")
+    if not Path(args.against).is_file():
+        raise ConfigError(f"--against pool file {args.against} not found",
+                          "name an existing pool file, e.g. pool.toml or pools/heads.toml")
     res = run(args.pool, args.against, args.per_domain, args.max_new_tokens)
     _print(res)
     save_outputs(res, args, _plot)
