@@ -146,7 +146,7 @@ def test_policies_token_identical_through_three_processes(sup, reference, policy
         assert done.token_ids == reference[d], (policy, d)
         used |= set(done.stats.drafts_used)
         t = done.stats.time  # real runs: every part of the wall clock is in the split
-        assert abs(t.other) <= 0.02 * t.e2e, (policy, t)
+        assert abs(t.other) <= 0.02 * t.e2e + PREEMPT_S, (policy, t)  # one preemption
         assert t.pre + t.prefill + t.decode + t.sched + t.bind + t.other == \
             pytest.approx(t.e2e)
     assert used, f"{policy} never ran a draft"
