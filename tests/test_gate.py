@@ -103,7 +103,8 @@ def test_a_paying_draft_is_found_by_the_share_where_looks_are_not_free(monkeypat
     assert all(d is not None for d in drafts[first + 1:first + 40])  # found: it runs
 
 
-def test_a_running_draft_stops_inside_its_interval_once_it_no_longer_pays():
+def test_a_running_draft_stops_inside_its_interval_once_it_no_longer_pays(monkeypatch):
+    monkeypatch.setattr(SpecGate, "STOP_INSIDE", 8)  # the mechanism (tuned.json may turn it off)
     gate = SpecGate(COSTS)
     gate.verdict("code")
     gate.observe(rec("code", 4, 0.022))  # 5 tokens for 2.2 steps: runs
@@ -116,9 +117,12 @@ def test_a_running_draft_stops_inside_its_interval_once_it_no_longer_pays():
     assert gate.verdict("code") != "run"
 
 
-def test_probes_stay_within_two_percent_of_the_decode_time():
+def test_probes_stay_within_two_percent_of_the_decode_time(monkeypatch):
     """A draft that never pays: after the first look, probes only while their worst-case
-    extra cost (a probe that accepts nothing) stays within 2% of the time decoded."""
+    extra cost (a probe that accepts nothing) stays within 2% of the time decoded, at a 1%
+    share and a prior that gives no free look (the mechanism; tuned.json chooses them)."""
+    monkeypatch.setattr(SpecGate, "PROBE_SHARE", 0.01)
+    monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)
     gate = SpecGate(COSTS)
     probes, extra = 0, 0.0
     for _ in range(2000):  # intervals of 4 target steps, or one probe iteration
@@ -452,6 +456,7 @@ def test_a_request_whose_gate_cannot_look_starts_without_a_ranking(monkeypatch):
     sends no snapshot at the start (the predictor would encode the prompt on a core the
     prefill needs), loads nothing, and books its target steps as chosen, not as fallback."""
     monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)
+    monkeypatch.setattr(SpecGate, "PROBE_SHARE", 0.01)
     c = cost()  # an iteration 2.25 target steps
     req = SimRequest("p", "x", 40, tables(0.5), scores=lambda p: {d: 1.0 for d in DRAFTS})
     cfg = SimConfig(DRAFTS, "general", K=2, N=4, gamma=4, plan=c.plan_costs())
@@ -630,6 +635,8 @@ def test_the_lookup_runs_unjudged_through_its_first_proposals(free_first_look, m
     fixed settings; tuned.json chooses them)."""
     monkeypatch.setattr(SpecGate, "LOOKUP_LOOKS", 32)
     monkeypatch.setattr(SpecGate, "LOOKUP_FAILING", (8, 1.25))
+    monkeypatch.setattr(SpecGate, "PRIOR_TAU", 2.0)  # no free look, and too little probe share
+    monkeypatch.setattr(SpecGate, "PROBE_SHARE", 0.01)  # for one yet: gated means not run
     costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0))
     gate = SpecGate(costs, lookup=True)
 
