@@ -133,7 +133,7 @@ class SpecGate:
     # the catch-up over the prompt and a wide verify: ~4 target steps on 2 cores)
     STOP_INSIDE = knob("gate.STOP_INSIDE")  # a running draft whose record has fewer
     # iterations than this stops at the first iteration after which it no longer pays, not
-    # at its interval's end (the sweep weighed 0, 8 and always: always)
+    # at its interval's end (the sweep weighs 0, 8 and always; tuned.json has its choice)
     # A ranking is worth asking for only with this many tokens still to come: what it sets
     # off (the predictor's encoding with the decoder on one core, the load of the draft it
     # ranks first, that draft's first look over the context) costs ~6.5 target steps on a
