@@ -27,6 +27,8 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   scores, in real runs, one warm server per setting (bench/tune_head.py);
 - **head_stop** (head.STOP): the top probability below which a head's own proposal ends an
   iteration's proposals, likewise (bench/tune_head.py);
+- **lookup_first** (engine.LOOKUP_FIRST): the shortest context-suffix match at which a
+  head's iteration runs the lookup alone (0: never); real runs, as head_vocab.
 - **plan_budget** (oracle.PLAN_BUDGET): how wide oracle-dynamic's plan search may go, its
   search time counted beside the plan it finds (bench/tune_plan.py).
 
@@ -394,6 +396,15 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                f"against {ungated.get(0.0, float('nan')):.3f} at 0; memspec {f['gmean']:.3f} "
                f"[{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real "
                f"runs, {hs['prompts']} prompts x {hs['repeats']})"}
+    lf = res["lookup_first"]
+    f = lf["figure"]
+    ungated = {r["value"]: r["general_static_ungated"]["gmean"] for r in lf["rows"]}
+    out["engine.LOOKUP_FIRST"] = {
+        "value": lf["chosen"], "grid": lf["grid"]["LOOKUP_FIRST"], "chosen_by": "lookup_first",
+        "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
+               f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f}; general-static without the "
+               f"gate {ungated[lf['chosen']]:.3f} against {ungated.get(0, float('nan')):.3f} "
+               f"at 0 (real runs, {lf['prompts']} prompts x {lf['repeats']})"}
     pb = res["plan_budget"]
     f = pb["figure"]
     out["oracle.PLAN_BUDGET"] = {
@@ -410,7 +421,7 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
-            "lookup_depth", "head_vocab", "head_stop", "plan_budget")
+            "lookup_depth", "head_vocab", "head_stop", "lookup_first", "plan_budget")
 
 
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
@@ -468,6 +479,10 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         from memspec.bench.tune_head import tune_head_stop
 
         res["head_stop"] = tune_head_stop(pool_file, per_domain, max_new, repeats)
+    if "lookup_first" in want:
+        from memspec.bench.tune_head import tune_lookup_first
+
+        res["lookup_first"] = tune_lookup_first(pool_file, per_domain, max_new, repeats)
     if "plan_budget" in want:
         from memspec.bench.tune_plan import tune_plan_budget
         from memspec.procs.decoder import oracle
@@ -501,7 +516,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 10, figsize=(32, 3.4))
+    fig, axes = plt.subplots(1, 11, figsize=(35, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -544,7 +559,9 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     _head_rows(ax, s.get("head_vocab", {}).get("rows", []), "head.VOCAB rows (real runs)")
     _head_rows(axes[8], s.get("head_stop", {}).get("rows", []),
                "head.STOP floor (real runs)")
-    for ax in (*axes[:4], *axes[5:9]):
+    _head_rows(axes[10], s.get("lookup_first", {}).get("rows", []),
+               "engine.LOOKUP_FIRST match (real runs; 0 off)")
+    for ax in (*axes[:4], *axes[5:9], axes[10]):
         ax.axhline(1.0, color="k", lw=0.6)
     ax = axes[9]
     rows = s.get("plan_budget", {}).get("rows", [])

@@ -11,6 +11,11 @@
   rejected proposals were proposed unsure, so stopping there trades a few accepted
   tokens for cheaper iterations.
 
+- **lookup_first** (``engine.LOOKUP_FIRST``): the shortest context-suffix match at which a
+  head's iteration runs the lookup alone (0: never). Where the context repeats, the lookup
+  proposes first inside a head's chain anyway, and the head's steps (~a fifth of a target
+  step) buy only what comes after the lookup's chain.
+
 Each setting runs memspec on its own warm server (a scratch tuned.json;
 bench/realsweep.py) beside target-only and general-static without the gate (what the
 head's iterations alone are worth) with the same setting, every dev prompt's variants back
@@ -33,6 +38,7 @@ from memspec.bench.tune_lookup_gate import _brief, tuned_with
 from memspec.common.tuned import TUNED_ENV, tuned_path
 
 ROWS = (None, 8192, 4096, 2048, 1024)  # None: every row the head was trained with
+FIRSTS = (0, 2, 3, 4, 6)  # 0: off; 2 is the pool's shortest lookup suffix
 STOPS = (0.0, 0.55, 0.7, 0.8, 0.9)  # 0: always gamma proposals (a first grid, to 0.7, chose its edge)
 # (a server per policy and setting: three processes each, ~1.2 GB; 11 fit in 24 GB)
 COMPARED = ("memspec", "general-static-ungated")
@@ -107,3 +113,10 @@ def tune_head_stop(pool_file: Path, per_domain: int, max_new: int, repeats: int
     # ties go to the lower floor: fewer changes to what a head proposes
     return sweep_head_knob("head.STOP", STOPS, lambda s: -s, pool_file, per_domain, max_new,
                            repeats, choose=choose_stop)
+
+
+def tune_lookup_first(pool_file: Path, per_domain: int, max_new: int, repeats: int
+                      ) -> dict[str, Any]:
+    # ties go to the longer match: fewer head iterations handed to the lookup
+    return sweep_head_knob("engine.LOOKUP_FIRST", FIRSTS, lambda n: n or 1 << 30, pool_file,
+                           per_domain, max_new, repeats)

@@ -82,6 +82,35 @@ def test_context_lookup_keeps_output_identical_and_lifts_a_bad_draft(tiny_dir, t
     assert any(moved)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_lookup_first_hands_repeating_iterations_to_the_lookup(tiny_dir, tiny_heads, dtype):
+    """LOOKUP_FIRST: an iteration of a model draft or a head whose context ends with a
+    suffix of at least that many tokens seen before is the lookup's alone (recorded as
+    the lookup's); every other iteration is the draft's, which catches up on what it
+    skipped. Output stays the target's greedy output; 0 turns it off."""
+    from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
+
+    eng = engine_with(tiny_dir, ["small", "random"], dtype=dtype, lookup=1)
+    if dtype != "float32":
+        eng.add_draft(load_into_slot("h", tiny_heads[0], SlotBuffer(1 << 20), TINY_VOCAB,
+                                     eng.target_parts))
+    prompts = [*PROMPTS, [1, 5, 9, 22, 31, 5, 9, 22, 31, 5, 9]]
+    routed = {True: 0, False: 0}
+    for first, name, prompt in itertools.product((0, 2), eng.drafts, prompts):
+        eng.lookup_first = first
+        ref, _ = eng.generate(prompt, 60)
+        out, stats = eng.generate(prompt, 60, select=lambda s, n=name: n)
+        assert out == ref, (first, name)
+        seq = prompt + out
+        for r in stats.records:
+            idx = NgramIndex(1, seq[:r.context])
+            looked = bool(first) and idx.match(seq[max(0, r.context - idx.n_max):r.context]) >= first
+            assert (r.draft == LOOKUP) == looked, (first, name, r.context)
+            if first:
+                routed[looked] += 1
+    assert routed[True] and routed[False]
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
 def test_a_verify_row_is_bitwise_the_step_of_that_token(tiny_dir, fmt):
     """The PyTorch forward (the fallback where the C++ one is not built, and eager GPU

@@ -696,6 +696,30 @@ def test_a_head_that_pays_stops_where_the_lookup_alone_was_faster(free_first_loo
     assert SpecGate(costs).pays("general") is False  # (no record yet)
 
 
+def test_with_lookup_first_a_head_is_judged_against_the_target_alone(free_first_look):
+    """With LOOKUP_FIRST the engine runs the lookup wherever the context repeats, so a head
+    runs only where the lookup has nothing: there it competes with a target step, and the
+    lookup's record sets no bar. A probe of the head is booked by the head's own iteration,
+    not by a lookup iteration the engine ran in its place."""
+    costs = GateCosts(target=(0.005, 0.0), verify=(0.0085, 0.0),
+                      spec={"general": (0.011, 0.0)})
+    look = IterationRecord(LOOKUP, 4, 3, 4, 0.0, t_verify=0.0085, context=100)
+    both = {first: SpecGate(costs, lookup=True, lookup_first=first) for first in (False, True)}
+    for gate in both.values():
+        for _ in range(8):
+            gate.observe(rec("general", 2, 0.011))  # 3 tokens in 2.2 steps
+        for _ in range(SpecGate.LED_LOOKS):
+            gate.observe(look)  # 4 tokens in 1.7 steps
+    assert not both[False].pays("general") and both[False].lookup_bar("general") > 3
+    assert both[True].pays("general") and both[True].lookup_bar("general") == 0.0
+    gate = SpecGate(costs, lookup=True, lookup_first=True)
+    assert gate.verdict("general") == "probe"
+    gate.observe(look)  # the engine's lookup iteration in the probe's place
+    assert gate.probing and gate.probes == 0
+    gate.observe(rec("general", 2, 0.011))
+    assert not gate.probing and gate.probes == 1
+
+
 def test_no_free_look_at_a_head_that_cannot_beat_a_paying_lookup(monkeypatch):
     """A head's first look is free where the pool's drafts could pay (PRIOR_TAU), measured
     against the higher bar: the target alone, or a paying lookup's record in this request."""

@@ -382,6 +382,7 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
     gamma = 3
     eng = SpecEngine(build_target(tiny_dir / "target", fmt, fast=path != "torch"), (),
                      gamma=gamma, lookup=lookup)
+    eng.lookup_first = 0  # a table is a draft's own iterations (LOOKUP_FIRST: test_engine)
     for n in DRAFTS:
         eng.add_draft(load_into_slot(n, tiny_dir / n, SlotBuffer(1 << 20), TINY_VOCAB))
     eng.add_draft(load_into_slot("head", tiny_head, SlotBuffer(1 << 20), TINY_VOCAB,

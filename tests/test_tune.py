@@ -34,6 +34,7 @@ RUNTIME = {  # knob -> the value the runtime runs
     "loop.PREDICTOR_SHARE": lambda: loop.PREDICTOR_SHARE,
     "loop.CHUNKED_WAIT_S": lambda: loop.CHUNKED_WAIT_S,
     "engine.PREFILL_CHUNK": lambda: engine.PREFILL_CHUNK,
+    "engine.LOOKUP_FIRST": lambda: engine.lookup_first_match("cpu"),
     "pool.ucb_c": lambda: load_pool(str(DEFAULT_POOL)).ucb_c,
     "pool.lookup": lambda: load_pool(str(DEFAULT_POOL)).lookup,
     "lookup.DEPTH_PRIOR": lambda: LookupDepth.PRIOR,

@@ -246,25 +246,35 @@ def engine_check(engine: SpecEngine, name: str, trajs: Sequence[dict],
                               "mismatching_iterations": 0, "trajectory_divergences": 0,
                               "mismatches": []}
     times: list[float] = []
-    for traj, table in zip(trajs, tables):
-        tokens = traj["tokens"]
-        if not tokens:
-            continue
-        out, stats = engine.generate(traj["prompt_ids"], len(tokens), select=lambda s: name)
-        recs = stats.records
-        times += [r.duration for r in recs[1:]]
-        emitted = [r.emitted for r in recs]
-        eng_acc = capped_engine_accepts([r.accepted for r in recs], emitted, len(tokens))
-        eng_pos = [sum(emitted[:i]) for i in range(len(recs))]
-        rep = replay_static({name: table}, name, engine.gamma)
-        n, bad, first = _compare(eng_acc, eng_pos, rep.accepted, rep.positions)
-        report["prompts"] += 1
-        report["iterations_compared"] += n
-        report["mismatching_iterations"] += bad
-        report["trajectory_divergences"] += int(out != tokens)
-        if first is not None:
-            report["mismatches"].append({"id": traj["id"], "position": first})
+    # a table is the draft's own iterations: none handed to the lookup (LOOKUP_FIRST)
+    first, engine.lookup_first = engine.lookup_first, 0
+    try:
+        for traj, table in zip(trajs, tables):
+            _check_one(engine, name, traj, table, report, times)
+    finally:
+        engine.lookup_first = first
     return report, times
+
+
+def _check_one(engine: SpecEngine, name: str, traj: dict, table: Sequence[int],
+           report: dict[str, Any], times: list[float]) -> None:
+    tokens = traj["tokens"]
+    if not tokens:
+        return
+    out, stats = engine.generate(traj["prompt_ids"], len(tokens), select=lambda s: name)
+    recs = stats.records
+    times += [r.duration for r in recs[1:]]
+    emitted = [r.emitted for r in recs]
+    eng_acc = capped_engine_accepts([r.accepted for r in recs], emitted, len(tokens))
+    eng_pos = [sum(emitted[:i]) for i in range(len(recs))]
+    rep = replay_static({name: table}, name, engine.gamma)
+    n, bad, first = _compare(eng_acc, eng_pos, rep.accepted, rep.positions)
+    report["prompts"] += 1
+    report["iterations_compared"] += n
+    report["mismatching_iterations"] += bad
+    report["trajectory_divergences"] += int(out != tokens)
+    if first is not None:
+        report["mismatches"].append({"id": traj["id"], "position": first})
 
 
 # --------------------------------------------------------------------------- the command

@@ -152,9 +152,12 @@ class SpecGate:
     LOOKUP_FAILING = knob("gate.LOOKUP_FAILING")
 
     def __init__(self, costs: GateCosts | None, lookup: bool = False,
-                 rank_horizon: int | None = None) -> None:
+                 rank_horizon: int | None = None, lookup_first: bool = False) -> None:
         self.costs = costs
         self.lookup = lookup  # the engine runs the context lookup (LOOKUP) when asked
+        # ... and in place of a model draft's iteration wherever the context repeats
+        # (engine.LOOKUP_FIRST): a draft then runs only where the lookup has nothing
+        self.lookup_first = lookup_first
         self.rank_horizon = rank_horizon  # the pool's (None: RANK_HORIZON, tuned on heads)
         self.reset()
 
@@ -177,6 +180,7 @@ class SpecGate:
         self.probes = 0
         self.closed = False  # the last verdict ran the target alone by choice
         self.probing = False  # the last verdict was a probe (booked when it runs)...
+        self.probed: str | None = None  # ... of this draft
         self.budgeted = False  # ... paid from the share (not a draft's free first look)
         self.last: str | None = None  # the draft the policy chose last
         self.seen: dict[str, int] = {}  # context each draft's cache has caught up to
@@ -197,7 +201,9 @@ class SpecGate:
             self.target_a.add(rec.duration - b * rec.context)
             return
         tau = self.tau.get(rec.draft)
-        if self.probing:  # a probe is booked when it runs (a verdict may go unused)
+        # a probe is booked when its draft runs (a verdict may go unused, and with
+        # LOOKUP_FIRST the engine may run the lookup in its place)
+        if self.probing and rec.draft == self.probed:
             if self.budgeted:
                 self.probe_cost += self._probe_extra(rec.draft)
             self.probes += 1
@@ -290,8 +296,10 @@ class SpecGate:
         once that record has LED_LOOKS proposals and pays (0: no such record, or `draft`
         is model-free). A resident head's free first look came after three proposals;
         FIRST_LOOK's eight were never reached."""
-        if not self.lookup or self.costs is None or self.costs.model_free(draft):
-            return 0.0
+        if not self.lookup or self.lookup_first or self.costs is None \
+                or self.costs.model_free(draft):
+            return 0.0  # (with LOOKUP_FIRST a draft runs only where the lookup has nothing:
+            # what it competes with there is a target step)
         look = self.tau.get(LOOKUP)
         if look is None or look.n < self.LED_LOOKS or not self.pays(LOOKUP):
             return 0.0
@@ -322,6 +330,7 @@ class SpecGate:
             self.closed = self.probing = False
             return "run"
         self.probing = self.may_look(draft)
+        self.probed = draft
         self.budgeted = self.probing and not self._free_look(draft)
         self.closed = not self.probing
         return "probe" if self.probing else "skip"

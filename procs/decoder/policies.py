@@ -450,7 +450,7 @@ def _need_plan(name: str, plan: object) -> OraclePlan:
     return cast(OraclePlan, plan)
 
 
-_KW = ("oracle_plan", "costs", "gate", "gate_costs", "lookup", "rank_horizon")
+_KW = ("oracle_plan", "costs", "gate", "gate_costs", "lookup", "lookup_first", "rank_horizon")
 # the policies the pool's spec_gate applies to: every one that runs drafts, so that no
 # baseline lacks a tool memspec has (oracle-dynamic plans the target alone itself)
 GATED = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only",
@@ -466,7 +466,9 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
     True) and `gate_costs` (GateCosts, what an iteration costs on this machine) for the
     speculation gate of every drafting policy (GATED; no gate without costs); `lookup`
     (bool, default False): the executor runs the context lookup, and the gate runs it
-    where the target would otherwise run alone. Every policy's
+    where the target would otherwise run alone; `lookup_first` (bool): the executor runs
+    it in place of a model draft's iteration where the context repeats (engine.LOOKUP_FIRST),
+    so the gate judges a draft against the target alone. Every policy's
     first decision is taken before the prompt prefills, so its initial loads overlap the
     prefill (procs/decoder/loop.py, Alg. 3 line 3).
     """
@@ -491,7 +493,8 @@ def _build(name: str, c: float, kw: Mapping[str, object]) -> Policy:
     if name in GATED and bool(kw.get("gate", True)) and isinstance(gate_costs, GateCosts):
         horizon = kw.get("rank_horizon")
         return Gated(policy, SpecGate(gate_costs, lookup=bool(kw.get("lookup", False)),
-                                      rank_horizon=horizon if isinstance(horizon, int) else None))
+                                      rank_horizon=horizon if isinstance(horizon, int) else None,
+                                      lookup_first=bool(kw.get("lookup_first", False))))
     return policy
 
 

@@ -440,6 +440,7 @@ class DecoderService:
         policy = make_policy(policy_name, ucb_c=ucb_c, oracle_plan=plan, costs=costs,
                              gate=gate, gate_costs=self.gate_costs,
                              lookup=bool(self.engine.lookup),
+                             lookup_first=bool(self.engine.lookup_first and params.greedy),
                              rank_horizon=(self.pool.rank_horizon if req.rank_horizon is None
                                            else req.rank_horizon))
 
