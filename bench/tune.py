@@ -29,6 +29,9 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   iteration's proposals, likewise (bench/tune_head.py);
 - **lookup_first** (engine.LOOKUP_FIRST): the shortest context-suffix match at which a
   head's iteration runs the lookup alone (0: never); real runs, as head_vocab.
+- **head_prior** (gate.HEAD_PRIOR): with LOOKUP_FIRST, the prior a head's record in the
+  gate starts from (its dev tokens an iteration where the lookup leaves it) and its weight;
+  real runs, as head_vocab.
 - **plan_budget** (oracle.PLAN_BUDGET): how wide oracle-dynamic's plan search may go, its
   search time counted beside the plan it finds (bench/tune_plan.py).
 
@@ -405,6 +408,14 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f}; general-static without the "
                f"gate {ungated[lf['chosen']]:.3f} against {ungated.get(0, float('nan')):.3f} "
                f"at 0 (real runs, {lf['prompts']} prompts x {lf['repeats']})"}
+    hp = res["head_prior"]
+    f = hp["figure"]
+    out["gate.HEAD_PRIOR"] = {
+        "value": hp["chosen"], "grid": hp["grid"]["HEAD_PRIOR"], "chosen_by": "head_prior",
+        "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
+               f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real runs, {hp['prompts']} "
+               f"prompts x {hp['repeats']}); the prior: {hp['prior_tokens']} tokens an "
+               f"iteration over {hp['prior_iterations']} dev head iterations"}
     pb = res["plan_budget"]
     f = pb["figure"]
     out["oracle.PLAN_BUDGET"] = {
@@ -421,7 +432,8 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
-            "lookup_depth", "head_vocab", "head_stop", "lookup_first", "plan_budget")
+            "lookup_depth", "head_vocab", "head_stop", "lookup_first", "head_prior",
+            "plan_budget")
 
 
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
@@ -483,6 +495,10 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         from memspec.bench.tune_head import tune_lookup_first
 
         res["lookup_first"] = tune_lookup_first(pool_file, per_domain, max_new, repeats)
+    if "head_prior" in want:
+        from memspec.bench.tune_head import tune_head_prior
+
+        res["head_prior"] = tune_head_prior(pool_file, per_domain, max_new, repeats)
     if "plan_budget" in want:
         from memspec.bench.tune_plan import tune_plan_budget
         from memspec.procs.decoder import oracle
@@ -516,7 +532,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 11, figsize=(35, 3.4))
+    fig, axes = plt.subplots(1, 12, figsize=(38, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -561,7 +577,10 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
                "head.STOP floor (real runs)")
     _head_rows(axes[10], s.get("lookup_first", {}).get("rows", []),
                "engine.LOOKUP_FIRST match (real runs; 0 off)")
-    for ax in (*axes[:4], *axes[5:9], axes[10]):
+    _head_rows(axes[11], [{**r, "value": None if r["value"] is None else r["value"][1]}
+                          for r in s.get("head_prior", {}).get("rows", [])],
+               "gate.HEAD_PRIOR weight (real runs; all: none)")
+    for ax in (*axes[:4], *axes[5:9], axes[10], axes[11]):
         ax.axhline(1.0, color="k", lw=0.6)
     ax = axes[9]
     rows = s.get("plan_budget", {}).get("rows", [])

@@ -16,6 +16,10 @@
   proposes first inside a head's chain anyway, and the head's steps (~a fifth of a target
   step) buy only what comes after the lookup's chain.
 
+- **head_prior** (``gate.HEAD_PRIOR``): with LOOKUP_FIRST, what a head's record in the gate
+  starts from: its tokens an iteration on dev at the positions the lookup leaves it (a walk
+  of the dev traces, `head_prior_tokens`), worth a weight of iterations from a grid.
+
 Each setting runs memspec on its own warm server (a scratch tuned.json;
 bench/realsweep.py) beside target-only and general-static without the gate (what the
 head's iterations alone are worth) with the same setting, every dev prompt's variants back
@@ -35,9 +39,12 @@ from typing import Any
 
 from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
 from memspec.bench.tune_lookup_gate import _brief, tuned_with
+from memspec.common.config import PoolConfig
+from memspec.common.errors import ConfigError
 from memspec.common.tuned import TUNED_ENV, tuned_path
 
 ROWS = (None, 8192, 4096, 2048, 1024)  # None: every row the head was trained with
+PRIOR_WEIGHTS = (None, 4, 8, 16)  # iterations the dev prior is worth (None: no prior)
 FIRSTS = (0, 2, 3, 4, 6)  # 0: off; 2 is the pool's shortest lookup suffix
 STOPS = (0.0, 0.55, 0.7, 0.8, 0.9)  # 0: always gamma proposals (a first grid, to 0.7, chose its edge)
 # (a server per policy and setting: three processes each, ~1.2 GB; 11 fit in 24 GB)
@@ -120,3 +127,56 @@ def tune_lookup_first(pool_file: Path, per_domain: int, max_new: int, repeats: i
     # ties go to the longer match: fewer head iterations handed to the lookup
     return sweep_head_knob("engine.LOOKUP_FIRST", FIRSTS, lambda n: n or 1 << 30, pool_file,
                            per_domain, max_new, repeats)
+
+
+def head_prior_tokens(pool: PoolConfig, first: int) -> tuple[float, int]:
+    """Mean tokens an iteration of the pool's general head where LOOKUP_FIRST = `first`
+    leaves it, over every traced dev prompt, and the iterations that mean is over. The walk
+    replays the engine's choice: from each position, the lookup's iteration where the
+    context ends with a suffix of `first`+ tokens seen before (its acceptance alone, gamma
+    long), else the head's (its table: the head with the lookup inside)."""
+    from memspec.bench.evaluation import load_pool_tables, trajectories_path, trajectory_rows
+    from memspec.procs.decoder.lookup import NgramIndex, lookup_table
+
+    tt = load_pool_tables(pool, "dev")
+    rows = trajectory_rows(trajectories_path(pool, "dev", tt.dtype), list(tt.rows))
+    total = iterations = 0
+    for pid, row in tt.rows.items():
+        traj = rows.get(pid)
+        table = row["tables"].get(pool.general)
+        if traj is None or table is None:
+            continue
+        prompt, tokens = traj["prompt_ids"], traj["tokens"][:len(table)]
+        looked = lookup_table(prompt, tokens, pool.gamma, pool.lookup)
+        seq = [*prompt, *tokens]
+        P, t = len(prompt), 0
+        while t < len(tokens):
+            idx = NgramIndex(pool.lookup, seq[:P + t])
+            if first and idx.match(seq[max(0, P + t - idx.n_max):P + t]) >= first:
+                t += (looked[t] or 0) + 1
+                continue
+            total += table[t] + 1
+            iterations += 1
+            t += table[t] + 1
+    if not iterations:
+        raise ConfigError("no dev traces of the pool's general draft",
+                          "run `memspec trace --sets dev` first")
+    return total / iterations, iterations
+
+
+def tune_head_prior(pool_file: Path, per_domain: int, max_new: int, repeats: int
+                    ) -> dict[str, Any]:
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.engine import lookup_first_match
+
+    pool = load_pool(str(pool_file))
+    tokens, n = head_prior_tokens(pool, lookup_first_match("cpu"))
+    tokens = round(tokens, 3)
+    print(f"[bench tune] gate.HEAD_PRIOR: the general head brings {tokens} tokens an iteration "
+          f"where the lookup leaves it (dev, {n} iterations)", file=sys.stderr, flush=True)
+    grid = tuple(None if w is None else (tokens, w) for w in PRIOR_WEIGHTS)
+    # ties go to no prior, then to the lighter one
+    res = sweep_head_knob("gate.HEAD_PRIOR", grid, lambda v: 1 << 30 if v is None else -v[1],
+                          pool_file, per_domain, max_new, repeats)
+    res["prior_tokens"], res["prior_iterations"] = tokens, n
+    return res

@@ -720,6 +720,28 @@ def test_with_lookup_first_a_head_is_judged_against_the_target_alone(free_first_
     assert not gate.probing and gate.probes == 1
 
 
+def test_a_head_prior_keeps_two_bad_iterations_from_closing_a_head(monkeypatch):
+    """With LOOKUP_FIRST a head serves the positions the lookup cannot, where one-token
+    iterations are common. HEAD_PRIOR starts its record from dev's figure there: two such
+    iterations no longer close a head that pays on average, a long bad record still does,
+    and without LOOKUP_FIRST (or for the lookup itself) there is no prior."""
+    monkeypatch.setattr(SpecGate, "HEAD_PRIOR", [1.65, 8])
+    costs = GateCosts(target=(0.005, 0.0), verify=(0.0055, 0.0),
+                      spec={"general": (0.007, 0.0)})  # break-even 1.4 tokens an iteration
+    gates = {first: SpecGate(costs, lookup=True, lookup_first=first) for first in (False, True)}
+    for gate in gates.values():
+        for _ in range(2):
+            gate.observe(rec("general", 0, 0.007))
+    assert gates[True].pays("general") and gates[True].verdict("general") == "run"
+    assert not gates[False].pays("general") and gates[False].verdict("general") != "run"
+    gate = gates[True]
+    for _ in range(30):
+        gate.observe(rec("general", 0, 0.007))
+    assert not gate.pays("general")
+    gate.observe(IterationRecord(LOOKUP, 4, 3, 4, 0.0, t_verify=0.0055, context=100))
+    assert gate.tau[LOOKUP].n == 1 and gate.tau[LOOKUP].value == 4.0
+
+
 def test_no_free_look_at_a_head_that_cannot_beat_a_paying_lookup(monkeypatch):
     """A head's first look is free where the pool's drafts could pay (PRIOR_TAU), measured
     against the higher bar: the target alone, or a paying lookup's record in this request."""

@@ -31,6 +31,7 @@ RUNTIME = {  # knob -> the value the runtime runs
     "gate.RANK_HORIZON": lambda: SpecGate.RANK_HORIZON,
     "gate.LOOKUP_LOOKS": lambda: SpecGate.LOOKUP_LOOKS,
     "gate.LOOKUP_FAILING": lambda: SpecGate.LOOKUP_FAILING,
+    "gate.HEAD_PRIOR": lambda: SpecGate.HEAD_PRIOR,
     "loop.PREDICTOR_SHARE": lambda: loop.PREDICTOR_SHARE,
     "loop.CHUNKED_WAIT_S": lambda: loop.CHUNKED_WAIT_S,
     "engine.PREFILL_CHUNK": lambda: engine.PREFILL_CHUNK,

@@ -90,6 +90,11 @@ class _Estimate:
         self.n += 1
         self.value += max(self.alpha, 1.0 / self.n) * (x - self.value)
 
+    def seed(self, value: float, weight: int) -> _Estimate:
+        """Start from a prior worth `weight` iterations."""
+        self.value, self.n = float(value), int(weight)
+        return self
+
 
 class _RecentMedian:
     """A cost: the median of the last few timings (and the calibration's, while there are
@@ -150,6 +155,12 @@ class SpecGate:
     # never early): a context that repeats words but never what follows them costs a
     # verify (~1.7 target steps on 2 cores) per proposal
     LOOKUP_FAILING = knob("gate.LOOKUP_FAILING")
+    # with LOOKUP_FIRST, a model draft's record starts from [tokens an iteration, weight]:
+    # what the pool's general head brings on dev where the lookup has nothing, worth that
+    # many iterations (None: no prior). There acceptance swings between 1 and 5 tokens, and
+    # two early iterations of one token each closed, for the rest of a request, heads that
+    # pay ~12% there on average (tuned.json's head_prior section)
+    HEAD_PRIOR = knob("gate.HEAD_PRIOR")
 
     def __init__(self, costs: GateCosts | None, lookup: bool = False,
                  rank_horizon: int | None = None, lookup_first: bool = False) -> None:
@@ -221,8 +232,10 @@ class SpecGate:
             if self.verify_ratio is None:  # this machine now against the calibration:
                 self.verify_ratio = _RecentMedian()  # scales the target's
             self.verify_ratio.add(rec.t_verify / (verify[0] + verify[1] * rec.context))
-        if tau is None:  # no prior: the draft's own iterations decide, from the first
+        if tau is None:  # the draft's own iterations decide, from the first (or a prior)
             tau = self.tau[rec.draft] = _Estimate(self.ALPHA)
+            if self.lookup_first and self.HEAD_PRIOR and not self.costs.model_free(rec.draft):
+                tau.seed(*self.HEAD_PRIOR)
         tau.add(rec.accepted + 1.0)
         if rec.store_led:
             self.led.setdefault(rec.draft, _Estimate(self.ALPHA)).add(rec.accepted + 1.0)
