@@ -159,7 +159,8 @@ class SpecGate:
     # what the pool's general head brings on dev where the lookup has nothing, worth that
     # many iterations (None: no prior). There acceptance swings between 1 and 5 tokens, and
     # two early iterations of one token each closed, for the rest of a request, heads that
-    # pay ~12% there on average (tuned.json's head_prior section)
+    # pay ~12% there on average (tuned.json's head_prior section; the default pool's
+    # figure, which a pool of small draft models gets too)
     HEAD_PRIOR = knob("gate.HEAD_PRIOR")
 
     def __init__(self, costs: GateCosts | None, lookup: bool = False,
