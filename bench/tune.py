@@ -383,13 +383,7 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                                         f"{ld['counts']} on dev"}
     out["lookup.DEPTH_WEIGHT"] = {"value": ld["chosen"], "grid": ld["grid"]["DEPTH_WEIGHT"],
                                   "chosen_by": "lookup_depth", "dev": dev}
-    hv = res["head_vocab"]
-    f = hv["figure"]
-    out["head.VOCAB"] = {
-        "value": hv["chosen"], "grid": hv["grid"]["VOCAB"], "chosen_by": "head_vocab",
-        "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
-               f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real runs, "
-               f"{hv['prompts']} prompts x {hv['repeats']})"}
+    out["head.VOCAB"] = _real_run_knob(res, "head_vocab", "VOCAB")
     hs = res["head_stop"]
     f = hs["figure"]
     ungated = {r["value"]: r["general_static_ungated"]["gmean"] for r in hs["rows"]}
@@ -400,22 +394,14 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                f"[{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real "
                f"runs, {hs['prompts']} prompts x {hs['repeats']})"}
     lf = res["lookup_first"]
-    f = lf["figure"]
     ungated = {r["value"]: r["general_static_ungated"]["gmean"] for r in lf["rows"]}
-    out["engine.LOOKUP_FIRST"] = {
-        "value": lf["chosen"], "grid": lf["grid"]["LOOKUP_FIRST"], "chosen_by": "lookup_first",
-        "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
-               f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f}; general-static without the "
-               f"gate {ungated[lf['chosen']]:.3f} against {ungated.get(0, float('nan')):.3f} "
-               f"at 0 (real runs, {lf['prompts']} prompts x {lf['repeats']})"}
+    out["engine.LOOKUP_FIRST"] = _real_run_knob(
+        res, "lookup_first", "LOOKUP_FIRST", f"; general-static without the gate "
+        f"{ungated[lf['chosen']]:.3f} against {ungated.get(0, float('nan')):.3f} at 0")
     hp = res["head_prior"]
-    f = hp["figure"]
-    out["gate.HEAD_PRIOR"] = {
-        "value": hp["chosen"], "grid": hp["grid"]["HEAD_PRIOR"], "chosen_by": "head_prior",
-        "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
-               f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real runs, {hp['prompts']} "
-               f"prompts x {hp['repeats']}); the prior: {hp['prior_tokens']} tokens an "
-               f"iteration over {hp['prior_iterations']} dev head iterations"}
+    out["gate.HEAD_PRIOR"] = _real_run_knob(
+        res, "head_prior", "HEAD_PRIOR", f"; the prior: {hp['prior_tokens']} tokens an "
+        f"iteration over {hp['prior_iterations']} dev head iterations")
     pb = res["plan_budget"]
     f = pb["figure"]
     out["oracle.PLAN_BUDGET"] = {
@@ -429,6 +415,17 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         "dev": f"memspec / target-only e2e {lk['figure']['over_scales']:.3f}, general-static "
                f"{lk['figure']['general-static']['over_scales']:.3f}"}
     return out
+
+
+def _real_run_knob(res: Mapping[str, Any], section: str, name: str, more: str = ""
+                   ) -> dict[str, Any]:
+    """A knob a real-run head section chose (bench/tune_head.py), with memspec's dev figure."""
+    sec = res[section]
+    f = sec["figure"]
+    return {"value": sec["chosen"], "grid": sec["grid"][name], "chosen_by": section,
+            "dev": f"memspec / target-only e2e {f['gmean']:.3f} [{f['ci95'][0]:.3f}, "
+                   f"{f['ci95'][1]:.3f}], worst prompt {f['min']:.3f}{more} (real runs, "
+                   f"{sec['prompts']} prompts x {sec['repeats']})"}
 
 
 SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
