@@ -126,10 +126,12 @@ class Server(UpProcess):
     def settle(self) -> None:
         settle(self.rt, f"the {self.policy} server")
 
-    def generate(self, prompt: str, max_new: int) -> dict[str, Any]:
+    def generate(self, prompt: str, max_new: int, policy: str | None = None
+                 ) -> dict[str, Any]:
+        """A request of the server's policy, or of `policy` (e.g. target-only beside it)."""
         from memspec.common.metrics import as_json
 
-        policy, gate = self._runs
+        policy, gate = self._runs if policy is None else (policy, None)
         r = self.rt.generate(prompt, max_new_tokens=max_new, policy=policy, gate=gate)
         return {"token_ids": r.token_ids, "stats": as_json(r.stats)}
 
