@@ -150,8 +150,9 @@ def head_prior_tokens(pool: PoolConfig, first: int) -> tuple[float, int]:
         looked = lookup_table(prompt, tokens, pool.gamma, pool.lookup)
         seq = [*prompt, *tokens]
         P, t = len(prompt), 0
+        idx = NgramIndex(pool.lookup, prompt)
         while t < len(tokens):
-            idx = NgramIndex(pool.lookup, seq[:P + t])
+            idx.extend(seq[len(idx.tokens):P + t])  # (the committed tokens, as the engine's)
             if first and idx.match(seq[max(0, P + t - idx.n_max):P + t]) >= first:
                 t += (looked[t] or 0) + 1
                 continue
