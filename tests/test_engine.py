@@ -87,7 +87,8 @@ def test_lookup_first_hands_repeating_iterations_to_the_lookup(tiny_dir, tiny_he
     """LOOKUP_FIRST: an iteration of a model draft or a head whose context ends with a
     suffix of at least that many tokens seen before is the lookup's alone (recorded as
     the lookup's); every other iteration is the draft's, which catches up on what it
-    skipped. Output stays the target's greedy output; 0 turns it off."""
+    skipped, booked as its catch-up (not as its draft time, which the gate prices it by).
+    Output stays the target's greedy output; 0 turns it off."""
     from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
 
     eng = engine_with(tiny_dir, ["small", "random"], dtype=dtype, lookup=1)
@@ -108,6 +109,9 @@ def test_lookup_first_hands_repeating_iterations_to_the_lookup(tiny_dir, tiny_he
             assert (r.draft == LOOKUP) == looked, (first, name, r.context)
             if first:
                 routed[looked] += 1
+        for prev, r in zip(stats.records, stats.records[1:]):
+            if prev.draft == LOOKUP and r.draft == name:  # resumed after the lookup ran
+                assert r.catchup_tokens > 0 and r.t_catchup > 0, (first, name, r.context)
     assert routed[True] and routed[False]
 
 

@@ -71,6 +71,23 @@ def test_first_look_is_single_iterations_then_the_record_decides(free_first_look
     assert looks <= 2 and slow.closed  # two looks without a token end the first look
 
 
+def test_iterations_beside_a_load_price_nothing(free_first_look):
+    """A draft's iterations on fewer cores (a load in flight: `shared`) keep their tokens in
+    its record but not their time: three of them at twice the iteration's cost would price
+    a draft that pays at 2.4 tokens out of the request; unshared, the same timings do."""
+    def run(shared: bool) -> SpecGate:
+        gate = SpecGate(COSTS)  # break-even 2.2 tokens at 22 ms an iteration
+        gate.verdict("code")
+        for _ in range(3):
+            r = rec("code", 2, 0.044)  # 3 tokens an iteration
+            r.shared = shared
+            gate.observe(r)
+        return gate
+
+    assert run(shared=True).pays("code")
+    assert not run(shared=False).pays("code")
+
+
 def test_no_free_look_where_the_pools_drafts_cannot_pay(monkeypatch):
     """Where an iteration costs more target steps than the pool's drafts bring on dev
     (PRIOR_TAU), a request's first look is not free: the target runs alone until the probe

@@ -74,12 +74,29 @@ def test_oracle_static_runs_the_best_single_draft():
 
 
 def test_memspec_follows_a_perfect_predictor_to_the_good_draft():
+    """(A pool whose drafts differ this much ranks any request: rank_horizon 0.)"""
     tab = tables(4, good="code")
     req = SimRequest("p", "code", 40, tab,
                      scores=lambda p: {d: 1.0 if d == "code" else 0.1 for d in DRAFTS})
     cheap = cost(spec_s={d: 0.06 for d in DRAFTS})  # speculation pays: the gate lets it run
-    s = simulate("memspec", req, cheap, CFG).summary()
+    s = simulate("memspec", req, cheap, replace(CFG, rank_horizon=0)).summary()
     assert s["num_drafts"] > 0 and s["drafts_used"].get("code", 0) > 0.8 * s["num_drafts"]
+
+
+def test_a_request_shorter_than_the_ranking_horizon_loads_its_first_draft_at_once():
+    """Nothing resident and fewer tokens to come than a ranking needs to pay back: memspec
+    loads the general draft as the request opens (beside the prefill), asks for no ranking,
+    and loads nothing else; a longer one ranks the prompt first and loads what it ranks."""
+    tab = tables(4, good="code")
+    req = SimRequest("p", "code", 40, tab,
+                     scores=lambda p: {d: 1.0 if d == "code" else 0.1 for d in DRAFTS})
+    cheap = cost(spec_s={d: 0.06 for d in DRAFTS})
+    short = simulate_traced("memspec", req, cheap, replace(CFG, rank_horizon=128))  # (96 to come)
+    assert short.snapshots == 0 and short.trace.initial_prediction == 0.0
+    assert [e.draft for e in short.trace.loads if e.kind == "load"] == ["general"]
+    ranked = simulate_traced("memspec", req, cheap, replace(CFG, rank_horizon=32))
+    assert ranked.snapshots > 0
+    assert "code" in {e.draft for e in ranked.trace.loads if e.kind == "load"}
 
 
 @pytest.mark.parametrize("seed", [5, 6, 7])

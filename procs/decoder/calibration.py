@@ -7,8 +7,9 @@ attention grows with it), a few tenths of a second in all. The lines are kept un
 ``$MEMSPEC_HOME/calib/`` keyed by everything that changes them (numerics key: dtype and CPU
 kernel path; threads; gamma; the target's files; the build and the engine's code), so a
 restarted decoder reads them instead. A draft's gamma steps are priced at a fifth of a
-target step each until the request's own iterations measure them (the gate's medians);
-`draft_gamma_s` times a bound draft's, for tests and tools.
+target step each unless they were timed (`draft_gamma_s`: the decoder times each draft
+shape at start, draft_prices.py); the request's own iterations refine both (the gate's
+medians).
 
 Lines timed while the machine was busy (the predictor and loader starting beside the
 decoder, a test suite on both cores) would price every target step two or three times too
@@ -152,7 +153,8 @@ def gate_costs(engine: Any, pool: Any, numerics: str, log=lambda msg: None) -> G
             f"{1e3 * lines['step'][0]:.2f} ms + {1e6 * lines['step'][1]:.2f} us/token, verify "
             f"{1e3 * lines['verify'][0]:.2f} ms + {1e6 * lines['verify'][1]:.2f} us/token")
     step, verify = lines["step"], lines["verify"]
-    # a typical draft's gamma steps before one is timed: a fifth of a target step each
+    # a draft's gamma steps before its shape is timed (draft_prices.py): a fifth of a
+    # target step each, a small draft model's
     return GateCosts(target=step, verify=verify, draft_prior_s=0.2 * pool.gamma * step[0],
                      prefill=lines["prefill"],
                      gamma=pool.gamma, free=frozenset(d.name for d in pool.drafts

@@ -241,7 +241,8 @@ class Session:
         self._head_stop = stop_floor(engine.device) if params.greedy else 0.0
         self._lookup_first = engine.lookup_first if self._ngrams is not None else 0
         self._last_draft: str | None = None  # the last draft that ran (switch count)
-        self._prev: str | None = None  # the previous iteration's draft (None: the target)
+        self._prev: str | None = None  # the draft the previous iteration ran (None: the
+        # target; the lookup where it ran in a model draft's place)
         self._dev = engine.device
         self._cap = need
         self._tok = torch.zeros(need, dtype=torch.long, device=self._dev)
@@ -315,7 +316,12 @@ class Session:
             if self._last_draft is not None and draft != self._last_draft:
                 self.stats.switches += 1
             self._last_draft = draft
-        self._prev = draft
+        # what ran, not what was asked for: after the lookup ran in a draft's place, the
+        # draft's next iteration is a resumption whose catch-up is booked as catch-up (as
+        # the draft's own draft time, a fresh head's first iteration after lookup-first ones
+        # carried its catch-up over the whole prompt, ~15 ms, and that one timing closed the
+        # gate on it for the rest of the request)
+        self._prev = rec.draft
         self.stats.records.append(rec)
         return rec
 

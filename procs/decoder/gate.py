@@ -221,6 +221,19 @@ class SpecGate:
             self.probes += 1
             self.probing = False
         self.seen[rec.draft] = rec.context
+        if not rec.shared:  # (timings on fewer cores, a load in flight, price nothing: a
+            self._observe_costs(rec)  # head's few iterations beside its neighbour's load
+            # once priced it at 1.7 target steps and closed it for the rest of a request)
+        if tau is None:  # the draft's own iterations decide, from the first (or a prior)
+            tau = self.tau[rec.draft] = _Estimate(self.ALPHA)
+            if self.lookup_first and self.HEAD_PRIOR and not self.costs.model_free(rec.draft):
+                tau.seed(*self.HEAD_PRIOR)
+        tau.add(rec.accepted + 1.0)
+        if rec.store_led:
+            self.led.setdefault(rec.draft, _Estimate(self.ALPHA)).add(rec.accepted + 1.0)
+
+    def _observe_costs(self, rec: IterationRecord) -> None:
+        assert self.costs is not None and rec.draft is not None
         if rec.catchup_tokens > 0 and rec.t_catchup > 0:
             if self.catch_token is None:
                 self.catch_token = _RecentMedian()
@@ -233,13 +246,6 @@ class SpecGate:
             if self.verify_ratio is None:  # this machine now against the calibration:
                 self.verify_ratio = _RecentMedian()  # scales the target's
             self.verify_ratio.add(rec.t_verify / (verify[0] + verify[1] * rec.context))
-        if tau is None:  # the draft's own iterations decide, from the first (or a prior)
-            tau = self.tau[rec.draft] = _Estimate(self.ALPHA)
-            if self.lookup_first and self.HEAD_PRIOR and not self.costs.model_free(rec.draft):
-                tau.seed(*self.HEAD_PRIOR)
-        tau.add(rec.accepted + 1.0)
-        if rec.store_led:
-            self.led.setdefault(rec.draft, _Estimate(self.ALPHA)).add(rec.accepted + 1.0)
 
     def target_s(self, context: int) -> float:
         """A target step at `context`: measured in this request once it has run some; before

@@ -331,12 +331,19 @@ class Controller:
         run = self.running = _Running(job, [] if job.trace else None)
         # the prompt is ranked first unless the policy wants no ranking yet (a gate that
         # probes a resident draft before any load) and a draft is there to be probed, or a
-        # closed gate would look at no draft anyway
+        # closed gate would look at no draft anyway, or the request is too short to pay a
+        # ranking back (`ranking_horizon`): then the first decision loads the policy's
+        # initial draft at once, beside the prefill (waiting for the ranking put that load
+        # after the prefill, and a 128-token request then also loaded the ranked domain
+        # draft and rarely ran it: ~8% slower than the general draft alone on dev)
         looks = getattr(job.policy, "may_look", None)
         ranks = getattr(job.policy, "ranks_prompt", None)
+        horizon = getattr(job.policy, "ranking_horizon", 0)
+        short = bool(horizon and job.max_new_tokens and job.max_new_tokens < horizon)
         if job.policy.uses_predictor and (job.policy.wants_ranking() or (
                 ranks is not None and ranks(job.max_new_tokens, self.drafts)) or (
-                not self.table.resident and (looks is None or looks(self.drafts)))):
+                not short and not self.table.resident
+                and (looks is None or looks(self.drafts)))):
             self._snapshot()
             if job.executor is not None or not job.chunks:  # nothing to overlap it with
                 run.t_initial = self._wait_initial_ranking()

@@ -47,6 +47,7 @@ from memspec.common.safetensors_layout import Layout, read_layout
 from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.calibration import gate_costs as calibrated_gate_costs
 from memspec.procs.decoder.detok import StreamDecoder
+from memspec.procs.decoder.draft_prices import price_drafts
 from memspec.procs.decoder.engine import Session, SpecEngine
 from memspec.procs.decoder.gate import GateCosts
 from memspec.procs.decoder.head import is_head, scored_rows
@@ -326,8 +327,8 @@ class DecoderService:
         self.K = len(slots.buffers)
         self.slots = slots
         # what the speculation gate believes an iteration costs, from this decoder's first
-        # request on: the target timed at start (cached per machine and build); a draft's
-        # own cost is measured by its first iteration in each request (the gate's first look)
+        # request on: the target and each draft shape's steps timed at start (cached per
+        # machine and build), refined by each request's own iterations
         self.gate_costs = gate_costs if gate_costs is not None else self._calibrate()
         self._plan_prior = plan_costs(pool, {d: f.layout.data_size for d, f in slots.files.items()},
                                       self.gate_costs)
@@ -349,12 +350,20 @@ class DecoderService:
         return index
 
     def _calibrate(self) -> GateCosts | None:
+        numerics = runtime_key(self.pool, self.engine.device)
         try:
-            return calibrated_gate_costs(self.engine, self.pool,
-                                         runtime_key(self.pool, self.engine.device), log)
+            costs = calibrated_gate_costs(self.engine, self.pool, numerics, log)
         except (RuntimeError, ValueError, OSError) as exc:  # an engine that cannot be timed
             LOG.warning(f"no start-up calibration ({exc}); the speculation gate is off")
             return None
+        buffers = self.slots.buffers
+        try:  # each draft shape's steps (a slot is empty before the first load)
+            return price_drafts(costs, self.engine, self.pool, buffers[0] if buffers else None,
+                                self.slots.files, numerics, log)
+        except (MemspecError, RuntimeError, ValueError, OSError) as exc:
+            LOG.warning(f"drafts not timed at start ({exc}); priced at a fifth of a target "
+                        "step a draft step until a request runs them")
+            return costs
 
     def preload(self, draft: str) -> bool:
         """Make `draft` resident before the first request (read and checked here, at start):
