@@ -342,6 +342,31 @@ def test_native_head_matches_the_pytorch_reference(tiny_dir, tiny_heads, stored)
     assert props[0].argmax() == props[1].argmax()
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_head_step_embeds_its_token_as_the_target_does(tiny_dir, tiny_heads, dtype):
+    """The C++ step embeds its proposal itself: the rows are the target's embedding as
+    tensor ops give it (Q8_0 values times their scales), and the step's logits and output
+    are, bit for bit, the head's forward of those rows."""
+    from memspec.procs.decoder.linear import GROUP
+
+    eng = engine_with(tiny_dir, [], dtype=dtype)
+    lean = eng.target.lean
+    ids = torch.tensor([3, 17, 42, 95])
+    ref = lean.embed_w[ids].float()
+    if lean.embed_scale is not None:
+        ref = (ref.view(4, -1, GROUP) * lean.embed_scale[ids].float().unsqueeze(2)).view(4, -1)
+    assert torch.equal(eng.target.model.embed(ids), ref)
+    eng.add_draft(load_into_slot("h", tiny_heads[0], SlotBuffer(1 << 20), TINY_VOCAB,
+                                 eng.target_parts))
+    head = eng.drafts["h"].runner
+    assert head.native is not None
+    hidden = torch.randn(1, lean.arch.hidden, generator=torch.Generator().manual_seed(0))
+    for i in range(4):
+        a = head.step(ids[i:i + 1], 0, head.new_cache(16), hidden)
+        b = head._native_forward(ref[i:i + 1], hidden, 0, head.new_cache(16))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_a_head_needs_the_target(tiny_heads):
     from memspec.common.errors import ModelError
 
