@@ -190,9 +190,14 @@ def draft_gamma_s(engine: Any, bound: Any, gamma: int) -> float:
     ctx = 32
     ids = torch.randint(0, min(engine.vocab, 1000), (ctx + 1,)).to(engine.device)
     one = ids[-1:]
+    cuda = ids.device.type == "cuda"  # (kernels run asynchronously: time them to the end)
+
+    def synced(fn):
+        return (lambda: (fn(), torch.cuda.synchronize(ids.device))) if cuda else fn
+
     if bound.kind == "head":
         feats = torch.zeros((ctx, runner.arch.features), device=engine.device)
         _, hidden = runner.teacher(ids[:ctx], 0, cache, feats)
-        return gamma * _fastest_s([lambda: runner.step(one, ctx, cache, hidden)])[0]
+        return gamma * _fastest_s([synced(lambda: runner.step(one, ctx, cache, hidden))])[0]
     runner.forward(ids[:ctx], 0, cache, last_only=True)
-    return gamma * _fastest_s([lambda: runner.forward(one, ctx, cache)])[0]
+    return gamma * _fastest_s([synced(lambda: runner.forward(one, ctx, cache))])[0]
