@@ -77,8 +77,13 @@ def calibrate(pool: PoolConfig, pool_path: str | None, prompts: Sequence[dict],
     ranking cost, and on a machine where no draft pays a gated run has none of them to time
     (the gate loads nothing and asks for no ranking until a draft pays: on the 2-core EPYC
     all four calibration requests of each policy ran the target and the lookup alone)."""
+    # interleaved per prompt, the order flipped every other prompt: run policy by policy,
+    # a drifting host priced each policy at its own hour (a head's iteration fit at 1.61
+    # target steps where the same prompts interleaved ran at 1.39, and the simulator's
+    # gated policies then kept the head closed where the real ones ran it)
     reqs = [RealRequest(pol, p["id"], p["domain"], p["prompt"], max_new_tokens)
-            for pol in policies for p in prompts]
+            for i, p in enumerate(prompts)
+            for pol in (policies if i % 2 == 0 else tuple(reversed(policies)))]
     runs = run_real(reqs, out, pool_path)
     stats = [r.stats for r in runs.values()]
     # the predictor's own time per ranking, over every answered snapshot (prompt-only and
