@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from memspec.common.errors import RequestError
-from memspec.procs.decoder.acceptance import SamplingParams, speculative_accept, warp
+from memspec.procs.decoder.acceptance import (
+    SamplingParams,
+    greedy_accept,
+    greedy_accept_host,
+    host_argmax,
+    host_rows,
+    speculative_accept,
+    warp,
+)
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import load_causal_lm
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
@@ -20,6 +28,25 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def empirical(samples: list[int], n: int) -> torch.Tensor:
     return torch.bincount(torch.tensor(samples[:n]), minlength=V).float() / n
+
+
+def test_the_host_greedy_rule_accepts_what_the_tensor_rule_accepts():
+    """The numpy path the CPU engine takes: the same prefix and next token as torch, with
+    ties (first maximum) and NaN (the maximum) taken as torch takes them."""
+    gen = torch.Generator().manual_seed(1)
+    nan = float("nan")
+    cases = [torch.tensor([[0., 2., 2.], [1., 1., 0.], [nan, 3., nan]]),
+             torch.randint(0, 3, (6, 5), generator=gen).float()]
+    for logits in cases:
+        assert host_rows(logits) and not host_rows(logits.double())
+        choice = logits.argmax(-1).tolist()
+        g = logits.shape[0] - 1
+        for k in range(g + 1):  # k proposals right, then a wrong one (or all right)
+            props = choice[:k] + [(c + 1) % logits.shape[1] for c in choice[k:g]]
+            n, nxt = greedy_accept(torch.tensor(props), logits)
+            assert greedy_accept_host(props, logits) == (int(n), int(nxt)) == (k, choice[k])
+        for row in logits:
+            assert host_argmax(row) == int(row.argmax())
 
 
 def test_rejection_rule_converges_to_target_at_every_position():

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from memspec.common.errors import ModelError, RequestError
@@ -29,6 +30,9 @@ from memspec.common.tuned import knob
 from memspec.procs.decoder.acceptance import (
     SamplingParams,
     greedy_accept,
+    greedy_accept_host,
+    host_argmax,
+    host_rows,
     sample,
     speculative_accept,
     warp,
@@ -67,6 +71,13 @@ def prefill_pieces(n: int, chunk: int, between: Between | None) -> Iterator[tupl
         a = b
         if a < n and between is not None and not between():
             step = n
+
+
+def _argmax1(row: torch.Tensor) -> torch.Tensor:
+    """A draft row's argmax as a 1-element index (numpy's where it reads the row in place)."""
+    if host_rows(row):
+        return torch.from_numpy(row.numpy().argmax(keepdims=True).astype(np.int64))
+    return row.argmax().view(1)
 
 
 class _Proposer:
@@ -247,6 +258,8 @@ class Session:
         self._cap = need
         self._tok = torch.zeros(need, dtype=torch.long, device=self._dev)
         self._tok[:self.prompt_len] = torch.tensor(self.tokens, dtype=torch.long)
+        # the same ids through numpy on a CPU: a commit's write costs ~1 us, not torch.tensor's ~20
+        self._tok_host = self._tok.numpy() if self._dev.type == "cpu" else None
         t0 = time.perf_counter()
         self._tcache = engine.target.new_cache(engine.max_len)
         self._prefill(between if engine.exact_chunks else None)
@@ -278,7 +291,10 @@ class Session:
                 break
         if out:
             L = len(self.tokens)
-            self._tok[L:L + len(out)] = torch.tensor(out, dtype=torch.long)
+            if self._tok_host is not None:
+                self._tok_host[L:L + len(out)] = out
+            else:
+                self._tok[L:L + len(out)] = torch.tensor(out, dtype=torch.long)
             self.tokens.extend(out)
             if self._ngrams is not None:
                 self._ngrams.extend(out)
@@ -290,7 +306,7 @@ class Session:
 
     def _pick(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
-            return int(logits.argmax().item())
+            return host_argmax(logits) if host_rows(logits) else int(logits.argmax().item())
         return sample(warp(logits.cpu(), self.params), self.gen)
 
     @torch.inference_mode()
@@ -372,11 +388,18 @@ class Session:
             rec.draft = name
             return rec
         t_draft_end = time.perf_counter()
-        prop = torch.tensor(props, dtype=torch.long, device=self._dev)
-        logits = self.engine.target.forward(torch.cat([self._tok[L - 1:L], prop]), L - 1,
-                                            self._tcache)
-        n_t, nxt_t = greedy_accept(prop, logits)
-        n, nxt = int(n_t), int(nxt_t)
+        if self._tok_host is not None:  # the proposals where they would be committed: the
+            self._tok_host[L:L + len(props)] = props  # verify reads one slice (later commits
+            verify = self._tok[L - 1:L + len(props)]  # write over what is not accepted)
+        else:
+            verify = torch.cat([self._tok[L - 1:L],
+                                torch.tensor(props, dtype=torch.long, device=self._dev)])
+        logits = self.engine.target.forward(verify, L - 1, self._tcache)
+        if host_rows(logits):
+            n, nxt = greedy_accept_host(props, logits)
+        else:
+            n_t, nxt_t = greedy_accept(verify[1:], logits)
+            n, nxt = int(n_t), int(nxt_t)
         emitted = self._commit(props[:n] + [nxt])
         self._sync()
         t1 = time.perf_counter()
@@ -424,13 +447,13 @@ class Session:
                 elif d_idx is None:
                     if i and unsure(row, stop):
                         break
-                    d_idx = row.argmax().view(1)
+                    d_idx = _argmax1(row)
                     tok = int(d_idx) if to_target is None else int(to_target[d_idx])
                 tail.append(tok)
             elif self.params.greedy:
                 if i and unsure(row, stop):
                     break
-                d_idx = row.argmax().view(1)
+                d_idx = _argmax1(row)
             else:  # sampling runs on the CPU generator: seeded runs repeat on any device
                 q_sub = warp(row.cpu(), self.params)
                 d_idx = torch.multinomial(q_sub, 1, generator=self.gen).to(self._dev)
@@ -445,7 +468,10 @@ class Session:
         t_draft_end = time.perf_counter()
         verify = torch.cat([self._tok[L - 1:L], prop])
         logits = eng.target.forward(verify, L - 1, self._tcache)
-        if self.params.greedy:
+        if self.params.greedy and host_rows(logits):
+            proposals = prop.tolist()
+            n, nxt = greedy_accept_host(proposals, logits)
+        elif self.params.greedy:
             n_t, nxt_t = greedy_accept(prop, logits)
             n, nxt, *proposals = torch.cat([n_t.view(1), nxt_t.view(1), prop]).tolist()
         else:  # (the iteration's one host sync, above)
