@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from memspec.common.config import check_sampling
@@ -80,6 +81,13 @@ def host_argmax(logits: torch.Tensor) -> int:
     """``int(logits.argmax())`` of one row: the first maximum, NaN counting as the maximum,
     as torch takes it."""
     return int(logits.numpy().argmax())
+
+
+def argmax_index(row: torch.Tensor) -> torch.Tensor:
+    """A draft row's argmax as a 1-element index tensor (numpy's where :func:`host_rows`)."""
+    if host_rows(row):
+        return torch.from_numpy(row.numpy().argmax(keepdims=True).astype(np.int64))
+    return row.argmax().view(1)
 
 
 def greedy_accept_host(proposals: Sequence[int], target_logits: torch.Tensor

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from memspec.common.errors import ModelError, RequestError
@@ -29,6 +28,7 @@ from memspec.common.metrics import IterationRecord, RunStats
 from memspec.common.tuned import knob
 from memspec.procs.decoder.acceptance import (
     SamplingParams,
+    argmax_index,
     greedy_accept,
     greedy_accept_host,
     host_argmax,
@@ -71,13 +71,6 @@ def prefill_pieces(n: int, chunk: int, between: Between | None) -> Iterator[tupl
         a = b
         if a < n and between is not None and not between():
             step = n
-
-
-def _argmax1(row: torch.Tensor) -> torch.Tensor:
-    """A draft row's argmax as a 1-element index (numpy's where it reads the row in place)."""
-    if host_rows(row):
-        return torch.from_numpy(row.numpy().argmax(keepdims=True).astype(np.int64))
-    return row.argmax().view(1)
 
 
 class _Proposer:
@@ -447,13 +440,13 @@ class Session:
                 elif d_idx is None:
                     if i and unsure(row, stop):
                         break
-                    d_idx = _argmax1(row)
+                    d_idx = argmax_index(row)
                     tok = int(d_idx) if to_target is None else int(to_target[d_idx])
                 tail.append(tok)
             elif self.params.greedy:
                 if i and unsure(row, stop):
                     break
-                d_idx = _argmax1(row)
+                d_idx = argmax_index(row)
             else:  # sampling runs on the CPU generator: seeded runs repeat on any device
                 q_sub = warp(row.cpu(), self.params)
                 d_idx = torch.multinomial(q_sub, 1, generator=self.gen).to(self._dev)
