@@ -223,6 +223,30 @@ def test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype, monkeypatch):
     assert chunked.generated == ref
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_native_forward_bits_do_not_depend_on_the_thread_count(tiny_dir, dtype):
+    """The native kernels hand work items to whichever thread is free (one that loses its
+    core to the loader leaves its share to the other), so no output may depend on which
+    thread computed it, or how many there were."""
+    eng = engine_with(tiny_dir, ["small"], dtype=dtype)
+    if type(eng.target).__name__ != "NativeLM":
+        pytest.skip("the native forward cannot be built here")
+    ids = torch.tensor([1 + (i * 7) % 90 for i in range(45)])  # several 8-row blocks
+    was = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            cache = eng.target.new_cache(64)
+            with torch.inference_mode():
+                logits = eng.target.forward(ids, 0, cache).clone()
+            out.append([logits] + [t.clone() for t in _prompt_rows(cache, len(ids))])
+    finally:
+        torch.set_num_threads(was)
+    for other in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+
+
 def test_random_draft_is_mostly_rejected(tiny_dir):
     eng = engine_with(tiny_dir, ["random"])
     _, stats = eng.generate(PROMPTS[0], 40, select=lambda s: "random")

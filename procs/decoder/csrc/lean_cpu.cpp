@@ -404,7 +404,7 @@ class Core {
     const float* kp = kc.data_ptr<float>();
     const float* vp = vc.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, kvh_ * T, 1, [&](int64_t a0, int64_t a1) {
+    memspec::parallel_chunks(kvh_ * T, 1, [&](int64_t a0, int64_t a1) {
       std::vector<float> sc(g * n_pad_max), acc(g * hd);
       std::vector<const float*> qr(g);
       for (int64_t task = a0; task < a1; ++task) {

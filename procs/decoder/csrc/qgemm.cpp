@@ -1,9 +1,6 @@
 // See qgemm.h.
 #include "qgemm.h"
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
 
 namespace memspec {
 
@@ -84,13 +81,18 @@ PackedQ8 packed_q8(const at::Tensor& w, const at::Tensor& d, const at::Tensor& c
 
 namespace {
 
+// Items are (block of up to 8 rows, output tile), block-major: one weight pass per block,
+// and one parallel region per product rather than one per block.
 template <typename F>
-void over_rows(int64_t M, int64_t tiles, F&& run) {
-  // rows in blocks of up to 8 (one weight pass each), tiles split across threads
-  for (int64_t r0 = 0; r0 < M; r0 += QMAXROWS) {
-    const int64_t rows = std::min<int64_t>(QMAXROWS, M - r0);
-    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { run(r0, rows, t0, t1); });
-  }
+void over_items(int64_t M, int64_t tiles, int64_t batch, const F& run) {
+  const int64_t blocks = (M + QMAXROWS - 1) / QMAXROWS;
+  parallel_chunks(blocks * tiles, batch, [&](int64_t i0, int64_t i1) {
+    while (i0 < i1) {  // split at block boundaries
+      const int64_t b = i0 / tiles, t0 = i0 % tiles, t1 = std::min(tiles, t0 + (i1 - i0));
+      run(b * QMAXROWS, std::min<int64_t>(QMAXROWS, M - b * QMAXROWS), t0, t1);
+      i0 += t1 - t0;
+    }
+  });
 }
 
 at::Tensor rows_fp32(const at::Tensor& x, int64_t K, const char* what) {
@@ -107,7 +109,7 @@ at::Tensor gemm_q4(const at::Tensor& x_in, const PackedQ4& w) {
   const k::QuantRows xr = k::quantize_rows(x.data_ptr<float>(), M, w.K, false);
   const k::Q4 v = w.view();
   float* yp = y.data_ptr<float>();
-  over_rows(M, w.N / QTILE, [&](int64_t r0, int64_t rows, int64_t t0, int64_t t1) {
+  over_items(M, w.N / QTILE, 4, [&](int64_t r0, int64_t rows, int64_t t0, int64_t t1) {
     k::q4_tiles(xr, v, yp, r0, rows, t0, t1);
   });
   return y;
@@ -120,7 +122,7 @@ at::Tensor gemm_q8(const at::Tensor& x_in, const PackedQ8& w) {
   const k::QuantRows xr = k::quantize_rows(x.data_ptr<float>(), M, w.K, true);
   const k::Q8 v = w.view();
   float* yp = y.data_ptr<float>();
-  over_rows(M, w.N / QTILE, [&](int64_t r0, int64_t rows, int64_t t0, int64_t t1) {
+  over_items(M, w.N / QTILE, 4, [&](int64_t r0, int64_t rows, int64_t t0, int64_t t1) {
     k::q8_tiles(xr, v, yp, r0, rows, t0, t1);
   });
   return y;
@@ -140,12 +142,9 @@ at::Tensor gemm_f16w(const at::Tensor& x_in, const at::Tensor& w) {
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r0 = 0; r0 < M; r0 += QMAXROWS) {
-    const int64_t rows = std::min<int64_t>(QMAXROWS, M - r0);
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      k::f16w_rows(xp, xbp, bits16(w), bf16, yp, r0, rows, K, N, n0, n1);
-    });
-  }
+  over_items(M, N, 64, [&](int64_t r0, int64_t rows, int64_t n0, int64_t n1) {
+    k::f16w_rows(xp, xbp, bits16(w), bf16, yp, r0, rows, K, N, n0, n1);
+  });
   return y;
 }
 
