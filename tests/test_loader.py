@@ -185,6 +185,31 @@ def test_slot_bytes_equal_file_data_and_bound_draft_matches_normal_load(loader, 
         del bound, buf
 
 
+def test_a_kept_slot_mapping_is_dropped_when_the_decoder_recreates_the_segment(
+        loader, slots, tiny_dir):
+    """The loader keeps each slot's mapping between loads (a fresh one faults in every page
+    it writes); a restarted decoder recreates the segment under the same name, and the
+    next load must land in the new segment, not in the old one's orphaned memory."""
+    path = tiny_dir / "self" / "model.safetensors"
+    want = data_section(path)
+    mem = slots()
+
+    def load_into(target: SlotMemory, generation: int) -> None:
+        target.tensor.fill_(0)
+        sockets.send(loader.dealer, load_msg(path, target, slot=5, generation=generation))
+        msg = loader.reply()
+        assert isinstance(msg, Loaded), msg
+        assert target.tensor[:len(want)].numpy().tobytes() == want
+
+    load_into(mem, 1)
+    load_into(mem, 2)  # the kept mapping
+    name = mem.handle
+    mem.close()
+    mem.unlink()
+    with SlotMemory.create(name, CAP, "shm") as again:
+        load_into(again, 3)
+
+
 def test_cancel_aborts_the_inflight_load_and_drops_queued_ones(loader, slots, tiny_dir):
     path = tiny_dir / "self" / "model.safetensors"
     slow = len(data_section(path)) / 4.0  # ~4 s if it were left alone

@@ -9,6 +9,7 @@ matching ``Cancel`` arrives, so a load never blocks the process's control plane.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -114,7 +115,7 @@ def open_slot(load: Load) -> SlotWriter:
 
 
 def stream(load: Load, layout: Layout, writer: SlotWriter, between: Callable[[], None],
-           chunk: int, io_mode: str) -> Result:
+           chunk: int, io_mode: str, buffer: mmap.mmap | None = None) -> Result:
     """Copy the data section to slot offset 0, hashing what was written: each manifest
     range is checked as soon as its last byte is in the slot."""
     t0 = time.perf_counter()
@@ -127,7 +128,7 @@ def stream(load: Load, layout: Layout, writer: SlotWriter, between: Callable[[],
     ranges = RangeVerifier(load.ranges, f"draft '{load.draft}'")
     done = 0
     reader = ColdReader(layout.path, layout.data_offset, layout.data_size, chunk, io_mode,
-                        ring=RING)
+                        ring=RING, buffer=buffer)
     chunks = read_ahead(reader)
     try:
         for part in chunks:

@@ -37,9 +37,9 @@ from memspec.common.messages import (
     type_name,
 )
 from memspec.common.procexit import fast_exit
-from memspec.common.slotmem import CUDA_IPC, TRANSPORTS, SlotWriter
+from memspec.common.slotmem import CUDA_IPC, SHM, TRANSPORTS, ShmWriter, SlotWriter
 from memspec.procs.loader.job import Cancelled, LoadError, open_slot, stream, validate
-from memspec.procs.loader.reader import IO_MODES
+from memspec.procs.loader.reader import IO_MODES, RING, ring_buffer
 
 PROC = "loader"
 HEARTBEAT_S = 0.5
@@ -62,7 +62,8 @@ class LoaderProcess:
         self.control.setsockopt(zmq.SNDHWM, 64)
         self.control.connect(control)
         self.queue: deque[tuple[bytes, Load]] = deque()
-        self.ipc: dict[int, tuple[str, int, SlotWriter]] = {}  # slot -> open cuda-ipc writer
+        self.writers: dict[int, tuple[str, int, SlotWriter]] = {}  # slot -> its open writer
+        self.buffer = ring_buffer(chunk, RING)  # every load reads through it (reader.py)
         self.current: tuple[bytes, Load] | None = None
         self.stopping = False
         self.loads = 0
@@ -142,12 +143,8 @@ class LoaderProcess:
         try:
             layout = validate(load)
             writer = self._writer(load)
-            try:
-                res = stream(load, layout, writer, self._between_chunks, self.chunk,
-                             self.io_mode)
-            finally:
-                if load.transport != CUDA_IPC:
-                    writer.close()
+            res = stream(load, layout, writer, self._between_chunks, self.chunk,
+                         self.io_mode, self.buffer)
         except LoadError as exc:
             self._fail(item, str(exc))
             return
@@ -166,20 +163,24 @@ class LoaderProcess:
                                   checksum=res.checksum))
 
     def _writer(self, load: Load) -> SlotWriter:
-        """shm: opened per load, because a restarted decoder may recreate a segment under the
-        same name. cuda-ipc: kept open per slot, so each exported handle is opened (and its
-        ref counter released) once; a new handle for a slot (decoder restart) replaces it,
-        which bounds the mappings of a dead decoder's memory to one per slot."""
-        if load.transport != CUDA_IPC:
-            return open_slot(load)
-        cached = self.ipc.get(load.slot)
-        if cached and cached[:2] == (load.handle, load.capacity):
-            return cached[2]
-        if cached:
-            del self.ipc[load.slot]
-            cached[2].close()
+        """Kept open per slot. shm: a fresh mapping per load would fault in every page it
+        writes (more CPU than the read), so the mapping is reused while the segment under
+        the load's name is the same file (a restarted decoder recreates it under the same
+        name). cuda-ipc: each exported handle is opened (and its ref counter released) once.
+        A new handle for a slot replaces the old writer, which bounds the mappings of a dead
+        decoder's memory to one per slot."""
+        cached = self.writers.get(load.slot)
+        if cached is not None:
+            handle, capacity, writer = cached
+            if isinstance(writer, ShmWriter):
+                if load.transport == SHM and writer.current(load.handle, load.capacity):
+                    return writer
+            elif (load.transport, load.handle, load.capacity) == (CUDA_IPC, handle, capacity):
+                return writer
+            del self.writers[load.slot]
+            writer.close()
         writer = open_slot(load)
-        self.ipc[load.slot] = (load.handle, load.capacity, writer)
+        self.writers[load.slot] = (load.handle, load.capacity, writer)
         return writer
 
     def run(self) -> None:
@@ -199,9 +200,9 @@ class LoaderProcess:
         self.queue.clear()
 
     def close(self) -> None:
-        for _handle, _cap, writer in self.ipc.values():
+        for _handle, _cap, writer in self.writers.values():
             writer.close()
-        self.ipc.clear()
+        self.writers.clear()
         self.router.close(0)
         self.control.close(0)
         self.ctx.term()

@@ -55,7 +55,8 @@ class ColdReader:
     """
 
     def __init__(self, path: str | os.PathLike, start: int, size: int,
-                 chunk: int = 1 << 20, mode: str = "auto", ring: int = 1) -> None:
+                 chunk: int = 1 << 20, mode: str = "auto", ring: int = 1,
+                 buffer: mmap.mmap | None = None) -> None:
         if mode not in IO_MODES:
             raise ValueError(f"io mode must be one of {IO_MODES}, got {mode!r}")
         if chunk <= 0 or chunk % ALIGN:
@@ -67,8 +68,13 @@ class ColdReader:
         self.mode = "buffered" if mode == "buffered" else "direct"
         self._ring = max(1, ring)
         self._turn = 0
-        # anonymous mmap: page-aligned, as O_DIRECT requires
-        self._buf = mmap.mmap(-1, chunk * self._ring)
+        # anonymous mmap: page-aligned, as O_DIRECT requires. A caller that reads many
+        # files passes one buffer (`ring_buffer`) for all of them: a fresh mapping costs a
+        # page fault per 4 KiB on first use, more CPU than the reads themselves.
+        if buffer is not None and len(buffer) < chunk * self._ring:
+            raise ValueError(f"buffer of {len(buffer)} bytes, the reader needs "
+                             f"{chunk * self._ring}")
+        self._buf = buffer if buffer is not None else mmap.mmap(-1, chunk * self._ring)
         self._view: memoryview | None = memoryview(self._buf)
 
     def _next(self, n: int) -> memoryview:
@@ -150,6 +156,14 @@ class ColdReader:
         finally:
             drop_cache(fd)
             os.close(fd)
+
+
+def ring_buffer(chunk: int, ring: int = RING) -> mmap.mmap:
+    """A reader buffer for ``ColdReader(buffer=...)``, its pages touched once here."""
+    buf = mmap.mmap(-1, chunk * ring)
+    buf.write(bytes(len(buf)))
+    buf.seek(0)
+    return buf
 
 
 def read_ahead(reader: ColdReader) -> Iterator[memoryview]:
