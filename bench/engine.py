@@ -119,6 +119,8 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
             lin, x_dtype = ext.Linear(linear_spec(lin)), torch.float32
         plan.append((lin, torch.randn(rows, k).to(x_dtype)))
     del weights, mats
+    if ext is not None:  # the weights in memory as the forward holds them
+        ext.huge_pages([lin for lin, _ in plan if isinstance(lin, ext.Linear)])
 
     @torch.inference_mode()
     def run() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,6 +246,38 @@ def test_native_forward_bits_do_not_depend_on_the_thread_count(tiny_dir, dtype):
         torch.set_num_threads(was)
     for other in out[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+
+
+def _anon_huge_kb() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_packed_weights_in_huge_pages_give_the_same_products():
+    """A model's packed weights move into one 2 MB-aligned block advised as huge pages (a
+    decode step streams all of them; on 4 KiB pages each page is a TLB miss and a stop for
+    the prefetchers). The products must not change; where the kernel takes the advice
+    (Linux THP "always" or "madvise") the block is in huge pages."""
+    from memspec.procs.decoder.linear import Int4Linear
+    from memspec.procs.decoder.native import extension, linear_spec
+
+    ext = extension()
+    if ext is None:
+        pytest.skip("the native forward cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    packed = [ext.Linear(linear_spec(Int4Linear(torch.randn(1536, 2048, generator=g),
+                                                torch.float32))) for _ in range(3)]
+    x = torch.randn(5, 2048, generator=g)
+    before = [lin(x) for lin in packed]
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp.read_text() if thp.exists() else ""
+    huge = _anon_huge_kb() if Path("/proc/self/smaps_rollup").exists() else 0
+    ext.huge_pages(packed)  # ~6 MB: two whole huge pages at least
+    assert all(torch.equal(lin(x), b) for lin, b in zip(packed, before))
+    if "[always]" in mode or "[madvise]" in mode:
+        assert _anon_huge_kb() - huge >= 2048
 
 
 def test_random_draft_is_mostly_rejected(tiny_dir):

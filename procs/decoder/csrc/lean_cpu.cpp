@@ -18,10 +18,19 @@
 
 #include "qgemm.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -91,6 +100,43 @@ Lin make_lin(const py::tuple& t) {
     l.aux = tensor(2);
   }
   return l;
+}
+
+// The target's packed weights moved into one 2 MB-aligned block, advised as huge pages
+// where the kernel takes the advice (Linux THP in "madvise" mode, a common default): a
+// decode step streams all ~70 MB of them, and on 4 KiB pages every page is a TLB miss and a
+// boundary the hardware prefetchers stop at. Same bytes, other addresses: the same bits.
+void to_huge_pages(std::vector<Lin*> lins) {
+  constexpr size_t HUGE = size_t(2) << 20, ALIGN = 64;
+  std::vector<at::Tensor*> ts;
+  for (Lin* l : lins) {
+    if (l->kind == 3) ts.insert(ts.end(), {&l->q4.nib, &l->q4.d, &l->q4.m});
+    if (l->kind == 4) ts.insert(ts.end(), {&l->q8.w, &l->q8.d, &l->q8.c, &l->q8.s});
+  }
+  auto padded = [&](const at::Tensor& t) { return (t.nbytes() + ALIGN - 1) / ALIGN * ALIGN; };
+  size_t total = 0;
+  for (auto* t : ts) {
+    if (!t->defined() || !t->is_contiguous() || t->device().type() != at::kCPU) return;
+    total += padded(*t);
+  }
+  if (total < HUGE) return;
+  const size_t size = (total + HUGE - 1) / HUGE * HUGE;
+  void* base = std::aligned_alloc(HUGE, size);
+  if (base == nullptr) return;  // keep them where they are
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(base, size, MADV_HUGEPAGE);  // advice: refused or ignored, 4 KiB pages as before
+#endif
+  std::shared_ptr<void> block(base, std::free);
+  char* at = static_cast<char*>(base);
+  for (auto* t : ts) {
+    at::Tensor moved = at::from_blob(at, t->sizes(), [block](void*) {}, t->options());
+    moved.copy_(*t);
+    at += padded(*t);
+    *t = moved;
+  }
+#if defined(__GLIBC__)
+  malloc_trim(0);  // the old copies' pages back to the system, not kept in the heap
+#endif
 }
 
 // Projections that read the same rows (q, k, v; gate, up) as one block-kernel matmul: their
@@ -468,6 +514,14 @@ class Model : public Core {
       L.down = make_lin(t[5].cast<py::tuple>());
       layers_.push_back(std::move(L));
     }
+    std::vector<Lin*> own{&head_};  // (a draft head's weights stay views of its slot)
+    for (auto& L : layers_) {
+      for (auto& l : L.qkv) own.push_back(&l);
+      for (auto& l : L.gate_up) own.push_back(&l);
+      own.push_back(&L.o);
+      own.push_back(&L.down);
+    }
+    to_huge_pages(own);
   }
 
   // logits [T or 1, vocab] for ids [T] at positions pos..pos+T-1. With `feat` defined
@@ -635,6 +689,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Head::forward)
       .def("step", &Head::step);
   m.def("kernel_path", &memspec::k::kernel_path);
+  // linears' packed weights into one huge-page block, as a Model's are (the bench's
+  // bare-matmul floor times its layers the way the forward holds them)
+  m.def("huge_pages", [](const py::list& lins) {
+    std::vector<Lin*> v;
+    for (auto o : lins) v.push_back(o.cast<Lin*>());
+    to_huge_pages(v);
+  });
   m.def("bf16_native", &memspec::k::bf16_native);
   // one linear layer on its own: the bare-matmul floor in `memspec bench engine`
   py::class_<Lin>(m, "Linear")
