@@ -127,11 +127,11 @@ void to_huge_pages(std::vector<Lin*> lins) {
   madvise(base, size, MADV_HUGEPAGE);  // advice: refused or ignored, 4 KiB pages as before
 #endif
   std::shared_ptr<void> block(base, std::free);
-  char* at = static_cast<char*>(base);
+  char* dst = static_cast<char*>(base);
   for (auto* t : ts) {
-    at::Tensor moved = at::from_blob(at, t->sizes(), [block](void*) {}, t->options());
+    at::Tensor moved = at::from_blob(dst, t->sizes(), [block](void*) {}, t->options());
     moved.copy_(*t);
-    at += padded(*t);
+    dst += padded(*t);
     *t = moved;
   }
 #if defined(__GLIBC__)

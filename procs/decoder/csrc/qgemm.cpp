@@ -1,7 +1,6 @@
 // See qgemm.h.
 #include "qgemm.h"
 
-
 namespace memspec {
 
 namespace {
