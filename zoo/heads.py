@@ -33,12 +33,17 @@ from memspec.common.errors import MemspecError
 from memspec.common.manifest import write_manifest
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
 from memspec.procs.decoder.head import (
+    FORMATS,
     HEAD_KIND,
+    PACKED,
+    Q4_MATRICES,
     HeadArch,
     dense_weights,
     is_packed,
+    matrix_format,
     pack_head,
     read_head_config,
+    wanted_format,
 )
 from memspec.procs.decoder.models import load_tokenizer
 from memspec.procs.decoder.replay import pooled, replay_static
@@ -134,8 +139,8 @@ def heads_dir() -> Path:
 
 def save_head(state: dict[str, torch.Tensor], to_target: np.ndarray, arch: HeadArch,
               out: Path, target_dir: Path, extra: dict | None = None) -> int:
-    """model.safetensors (the matrices as packed Q8_0 blocks where they tile, else bf16;
-    bf16 norms; the id map) and config.json, as head.py reads them. Training keeps its fp32
+    """model.safetensors (the matrices as packed blocks where they tile, Q4_1 for the
+    layer and Q8_0 for fc, else bf16; bf16 norms; the id map) and config.json, as head.py reads them. Training keeps its fp32
     master; what is saved is what the runtime runs (and what dev scoring binds)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state.items()}
@@ -152,38 +157,63 @@ def save_head(state: dict[str, torch.Tensor], to_target: np.ndarray, arch: HeadA
     return (out / "model.safetensors").stat().st_size
 
 
-def pack_stored(folder: Path) -> bool:
-    """Rewrite a bf16-stored head's file with its matrices as packed Q8_0 blocks (its norms,
-    id map and file metadata kept), its training record's size, card line and manifest
-    after it; False where it was packed already or its shapes do not tile."""
+def pack_stored(folder: Path, q4: tuple[str, ...] = Q4_MATRICES) -> bool:
+    """Rewrite a head's file with each matrix in the packed format the pool ships (Q4_1 for
+    the joined matrices in ``q4``, Q8_0 for the rest; a bf16 matrix is quantised, a Q8_0
+    one requantised from its blocks' values), its norms, id map and file metadata kept, its
+    training record's size, card line and manifest after it; False where every matrix is
+    in its format already or a shape does not tile."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = Path(folder) / "model.safetensors"
     tensors = load_file(str(path))
-    packed = None if is_packed(tensors) else pack_head(tensors)
+    have = {j: matrix_format(tensors, j) for j in PACKED}
+    if all(have[j] == wanted_format(j, q4) for j in PACKED):
+        return False
+    arch, _ = read_head_config(Path(folder))
+    dense = dense_weights(tensors, arch, torch.float32)
+    packed = pack_head({**{k: v for k, v in tensors.items() if k == ID_MAP_KEY},
+                        **{f"{k}.weight": v for k, v in dense.items()}}, q4)
     if packed is None:
         return False
+    for j, fmt in have.items():  # a matrix already in its format keeps its very bytes
+        if fmt == wanted_format(j, q4):
+            blocks = FORMATS[fmt]
+            packed.update({f"{j}.{p}": tensors[f"{j}.{p}"] for p in blocks.PARTS})
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
     save_file(packed, str(path), metadata=meta)
     size = path.stat().st_size
+    stored = stored_text(q4)
     rec_path = Path(folder) / "training.json"
     if rec_path.is_file():
         rec = json.loads(rec_path.read_text())
         old = rec.get("size_bytes")
-        rec.update(size_bytes=size, stored=STORED)
+        was = rec.get("stored") or (stored_text(()) if is_packed(tensors)
+                                    else "bfloat16 weights")
+        rec.update(size_bytes=size, stored=stored)
         rec_path.write_text(json.dumps(rec, indent=2) + "\n")
         card = Path(folder) / "README.md"
         if card.is_file() and old is not None:
             card.write_text(card.read_text().replace(
-                "bfloat16 weights.\n" + _size_line(old), f"{STORED}.\n" + _size_line(size)))
+                f"{was}.\n" + _size_line(old), f"{stored}.\n" + _size_line(size)))
     if (Path(folder) / "manifest.json").is_file():
         write_manifest(Path(folder))
     return True
 
 
-STORED = "Q8_0 blocks (packed for the CPU kernels), bf16 norms"
+def stored_text(q4: tuple[str, ...] = Q4_MATRICES) -> str:
+    """How a head file holds its weights, as its card and training record say it."""
+    if not q4:
+        return "Q8_0 blocks (packed for the CPU kernels), bf16 norms"
+    rest = ", ".join(j for j in PACKED if j not in q4)
+    layer = "the layer" if rest == "fc" else ", ".join(q4)
+    return (f"Q4_1 blocks for {layer}" + (f", Q8_0 for {rest}" if rest else "")
+            + " (packed for the CPU kernels), bf16 norms")
+
+
+STORED = stored_text()
 
 
 def _size_line(size: int) -> str:

@@ -12,10 +12,11 @@ File (``model.safetensors`` beside a ``config.json`` with ``"memspec_kind": "hea
 ``fc.weight`` [h, n*h], ``norm_e.weight``, ``norm_g.weight`` [h], ``q_proj/k_proj/v_proj``
 [*, 2h], ``o_proj`` [h, h], ``post_attention_layernorm.weight`` [h], ``gate_proj/up_proj``
 [I, h], ``down_proj`` [h, I] (all ``.weight``), and ``memspec.draft_to_target`` [V_draft].
-A head stored as Q8_0 blocks (what the pool ships: half the slot, and a draft step at 0.6x
-on an AVX2 CPU, q8blocks.py) holds its matrices packed instead: ``fc``, ``qkv_proj`` (q, k
-and v stacked), ``o_proj``, ``gate_up_proj`` (gate over up) and ``down_proj``, each as
-``.q8w/.q8d/.q8c/.q8s``; the norms stay ``.weight``.
+A packed head (what the pool ships) holds its matrices in the block kernels' own layout
+instead: ``fc``, ``qkv_proj`` (q, k and v stacked), ``o_proj``, ``gate_up_proj`` (gate over
+up) and ``down_proj``, each as Q8_0 blocks ``.q8w/.q8d/.q8c/.q8s`` (q8blocks.py) or Q4_1
+blocks ``.q4n/.q4d/.q4m`` (q4blocks.py); the norms stay ``.weight``. The pool's heads keep
+``fc`` Q8_0 and the layer Q4_1 (``Q4_MATRICES``): a draft step reads 2.6 MB instead of 5.4.
 
 The head's KV cache holds real (target-featured) positions only up to the committed length
 minus one: after every iteration the accepted tokens are re-run with the target's
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from memspec.common.errors import ModelError
 from memspec.common.tuned import knob
-from memspec.procs.decoder import q8blocks
+from memspec.procs.decoder import q4blocks, q8blocks
 from memspec.procs.decoder.cudagraph import GraphLM, HeadSteps
 from memspec.procs.decoder.lean import (
     Arch,
@@ -58,6 +59,10 @@ NORMS = ("norm_e", "norm_g", "post_attention_layernorm")
 PACKED = {"fc": ("fc",), "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
           "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 MATRICES = {f"{m}.weight" for members in PACKED.values() for m in members}  # 16-bit names
+FORMATS = {"q8": q8blocks, "q4": q4blocks}
+# the matrices a head file holds as Q4_1 (the rest Q8_0), chosen on dev: the layer runs once
+# per proposal, fc only in the teacher pass and its rounding costs the most acceptance
+Q4_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -149,20 +154,35 @@ def read_head_config(model_dir: Path) -> tuple[HeadArch, dict]:
     return HeadArch.from_config(cfg), cfg
 
 
+def matrix_format(weights: Mapping[str, torch.Tensor], joined: str) -> str | None:
+    """How a packed head stores one of its joined matrices ("q8", "q4"; None: 16-bit)."""
+    for fmt, blocks in FORMATS.items():
+        if f"{joined}.{blocks.PARTS[0]}" in weights:
+            return fmt
+    return None
+
+
 def is_packed(weights: Mapping[str, torch.Tensor]) -> bool:
-    """The head's matrices are stored as packed Q8_0 blocks (q8blocks.py)."""
-    return "fc.q8w" in weights
+    """The head's matrices are stored as packed blocks (q8blocks.py, q4blocks.py)."""
+    return matrix_format(weights, "fc") is not None
 
 
-def pack_head(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """A 16-bit head's tensors with its matrices as packed Q8_0 blocks (the norms and any
-    metadata as they are); None where a shape does not tile (the head stays 16-bit)."""
+def wanted_format(joined: str, q4: tuple[str, ...] = Q4_MATRICES) -> str:
+    return "q4" if joined in q4 else "q8"
+
+
+def pack_head(tensors: Mapping[str, torch.Tensor], q4: tuple[str, ...] = Q4_MATRICES
+              ) -> dict[str, torch.Tensor] | None:
+    """A 16-bit head's tensors with its matrices as packed blocks, Q4_1 for the joined
+    matrices named in ``q4`` and Q8_0 for the rest (the norms and any metadata as they
+    are); None where a shape does not tile (the head stays 16-bit)."""
     out = {k: v for k, v in tensors.items() if k not in MATRICES}
     for joined, members in PACKED.items():
         w = torch.cat([tensors[f"{m}.weight"].float() for m in members])
-        if not q8blocks.packable(tuple(w.shape)):
+        blocks = FORMATS[wanted_format(joined, q4)]
+        if not blocks.packable(tuple(w.shape)):
             return None
-        out.update({f"{joined}.{p}": t for p, t in q8blocks.pack(w).items()})
+        out.update({f"{joined}.{p}": t for p, t in blocks.pack(w).items()})
     return out
 
 
@@ -175,8 +195,9 @@ def dense_weights(weights: Mapping[str, torch.Tensor], arch: HeadArch, dtype: to
     out = {n: weights[f"{n}.weight"] for n in NORMS}
     shapes = arch.shapes()
     for joined, members in PACKED.items():
-        parts = {p: weights[f"{joined}.{p}"] for p in q8blocks.PARTS}
-        dense = q8blocks.unpack(parts).to(dtype)
+        blocks = FORMATS[matrix_format(weights, joined) or "q8"]
+        parts = {p: weights[f"{joined}.{p}"] for p in blocks.PARTS}
+        dense = blocks.unpack(parts).to(dtype)
         out.update(zip(members, torch.split(dense, [shapes[m][0] for m in members])))
     return out
 
@@ -209,12 +230,13 @@ def _check_packed(name: str, shapes: Mapping[str, tuple[int, ...]],
             raise ModelError(f"head '{name}' tensor {n}.weight is missing or misshapen", fix)
     for joined, members in PACKED.items():
         rows = sum(shapes[m][0] for m in members)
-        parts = {p: weights[f"{joined}.{p}"] for p in q8blocks.PARTS
+        blocks = FORMATS[matrix_format(weights, joined) or "q8"]
+        parts = {p: weights[f"{joined}.{p}"] for p in blocks.PARTS
                  if f"{joined}.{p}" in weights}
-        bad = q8blocks.check(joined, parts, (rows, shapes[members[0]][1]))
+        bad = blocks.check(joined, parts, (rows, shapes[members[0]][1]))
         if bad:
             raise ModelError(f"head '{name}': {bad}", fix)
-        expected |= {f"{joined}.{p}" for p in q8blocks.PARTS}
+        expected |= {f"{joined}.{p}" for p in blocks.PARTS}
     extra = sorted(set(weights) - expected)
     if extra:
         raise ModelError(f"head '{name}' has an unexpected tensor {extra[0]}", fix)
@@ -433,8 +455,9 @@ class HeadRunner:
 
 def _native_head(runner: HeadRunner):
     """The C++ head when the target runs the C++ forward (same build, same kernel path):
-    bf16 weights through the path's 16-bit kernel (native bf16 dot products or widened to
-    fp32, never emulated bf16 arithmetic), the LM rows through the int8 block kernel."""
+    packed blocks through the block kernels on the slot's own bytes, bf16 weights through
+    the path's 16-bit kernel (native bf16 dot products or widened to fp32, never emulated
+    bf16 arithmetic), the LM rows through the int8 block kernel."""
     target = runner.parts.target
     if not isinstance(target, NativeLM) or runner.device.type != "cpu":
         return None
@@ -444,11 +467,13 @@ def _native_head(runner: HeadRunner):
     a, p = runner.arch, runner.packed
     w = runner.w if p is None else {n: p[f"{n}.weight"] for n in NORMS}
 
-    def lin(name: str) -> tuple:
+    def lin(name: str) -> tuple:  # a packed head: the slot's arrays, as they are
         if p is None:
             return linear_spec(DenseLinear(runner.w[name]))
+        if matrix_format(p, name) == "q4":
+            return (7, p[f"{name}.q4n"], p[f"{name}.q4d"], p[f"{name}.q4m"], None)
         return (6, p[f"{name}.q8w"], p[f"{name}.q8d"], (p[f"{name}.q8c"], p[f"{name}.q8s"]),
-                None)  # the slot's packed arrays, as they are
+                None)
 
     qkv = [lin("qkv_proj")] if p is not None else [lin(n) for n in PACKED["qkv_proj"]]
     gate_up = [lin("gate_up_proj")] if p is not None else \

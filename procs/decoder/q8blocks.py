@@ -70,15 +70,23 @@ def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 def check(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> str | None:
     """What is wrong with a packed matrix that should stand for `shape` (None: nothing)."""
-    missing = [p for p in PARTS if p not in parts]
-    if missing:
-        return f"{name}.{missing[0]} is missing"
     n, k = shape
     want = {"q8w": (n // TILE, k // 4, 64), **{p: (n // TILE, k // GROUP, TILE)
                                               for p in PARTS[1:]}}
-    for p in PARTS:
+    return check_parts(name, parts, shape, want, DTYPES)
+
+
+def check_parts(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int],
+                want: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
+                ) -> str | None:
+    """The first array of a packed matrix that is missing or not ``want``'s shape and
+    ``dtypes``' dtype, as one line (None: all are)."""
+    missing = [p for p in want if p not in parts]
+    if missing:
+        return f"{name}.{missing[0]} is missing"
+    for p, shp in want.items():
         t = parts[p]
-        if t.dtype != DTYPES[p] or tuple(t.shape) != want[p]:
-            return (f"{name}.{p} is {t.dtype} {tuple(t.shape)}, a {n}x{k} matrix needs "
-                    f"{DTYPES[p]} {want[p]}")
+        if t.dtype != dtypes[p] or tuple(t.shape) != shp:
+            return (f"{name}.{p} is {t.dtype} {tuple(t.shape)}, a {shape[0]}x{shape[1]} "
+                    f"matrix needs {dtypes[p]} {shp}")
     return None

@@ -42,8 +42,10 @@ constexpr int64_t QR = 3;   // queries scored together in attention (one KV grou
 struct Lin {
   int64_t kind = 0;
   // 0 dense (BLAS), 2 int4 (PyTorch kernel), 3 q4 / 4 q8 (block kernels), 5 bf16 / fp16
-  // weights (qgemm.h); a spec of kind 6 (q8 packed before: q8blocks.py) runs as kind 4. Every kind takes fp32 rows and returns fp32 rows; the kinds that run
-  // someone else's kernel cast to and from the dtype that kernel needs.
+  // weights (qgemm.h); a spec of kind 6 (q8 packed before: q8blocks.py) runs as kind 4, one
+  // of kind 7 (q4 packed before: q4blocks.py) as kind 3. Every kind takes fp32 rows and
+  // returns fp32 rows; the kinds that run someone else's kernel cast to and from the dtype
+  // that kernel needs.
   at::Tensor w, aux, bias;
   memspec::PackedQ4 q4;
   memspec::PackedQ8 q8;
@@ -95,6 +97,9 @@ Lin make_lin(const py::tuple& t) {
     l.kind = 4;
     l.q8 = memspec::packed_q8(tensor(1), tensor(2), cs[0].cast<at::Tensor>(),
                               cs[1].cast<at::Tensor>());
+  } else if (l.kind == 7) {  // Q4_1 already packed (a head file's arrays): views, no copy
+    l.kind = 3;
+    l.q4 = memspec::packed_q4(tensor(1), tensor(2), tensor(3));
   } else {
     l.w = tensor(1);
     l.aux = tensor(2);

@@ -78,6 +78,24 @@ PackedQ8 packed_q8(const at::Tensor& w, const at::Tensor& d, const at::Tensor& c
   return p;
 }
 
+PackedQ4 packed_q4(const at::Tensor& nib, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(nib.dim() == 3 && nib.size(2) == 64 && nib.scalar_type() == at::kByte &&
+                  nib.is_contiguous(), "packed q4 weights: uint8 [N/16, K/8, 64] expected");
+  PackedQ4 p;
+  p.N = nib.size(0) * QTILE;
+  p.K = nib.size(1) * 8;
+  TORCH_CHECK(p.K % QGROUP == 0, "packed q4 weights: K % 32 != 0");
+  const std::vector<int64_t> tiled{p.N / QTILE, p.K / QGROUP, QTILE};
+  auto ok = [&](const at::Tensor& t) {
+    return t.sizes().vec() == tiled && t.scalar_type() == at::kHalf && t.is_contiguous();
+  };
+  TORCH_CHECK(ok(d) && ok(m), "packed q4 scales: fp16 [N/16, K/32, 16] expected");
+  p.nib = nib;
+  p.d = d;
+  p.m = m;
+  return p;
+}
+
 namespace {
 
 // Items are (block of up to 8 rows, output tile), block-major: one weight pass per block,

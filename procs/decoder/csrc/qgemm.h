@@ -72,6 +72,7 @@ PackedQ8 pack_q8(const at::Tensor& q, const at::Tensor& d);
 // they are (views of a slot stay views)
 PackedQ8 packed_q8(const at::Tensor& w, const at::Tensor& d, const at::Tensor& c,
                    const at::Tensor& s);
+PackedQ4 packed_q4(const at::Tensor& nib, const at::Tensor& d, const at::Tensor& m);
 // x: [M, K] any float dtype (used as fp32); returns fp32 [M, N]; M may exceed 8 (done 8
 // rows at a time, one weight pass each).
 at::Tensor gemm_q4(const at::Tensor& x, const PackedQ4& w);
