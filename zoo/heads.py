@@ -140,8 +140,9 @@ def heads_dir() -> Path:
 def save_head(state: dict[str, torch.Tensor], to_target: np.ndarray, arch: HeadArch,
               out: Path, target_dir: Path, extra: dict | None = None) -> int:
     """model.safetensors (the matrices as packed blocks where they tile, Q4_1 for the
-    layer and Q8_0 for fc, else bf16; bf16 norms; the id map) and config.json, as head.py reads them. Training keeps its fp32
-    master; what is saved is what the runtime runs (and what dev scoring binds)."""
+    layer and Q8_0 for fc, else bf16; bf16 norms; the id map) and config.json, as head.py
+    reads them. Training keeps its fp32 master; what is saved is what the runtime runs (and
+    what dev scoring binds)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state.items()}
     tensors = pack_head(tensors) or tensors
