@@ -32,21 +32,14 @@ from memspec.zoo.heads import pack_stored, read_head_weights
 
 
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 1152)])
-def test_packed_blocks_stand_for_int8linears_blocks(shape):
+@pytest.mark.parametrize("blocks, linear", [(q8blocks, Int8Linear), (q4blocks, Int4Linear)],
+                         ids=["q8", "q4"])
+def test_packed_blocks_stand_for_the_linears_blocks(shape, blocks, linear):
     w = torch.randn(*shape).to(torch.bfloat16)
-    parts = q8blocks.pack(w)
-    assert q8blocks.check("w", parts, shape) is None
-    assert q8blocks.shape_of(parts) == shape
-    assert torch.equal(q8blocks.unpack(parts), Int8Linear(w, torch.float32).dequantize())
-
-
-@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (960, 1152)])
-def test_packed_q4_blocks_stand_for_int4linears_blocks(shape):
-    w = torch.randn(*shape).to(torch.bfloat16)
-    parts = q4blocks.pack(w)
-    assert q4blocks.check("w", parts, shape) is None
-    assert q4blocks.shape_of(parts) == shape
-    assert torch.equal(q4blocks.unpack(parts), Int4Linear(w.float(), torch.float32).dequantize())
+    parts = blocks.pack(w)
+    assert blocks.check("w", parts, shape) is None
+    assert blocks.shape_of(parts) == shape
+    assert torch.equal(blocks.unpack(parts), linear(w.float(), torch.float32).dequantize())
 
 
 def test_only_tiled_shapes_pack():

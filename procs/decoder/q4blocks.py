@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from memspec.procs.decoder.linear import GROUP, Int4Linear
-from memspec.procs.decoder.q8blocks import TILE, _tiled, check_parts, packable
+from memspec.procs.decoder.q8blocks import TILE, _tiled, _untiled, check_parts, packable
 
 PARTS = ("q4n", "q4d", "q4m")  # tensor-name suffixes of one packed matrix
 DTYPES = {"q4n": torch.uint8, "q4d": torch.float16, "q4m": torch.float16}
@@ -54,8 +54,7 @@ def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     nib = parts["q4n"].view(t, k // 8, TILE, 4)
     q = torch.stack([nib & 0x0F, nib >> 4], dim=3)  # (t, e, j, h, i)
     q = q.permute(0, 2, 1, 3, 4).reshape(n, k).float()
-    d = parts["q4d"].float().view(t, g, TILE).permute(0, 2, 1).reshape(n, g)
-    m = parts["q4m"].float().view(t, g, TILE).permute(0, 2, 1).reshape(n, g)
+    d, m = _untiled(parts["q4d"], n, g), _untiled(parts["q4m"], n, g)
     return (q.view(n, g, GROUP) * d[..., None] + m[..., None]).view(n, k)
 
 

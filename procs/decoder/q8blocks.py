@@ -38,6 +38,11 @@ def _tiled(x: torch.Tensor, n: int, g: int) -> torch.Tensor:
     return x.reshape(n // TILE, TILE, g).permute(0, 2, 1).contiguous()
 
 
+def _untiled(x: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    """[T, G, 16] -> [N, G] as fp32: `_tiled` undone."""
+    return x.float().view(n // TILE, g, TILE).permute(0, 2, 1).reshape(n, g)
+
+
 def pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """One matrix [N, K] as its four packed arrays (keys: PARTS)."""
     n, k = weight.shape
@@ -64,7 +69,7 @@ def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     n, k = shape_of(parts)
     t, g = n // TILE, k // GROUP
     q = parts["q8w"].view(t, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k).float()
-    d = parts["q8d"].float().view(t, g, TILE).permute(0, 2, 1).reshape(n, g)
+    d = _untiled(parts["q8d"], n, g)
     return (q.view(n, g, GROUP) * d[..., None]).view(n, k)
 
 

@@ -1,6 +1,9 @@
 // See qgemm.h.
 #include "qgemm.h"
 
+#include <tuple>
+#include <utility>
+
 namespace memspec {
 
 namespace {
@@ -57,20 +60,36 @@ PackedQ8 pack_q8(const at::Tensor& q_in, const at::Tensor& d_in) {
   return p;
 }
 
+namespace {
+
+// (N, K) of packed weights `w` ([N/16, K/inputs_per_row, 64] of `type`); every scale array
+// in `scales` must be [N/16, K/32, 16] of its own dtype, contiguous (a head file's arrays
+// are checked before the kernels point at them)
+std::pair<int64_t, int64_t> packed_shape(const at::Tensor& w, at::ScalarType type,
+                                         int64_t inputs_per_row, const char* what,
+                                         const std::vector<std::pair<const at::Tensor*,
+                                                                     at::ScalarType>>& scales,
+                                         const char* scales_msg) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == type && w.is_contiguous(),
+              what);
+  const int64_t N = w.size(0) * QTILE, K = w.size(1) * inputs_per_row;
+  TORCH_CHECK(K % QGROUP == 0, what, " (K % 32 != 0)");
+  const std::vector<int64_t> tiled{N / QTILE, K / QGROUP, QTILE};
+  for (const auto& [t, st] : scales)
+    TORCH_CHECK(t->sizes().vec() == tiled && t->scalar_type() == st && t->is_contiguous(),
+                scales_msg);
+  return {N, K};
+}
+
+}  // namespace
+
 PackedQ8 packed_q8(const at::Tensor& w, const at::Tensor& d, const at::Tensor& c,
                    const at::Tensor& s) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == at::kChar &&
-                  w.is_contiguous(), "packed q8 weights: int8 [N/16, K/4, 64] expected");
   PackedQ8 p;
-  p.N = w.size(0) * QTILE;
-  p.K = w.size(1) * 4;
-  TORCH_CHECK(p.K % QGROUP == 0, "packed q8 weights: K % 32 != 0");
-  const std::vector<int64_t> tiled{p.N / QTILE, p.K / QGROUP, QTILE};
-  auto ok = [&](const at::Tensor& t, at::ScalarType type) {
-    return t.sizes().vec() == tiled && t.scalar_type() == type && t.is_contiguous();
-  };
-  TORCH_CHECK(ok(d, at::kHalf) && ok(c, at::kFloat) && ok(s, at::kInt),
-              "packed q8 scales: fp16 / fp32 / int32 [N/16, K/32, 16] expected");
+  std::tie(p.N, p.K) = packed_shape(
+      w, at::kChar, 4, "packed q8 weights: int8 [N/16, K/4, 64] expected",
+      {{&d, at::kHalf}, {&c, at::kFloat}, {&s, at::kInt}},
+      "packed q8 scales: fp16 / fp32 / int32 [N/16, K/32, 16] expected");
   p.w = w;
   p.d = d;
   p.c = c;
@@ -79,17 +98,10 @@ PackedQ8 packed_q8(const at::Tensor& w, const at::Tensor& d, const at::Tensor& c
 }
 
 PackedQ4 packed_q4(const at::Tensor& nib, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(nib.dim() == 3 && nib.size(2) == 64 && nib.scalar_type() == at::kByte &&
-                  nib.is_contiguous(), "packed q4 weights: uint8 [N/16, K/8, 64] expected");
   PackedQ4 p;
-  p.N = nib.size(0) * QTILE;
-  p.K = nib.size(1) * 8;
-  TORCH_CHECK(p.K % QGROUP == 0, "packed q4 weights: K % 32 != 0");
-  const std::vector<int64_t> tiled{p.N / QTILE, p.K / QGROUP, QTILE};
-  auto ok = [&](const at::Tensor& t) {
-    return t.sizes().vec() == tiled && t.scalar_type() == at::kHalf && t.is_contiguous();
-  };
-  TORCH_CHECK(ok(d) && ok(m), "packed q4 scales: fp16 [N/16, K/32, 16] expected");
+  std::tie(p.N, p.K) = packed_shape(
+      nib, at::kByte, 8, "packed q4 weights: uint8 [N/16, K/8, 64] expected",
+      {{&d, at::kHalf}, {&m, at::kHalf}}, "packed q4 scales: fp16 [N/16, K/32, 16] expected");
   p.nib = nib;
   p.d = d;
   p.m = m;
