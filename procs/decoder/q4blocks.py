@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from memspec.procs.decoder.linear import GROUP, Int4Linear
-from memspec.procs.decoder.q8blocks import TILE, _tiled, _untiled, check_parts, packable
+from memspec.procs.decoder.q8blocks import TILE, check_parts, packable, tiled, untiled
 
 PARTS = ("q4n", "q4d", "q4m")  # tensor-name suffixes of one packed matrix
 DTYPES = {"q4n": torch.uint8, "q4d": torch.float16, "q4m": torch.float16}
@@ -37,8 +37,8 @@ def pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     # q as (tile, output j, pair e, half h, input i): byte (t, e, 4j + i) = lo | hi << 4
     q = blocks.q.view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
     nib = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n // TILE, k // 8, 64)
-    return {"q4n": nib.contiguous(), "q4d": _tiled(blocks.d.half(), n, g),
-            "q4m": _tiled(blocks.m.half(), n, g)}
+    return {"q4n": nib.contiguous(), "q4d": tiled(blocks.d.half(), n, g),
+            "q4m": tiled(blocks.m.half(), n, g)}
 
 
 def shape_of(parts: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -54,7 +54,7 @@ def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     nib = parts["q4n"].view(t, k // 8, TILE, 4)
     q = torch.stack([nib & 0x0F, nib >> 4], dim=3)  # (t, e, j, h, i)
     q = q.permute(0, 2, 1, 3, 4).reshape(n, k).float()
-    d, m = _untiled(parts["q4d"], n, g), _untiled(parts["q4m"], n, g)
+    d, m = untiled(parts["q4d"], n, g), untiled(parts["q4m"], n, g)
     return (q.view(n, g, GROUP) * d[..., None] + m[..., None]).view(n, k)
 
 

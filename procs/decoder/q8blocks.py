@@ -33,13 +33,13 @@ def packable(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % GROUP == 0
 
 
-def _tiled(x: torch.Tensor, n: int, g: int) -> torch.Tensor:
+def tiled(x: torch.Tensor, n: int, g: int) -> torch.Tensor:
     """[N, G] -> [T, G, 16]: each tile's 16 outputs side by side per group."""
     return x.reshape(n // TILE, TILE, g).permute(0, 2, 1).contiguous()
 
 
-def _untiled(x: torch.Tensor, n: int, g: int) -> torch.Tensor:
-    """[T, G, 16] -> [N, G] as fp32: `_tiled` undone."""
+def untiled(x: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    """[T, G, 16] -> [N, G] as fp32: `tiled` undone."""
     return x.float().view(n // TILE, g, TILE).permute(0, 2, 1).reshape(n, g)
 
 
@@ -54,8 +54,8 @@ def pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     sums = q.view(n, g, GROUP).sum(-1, dtype=torch.int32)
     c = (d * sums.float()) * 128.0
     w = q.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(n // TILE, k // 4, 64)
-    return {"q8w": w.contiguous(), "q8d": _tiled(d.half(), n, g), "q8c": _tiled(c, n, g),
-            "q8s": _tiled(sums * 128, n, g)}
+    return {"q8w": w.contiguous(), "q8d": tiled(d.half(), n, g), "q8c": tiled(c, n, g),
+            "q8s": tiled(sums * 128, n, g)}
 
 
 def shape_of(parts: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -69,7 +69,7 @@ def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     n, k = shape_of(parts)
     t, g = n // TILE, k // GROUP
     q = parts["q8w"].view(t, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k).float()
-    d = _untiled(parts["q8d"], n, g)
+    d = untiled(parts["q8d"], n, g)
     return (q.view(n, g, GROUP) * d[..., None]).view(n, k)
 
 
