@@ -61,6 +61,6 @@ def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def check(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> str | None:
     """What is wrong with a packed matrix that should stand for `shape` (None: nothing)."""
     n, k = shape
-    tiled = (n // TILE, k // GROUP, TILE)
-    return check_parts(name, parts, shape, {"q4n": (n // TILE, k // 8, 64), "q4d": tiled,
-                                            "q4m": tiled}, DTYPES)
+    scales = (n // TILE, k // GROUP, TILE)
+    return check_parts(name, parts, shape, {"q4n": (n // TILE, k // 8, 64), "q4d": scales,
+                                            "q4m": scales}, DTYPES)
