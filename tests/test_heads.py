@@ -188,7 +188,7 @@ def test_a_continued_head_goes_on_from_its_own_weights(tiny_dir, rt, tmp_path, m
     """--continue: training starts from the head on disk (scored again at step 0), at a
     lower rate, keeps it if nothing beats it, and its record holds the run before."""
     from memspec.common.errors import MemspecError
-    from memspec.zoo.heads import CONTINUE_LR, continue_plans
+    from memspec.zoo.heads import CONTINUE_LR, CONTINUE_PATIENCE, continue_plans
 
     monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))
     rows = _responses(rt, 8, 20)
@@ -212,3 +212,7 @@ def test_a_continued_head_goes_on_from_its_own_weights(tiny_dir, rt, tmp_path, m
     assert second["best_dev"] >= first["best_dev"]
     assert second["continues"]["steps"] == 60 and second["continues"]["best_dev"] == \
         first["best_dev"]
+    # each round warms up to half the last one's peak, and waits out its warm-up dip
+    continue_plans(plans, ["general"], dirs)
+    assert plans["general"].lr == pytest.approx(plan.lr * CONTINUE_LR ** 2)
+    assert plans["general"].patience == max(plan.patience, CONTINUE_PATIENCE)

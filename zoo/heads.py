@@ -76,7 +76,8 @@ MAX_HEAD_BYTES = 12_000_000
 MAX_POOL_BYTES = 60_000_000
 CORPUS_WINDOWS = 64  # per domain
 PREVIOUS = "@previous"  # a continued head's parent: its own weights before this run
-CONTINUE_LR = 0.5  # a continued head's peak rate, as a share of its plan's (not swept)
+CONTINUE_LR = 0.5  # a continued head's peak rate, as a share of its last run's (not swept)
+CONTINUE_PATIENCE = 6  # dev evaluations: a converged head dips for ~12 min as it warms up
 SEED = 20261
 
 
@@ -505,7 +506,9 @@ def continue_plans(plans: dict[str, HeadPlan], names: Sequence[str],
                    dirs: dict[str, Path]) -> None:
     """Each named head goes on from its present weights (copied aside, since training
     writes over them): a longer budget split over sessions. Its optimiser state is not
-    kept, so it warms up again, from a lower rate: the weights are already trained."""
+    kept, so it warms up again, to half its last run's peak rate: a head near its plateau
+    that warmed up to half the plan's rate a second time fell 0.04 on dev and had not
+    recovered when early stopping ended the run, 12 minutes in."""
     for n in names:
         if not (dirs[n] / "model.safetensors").is_file():
             raise MemspecError(f"head {n} has no weights to continue from",
@@ -514,7 +517,10 @@ def continue_plans(plans: dict[str, HeadPlan], names: Sequence[str],
         shutil.rmtree(prev, ignore_errors=True)
         shutil.copytree(dirs[n], prev)
         dirs[f"{n}{PREVIOUS}"] = prev
-        plans[n] = replace(plans[n], init_from=f"{n}{PREVIOUS}", lr=plans[n].lr * CONTINUE_LR)
+        rec = prev / "training.json"
+        last = json.loads(rec.read_text())["plan"]["lr"] if rec.is_file() else plans[n].lr
+        plans[n] = replace(plans[n], init_from=f"{n}{PREVIOUS}", lr=last * CONTINUE_LR,
+                           patience=max(plans[n].patience, CONTINUE_PATIENCE))
 
 
 def build_heads(names: Sequence[str] | None = None, minutes: float | None = None,
