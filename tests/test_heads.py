@@ -216,3 +216,6 @@ def test_a_continued_head_goes_on_from_its_own_weights(tiny_dir, rt, tmp_path, m
     continue_plans(plans, ["general"], dirs)
     assert plans["general"].lr == pytest.approx(plan.lr * CONTINUE_LR ** 2)
     assert plans["general"].patience == max(plan.patience, CONTINUE_PATIENCE)
+    (dirs["general"] / "training.json").write_text("{not json")
+    with pytest.raises(MemspecError, match="no readable training rate"):
+        continue_plans(plans, ["general"], dirs)

@@ -502,6 +502,17 @@ def dev_report(data: HeadData, names: Sequence[str], dirs: dict[str, Path]) -> d
     return rep
 
 
+def last_rate(record: Path, default: float) -> float:
+    """The peak rate of the run a head's record describes (``default`` without a record)."""
+    if not record.is_file():
+        return default
+    try:
+        return float(json.loads(record.read_text())["plan"]["lr"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise MemspecError(f"{record} has no readable training rate ({e})",
+                           "restore it with git checkout, or retrain the head with --force") from e
+
+
 def continue_plans(plans: dict[str, HeadPlan], names: Sequence[str],
                    dirs: dict[str, Path]) -> None:
     """Each named head goes on from its present weights (copied aside, since training
@@ -517,8 +528,7 @@ def continue_plans(plans: dict[str, HeadPlan], names: Sequence[str],
         shutil.rmtree(prev, ignore_errors=True)
         shutil.copytree(dirs[n], prev)
         dirs[f"{n}{PREVIOUS}"] = prev
-        rec = prev / "training.json"
-        last = json.loads(rec.read_text())["plan"]["lr"] if rec.is_file() else plans[n].lr
+        last = last_rate(prev / "training.json", plans[n].lr)
         plans[n] = replace(plans[n], init_from=f"{n}{PREVIOUS}", lr=last * CONTINUE_LR,
                            patience=max(plans[n].patience, CONTINUE_PATIENCE))
 
