@@ -53,6 +53,9 @@ from memspec.zoo.prompts import load_prompts
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 DTYPES = ("int4", "int8", "bfloat16", "float32")
+# the products the native forward runs per layer (lean_cpu.cpp joins q/k/v and gate/up)
+JOINED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+          ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
 def _log(msg: str) -> None:
@@ -104,9 +107,9 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
                 for i in range(arch.layers) for name in PROJECTIONS]
         if "lm_head" in built:
             mats, head = mats + [built["lm_head"]], None
-    else:
-        mats = [weights[f"model.layers.{i}.{name}.weight"]
-                for i in range(int(cfg["num_hidden_layers"])) for name in PROJECTIONS]
+    else:  # joined as the forward holds them: q, k, v in one product, gate and up in one
+        mats = [torch.cat([weights[f"model.layers.{i}.{name}.weight"] for name in group])
+                for i in range(int(cfg["num_hidden_layers"])) for group in JOINED]
     plan = []
     pairs = [(m, dtype) for m in mats] + \
         ([(head, "int8" if dtype == "int4" else dtype)] if head is not None else [])
@@ -121,6 +124,11 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
     del weights, mats
     if ext is not None:  # the weights in memory as the forward holds them
         ext.huge_pages([lin for lin, _ in plan if isinstance(lin, ext.Linear)])
+
+    native = [p for p in plan if ext is not None and isinstance(p[0], ext.Linear)]
+    if len(native) == len(plan):  # one C++ call: no Python between the products
+        lins, xs = [lin for lin, _ in plan], [x for _, x in plan]
+        return lambda: ext.run_linears(lins, xs)
 
     @torch.inference_mode()
     def run() -> None:

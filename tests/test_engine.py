@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,37 @@ def test_packed_weights_in_huge_pages_give_the_same_products():
     assert all(torch.equal(lin(x), b) for lin, b in zip(packed, before))
     if "[always]" in mode or "[madvise]" in mode:
         assert _anon_huge_kb() - huge >= 2048
+
+
+def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir):
+    """`memspec bench engine`'s floor: the target's products as the forward joins them (q, k
+    and v in one, gate and up in one), all in one C++ call; each comes out as the same
+    product called on its own."""
+    from memspec.bench.engine import floor_fns
+    from memspec.common.config import load_pool
+    from memspec.procs.decoder.linear import Int4Linear
+    from memspec.procs.decoder.native import extension, linear_spec
+
+    ext = extension()
+    if ext is None:
+        pytest.skip("the native forward cannot be built here")
+    g = torch.Generator().manual_seed(1)
+    packed = [ext.Linear(linear_spec(Int4Linear(torch.randn(n, 64, generator=g),
+                                                torch.float32))) for n in (96, 32, 64)]
+    xs = [torch.randn(5, 64, generator=g) for _ in packed]
+    together = ext.run_linears(packed, xs)
+    assert all(torch.equal(a, lin(x)) for a, lin, x in zip(together, packed, xs))
+    calls: list[int] = []
+    real = ext.run_linears
+    try:
+        ext.run_linears = lambda lins, xs: calls.append(len(lins)) or real(lins, xs)
+        pool = tiny_dir / "pool.toml"
+        pool.write_text(f'[pool]\ntarget = "{tiny_dir / "target"}"\n')
+        floor_fns(load_pool(str(pool)), "int4", 5)()
+    finally:
+        ext.run_linears = real
+    layers = json.loads((tiny_dir / "target" / "config.json").read_text())["num_hidden_layers"]
+    assert calls == [4 * layers + 1]  # qkv, o, gate_up, down per layer, then the LM head
 
 
 def test_random_draft_is_mostly_rejected(tiny_dir):
