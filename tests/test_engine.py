@@ -281,7 +281,7 @@ def test_packed_weights_in_huge_pages_give_the_same_products():
         assert _anon_huge_kb() - huge >= 2048
 
 
-def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir):
+def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir, tmp_path):
     """`memspec bench engine`'s floor: the target's products as the forward joins them (q, k
     and v in one, gate and up in one), all in one C++ call; each comes out as the same
     product called on its own."""
@@ -303,7 +303,7 @@ def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir):
     real = ext.run_linears
     try:
         ext.run_linears = lambda lins, xs: calls.append(len(lins)) or real(lins, xs)
-        pool = tiny_dir / "pool.toml"
+        pool = tmp_path / "pool.toml"
         pool.write_text(f'[pool]\ntarget = "{tiny_dir / "target"}"\n')
         floor_fns(load_pool(str(pool)), "int4", 5)()
     finally:
