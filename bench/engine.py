@@ -125,10 +125,9 @@ def floor_fns(pool: PoolConfig, dtype: str, rows: int):
     if ext is not None:  # the weights in memory as the forward holds them
         ext.huge_pages([lin for lin, _ in plan if isinstance(lin, ext.Linear)])
 
-    native = [p for p in plan if ext is not None and isinstance(p[0], ext.Linear)]
-    if len(native) == len(plan):  # one C++ call: no Python between the products
-        lins, xs = [lin for lin, _ in plan], [x for _, x in plan]
-        return lambda: ext.run_linears(lins, xs)
+    if ext is not None and all(isinstance(lin, ext.Linear) for lin, _ in plan):
+        lins, xs = [lin for lin, _ in plan], [x for _, x in plan]  # one C++ call: no
+        return lambda: ext.run_linears(lins, xs)  # Python between the products
 
     @torch.inference_mode()
     def run() -> None:

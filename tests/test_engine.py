@@ -281,7 +281,8 @@ def test_packed_weights_in_huge_pages_give_the_same_products():
         assert _anon_huge_kb() - huge >= 2048
 
 
-def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir, tmp_path):
+def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir, tmp_path,
+                                                                     monkeypatch):
     """`memspec bench engine`'s floor: the target's products as the forward joins them (q, k
     and v in one, gate and up in one), all in one C++ call; each comes out as the same
     product called on its own."""
@@ -301,13 +302,11 @@ def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir, t
     assert all(torch.equal(a, lin(x)) for a, lin, x in zip(together, packed, xs))
     calls: list[int] = []
     real = ext.run_linears
-    try:
-        ext.run_linears = lambda lins, xs: calls.append(len(lins)) or real(lins, xs)
-        pool = tmp_path / "pool.toml"
-        pool.write_text(f'[pool]\ntarget = "{tiny_dir / "target"}"\n')
-        floor_fns(load_pool(str(pool)), "int4", 5)()
-    finally:
-        ext.run_linears = real
+    monkeypatch.setattr(ext, "run_linears",
+                        lambda lins, xs: calls.append(len(lins)) or real(lins, xs))
+    pool = tmp_path / "pool.toml"
+    pool.write_text(f'[pool]\ntarget = "{tiny_dir / "target"}"\n')
+    floor_fns(load_pool(str(pool)), "int4", 5)()
     layers = json.loads((tiny_dir / "target" / "config.json").read_text())["num_hidden_layers"]
     assert calls == [4 * layers + 1]  # qkv, o, gate_up, down per layer, then the LM head
 
