@@ -62,7 +62,8 @@ class Result:
 def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
             stop: str | list[str] | None = None, top_k: int = 0, min_p: float = 0.0,
-            gate: bool | None = None) -> Submit:
+            gate: bool | None = None, threads: int | None = None,
+            trace: bool = False) -> Submit:
     """The request, checked here against the limits every front door shares
     (common/limits.py): a bad one raises before anything is sent, local or remote."""
     if isinstance(prompt, str):
@@ -91,7 +92,8 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     req = Submit(req_id=secrets.token_hex(8), prompt=text, max_new_tokens=max_new_tokens,
                  policy=policy, temperature=temperature, top_p=top_p, seed=seed,
-                 messages=turns, stop=stops, top_k=top_k, min_p=min_p, gate=gate)
+                 messages=turns, stop=stops, top_k=top_k, min_p=min_p, gate=gate,
+                 threads=threads, trace=bool(trace))
     check_request(req)
     return req
 
@@ -289,7 +291,8 @@ class Runtime:
         """Decode `prompt` to the end; options: max_new_tokens, policy, temperature, top_p,
         top_k, min_p, seed, stop (a string or a list), gate (True / False: the speculation
         gate on or off for this request, e.g. to compare a policy with and without it;
-        None: the pool's spec_gate)."""
+        None: the pool's spec_gate), threads (at most this many decoder threads), trace
+        (stats["trace"]: a timeline of iterations, loads and rankings)."""
         _, replies = self._replies(prompt, opts)
         for msg in replies:
             if isinstance(msg, Done):

@@ -66,19 +66,18 @@ def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: i
     from memspec.procs.decoder.acceptance import SamplingParams
     from memspec.procs.decoder.detok import StreamDecoder
     from memspec.procs.decoder.inprocess import build_local, run_request
+    from memspec.procs.decoder.threads import make_plan
 
     rt = build_local(pool, with_drafts=policy != "target-only")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    plan = make_plan(target=rt.engine.target)  # the decoder's threads, helpers idle
+    plan.limit(args.threads or None)
     stream = None
     detok = StreamDecoder(rt.tokenizer)
     if not args.json:
         def stream(ids: list[int]) -> None:
             CONSOLE.text(detok.push(ids))
     params = SamplingParams(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)
-    out = run_request(rt, args.prompt, policy, max_new, params, stream)
+    out = run_request(rt, args.prompt, policy, max_new, params, stream, threads=plan)
     if not args.json:
         CONSOLE.text(detok.flush())
     return out
@@ -307,6 +306,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_heads(args)
+    if args.what == "contention":
+        from memspec.bench.contention import main_bench_contention
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_contention(args)
     if args.what == "floor":
         from memspec.bench.floor import main_bench_floor
 
@@ -345,7 +349,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     raise MemspecError(f"unknown benchmark '{args.what}'",
                        "use eval, engine, pipeline, messages, gpu, soak, http, floor, faults, "
-                       "gate, tune, horizon or heads")
+                       "gate, tune, horizon, heads or contention")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -470,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printed side by side")
     b.add_argument("what", nargs="?", default="eval",
                    choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http",
-                            "floor", "faults", "gate", "tune", "horizon", "heads"],
+                            "floor", "faults", "gate", "tune", "horizon", "heads",
+                            "contention"],
                    help="eval (default): every policy, sweeps, simulator validation")
     _add_pool(b)
     b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
@@ -511,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--from-json", default=None,
                    help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
     b.add_argument("--per-domain", type=int, default=4,
-                   help="floor: dev prompts per domain (beside the README's prompt); gate: "
+                   help="floor, contention: dev prompts per domain (beside the README's "
+                        "prompt); gate: "
                         "traced dev prompts per domain; tune, horizon: the same; heads: dev "
                         "prompts per domain past those checkpoint choices scored")
     b.add_argument("--against", default=None, metavar="POOL",
@@ -521,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunked_wait, lookup, prefill_chunk, lookup_gate); the rest kept "
                         "from tuned.json")
     b.add_argument("--no-warm", action="store_true", help="floor: fresh processes only")
+    b.add_argument("--loads", default=None,
+                   help="contention: comma-separated loads (default all: quiet, busy1, busy2, "
+                        "busy1-nice10, membw, startstop)")
+    b.add_argument("--idle-s", type=float, default=30.0,
+                   help="contention: seconds the memspec server sits idle while its CPU is read")
     b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
     b.add_argument("--target", default=None,
                    help="gpu: target model folder (default: the pool's)")

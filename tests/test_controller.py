@@ -490,16 +490,13 @@ def test_the_simulator_makes_the_runtime_loops_decisions(policy, monkeypatch):
         assert len({d for d, *_ in decisions(real)["intervals"]}) > 2, "a scenario that switches"
 
 
-def test_a_requests_thread_cap_holds_through_helper_changes_and_ends_with_it(monkeypatch):
+def test_a_requests_thread_cap_holds_through_helper_changes_and_ends_with_it():
     """`Submit.threads` caps the decoder at once (before its prefill asks), whatever the
     helpers do; the next request without a cap gets every core back."""
-    import torch
-
     from memspec.procs.decoder.threads import ThreadPlan
 
     set_to: list[int] = []
-    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
-    plan = ThreadPlan(4, 3)
+    plan = ThreadPlan(4, 3, apply=set_to.append)
     plan(False)
     plan.limit(1)
     plan(True)

@@ -176,11 +176,17 @@ class SpecEngine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  params: SamplingParams | None = None,
                  select: Callable[[Session], str | None] | None = None,
-                 on_tokens: TokenCallback | None = None) -> tuple[list[int], RunStats]:
-        """Run to completion; ``select`` names the draft for each iteration (None: target only)."""
+                 on_tokens: TokenCallback | None = None,
+                 tick: Callable[[], None] | None = None) -> tuple[list[int], RunStats]:
+        """Run to completion; ``select`` names the draft for each iteration (None: target
+        only); ``tick`` runs before the prefill and every iteration (the thread plan)."""
         t0 = time.perf_counter()
+        if tick is not None:
+            tick()
         s = self.start(prompt_ids, max_new_tokens, params, on_tokens)
         while not s.done:
+            if tick is not None:
+                tick()
             s.step(select(s) if select else None)
         s.stats.t_e2e = time.perf_counter() - t0
         return s.generated, s.stats

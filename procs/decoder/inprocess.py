@@ -22,6 +22,7 @@ from memspec.procs.decoder.engine import SpecEngine, TokenCallback
 from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
+from memspec.procs.decoder.threads import ThreadPlan
 
 IN_PROCESS_POLICIES = ("target-only", "lookup-only", "general-static")
 
@@ -86,8 +87,10 @@ def build_local(pool: PoolConfig, device: str = "cpu", with_drafts: bool = True,
 
 def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,
                 params: SamplingParams | None = None,
-                on_tokens: TokenCallback | None = None) -> dict[str, Any]:
-    """Serve one prompt with an in-process policy; returns the `generate --json` object."""
+                on_tokens: TokenCallback | None = None,
+                threads: ThreadPlan | None = None) -> dict[str, Any]:
+    """Serve one prompt with an in-process policy; returns the `generate --json` object.
+    With a thread plan the forwards' threads follow the free CPU, as in the decoder."""
     if policy not in IN_PROCESS_POLICIES:
         raise ConfigError(f"policy '{policy}' needs the multi-process runtime",
                           f"use one of: {', '.join(IN_PROCESS_POLICIES)}")
@@ -109,7 +112,9 @@ def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,
         select = lambda _session: LOOKUP  # noqa: E731
     ids = encode_prompt(rt.tokenizer, prompt)
     with torch.inference_mode():
-        token_ids, stats = rt.engine.generate(ids, max_new_tokens, params, select, on_tokens)
+        token_ids, stats = rt.engine.generate(
+            ids, max_new_tokens, params, select, on_tokens,
+            tick=None if threads is None else lambda: threads(False))
     stats.t_e2e = time.perf_counter() - t0
     stats.loads, stats.bytes_loaded = loads, bytes_loaded
     summary = stats.summary()

@@ -453,6 +453,7 @@ class Controller:
                 self.clock.overhead("inner")
             rec = ex.step(draft, desired)
             rec.shared = self._shared
+            rec.threads = getattr(self.on_helpers, "current", 0)
             job.policy.observe_iteration(rec)
             run.iteration += 1
             if ex.done:

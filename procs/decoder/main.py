@@ -69,7 +69,7 @@ from memspec.procs.decoder.service import (
 from memspec.procs.decoder.slots import SlotBuffer
 from memspec.procs.decoder.startup import StartupClock
 from memspec.procs.decoder.tablefiles import runtime_key
-from memspec.procs.decoder.threads import ThreadPlan, decoder_threads
+from memspec.procs.decoder.threads import decoder_threads, make_plan
 
 HEARTBEAT_S = 0.5
 
@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         preloaded = service.preload(pool.general)
         clock.mark("preload")
     if args.device == "cpu":
-        service.controller.on_helpers = ThreadPlan(*threads)
+        service.controller.on_helpers = make_plan(threads, engine.target)
     proc = DecoderProcess(channels, service)
     # the supervisor caches the slots for `memspec status`
     service.controller.on_slots_changed = lambda: channels.push(proc.status())

@@ -31,8 +31,8 @@ from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
 from memspec.procs.decoder.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, Linear
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp", CSRC / "qkernels.cpp"]
-HEADERS = [CSRC / "qgemm.h", CSRC / "qkernels.h"]
+SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp", CSRC / "qkernels.cpp", CSRC / "pool.cpp"]
+HEADERS = [CSRC / "qgemm.h", CSRC / "qkernels.h", CSRC / "pool.h"]
 _EXT: dict[str, Any] = {}
 DENSE_PAD_ROWS = 8  # decode calls (a step, a verify of up to 8 tokens) as 8 rows: lossless
 # kinds whose rows are computed each on its own (qgemm.cpp): a prompt prefilled in chunks

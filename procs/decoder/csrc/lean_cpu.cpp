@@ -720,6 +720,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   });
   m.def("bf16_native", &memspec::k::bf16_native);
+  // the forward's worker pool (pool.h): its thread count (0 follows torch's), its workers'
+  // thread ids for the controller's CPU accounting, and [jobs, joins, workers]
+  m.def("set_threads", &memspec::pool::set_threads);
+  m.def("threads", &memspec::pool::threads);
+  m.def("worker_tids", &memspec::pool::worker_tids);
+  m.def("pool_counters", &memspec::pool::counters);
+  m.def("hold_workers", &memspec::pool::hold);
+  m.def("use_openmp", &memspec::pool::set_openmp);
   // one linear layer on its own: the bare-matmul floor in `memspec bench engine`
   py::class_<Lin>(m, "Linear")
       .def(py::init([](py::tuple t) { return make_lin(t); }))

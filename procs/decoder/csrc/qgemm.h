@@ -4,46 +4,10 @@
 #pragma once
 
 #include <ATen/ATen.h>  // not torch/extension.h: this unit needs no Python (builds 3x faster)
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <atomic>
-#include <vector>
-
+#include "pool.h"
 #include "qkernels.h"
 
 namespace memspec {
-
-// Runs f(i0, i1) over [0, n). Each thread owns a contiguous share of the items, as a static
-// split gives, and takes it `batch` items at a time in order (one weight stream per thread);
-// a thread done with its share then takes what is left of the others'. On a 2-core device
-// the loader and predictor take a core now and then (a load's read and hash bursts beside a
-// prefill); with a static split the thread that lost its core holds the other at the
-// barrier for the whole burst. Which thread computes an item never changes its bits.
-template <typename F>
-void parallel_chunks(int64_t n, int64_t batch, const F& f) {
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), (n + batch - 1) / batch);
-  if (nt <= 1 || at::in_parallel_region()) {
-    if (n > 0) f(0, n);
-    return;
-  }
-  struct alignas(64) Share {
-    std::atomic<int64_t> next;
-    int64_t end;
-  };
-  std::vector<Share> shares(nt);
-  for (int64_t t = 0; t < nt; ++t) {
-    shares[t].next.store(n * t / nt, std::memory_order_relaxed);
-    shares[t].end = n * (t + 1) / nt;
-  }
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t) {
-    for (int64_t k = 0; k < nt; ++k) {
-      Share& s = shares[(t0 + k) % nt];
-      for (int64_t i; (i = s.next.fetch_add(batch, std::memory_order_relaxed)) < s.end;)
-        f(i, std::min(s.end, i + batch));
-    }
-  });
-}
 
 using k::QGROUP;
 using k::QMAXROWS;
