@@ -6,7 +6,8 @@ each load in turn, every variant back to back in a rotating order:
 - loads: `quiet`; `busy1` (one same-priority spin loop); `busy2` (two); `busy1-nice10`
   (one at nice 10); `membw` (a loop copying a 256 MB array: the memory bus); `startstop`
   (one spin loop that starts `ON_S` into the request and stops at `OFF_S`: how fast the
-  decoder takes the core back, from a per-token timeline);
+  decoder takes the core back, from per-token timelines: the run against the same
+  request run just before with the load paused throughout, token for token);
 - variants: memspec and target-only through the three processes (`memspec up`, one server
   each, so no policy learns from another's requests), the same with `threads=1` per request
   (the one-thread pipeline), llama.cpp on the same GGUF at every core and at one thread
@@ -32,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,8 @@ STARTSTOP_TOKENS = 3            # x max_new: the request must outlast the load b
 SETTLE_S = 0.3                  # unmeasured, before each run (llama.cpp's workers spin on)
 LOAD_SETTLE_S = 0.5             # a load runs this long before the first run beside it
 IDLE_S = 30.0
-WINDOW_S = 0.1                  # the timeline's rate window
+WINDOW_S = 0.1                  # the timeline plot's rate window
+SPAN = 20                       # tokens a recovery is judged over
 BACK = 0.85                     # "back to the quiet figure": a window at this share of it
 BEFORE = {"MEMSPEC_POOL": "openmp", "MEMSPEC_THREAD_POLICY": "static"}
 OURS = ("memspec", "target-only")
@@ -191,6 +194,21 @@ class Peer:
                 "timeline": [[round(t, 5), 1, lc.threads] for t in times]}
 
 
+def timed_run(call: Callable[[], dict[str, Any]], load: Load, during: bool) -> dict[str, Any]:
+    """One run after an unmeasured pause; with `during`, the startstop load runs in its
+    window of it."""
+    time.sleep(SETTLE_S)
+    t0 = time.perf_counter()
+    th = load.during(t0) if during else None
+    run = call()
+    run["decode_tok_s"] = decode_rate(run["timeline"])
+    run["threads"] = thread_counts(run["timeline"])
+    if th is not None:
+        th.join()
+        run["load_on_off_s"] = load.marks
+    return run
+
+
 def decode_rate(timeline: list[list[float]]) -> float:
     """Tokens a second from the first token to the last (the prefill left out)."""
     if len(timeline) < 2 or timeline[-1][0] <= timeline[0][0]:
@@ -198,21 +216,29 @@ def decode_rate(timeline: list[list[float]]) -> float:
     return sum(n for _, n, _ in timeline[1:]) / (timeline[-1][0] - timeline[0][0])
 
 
-def rate_back_s(timeline: list[list[float]], off: float, quiet_rate: float) -> float | None:
-    """Seconds from the load's end (`off`) to the first `WINDOW_S` of tokens at `BACK` of
-    the quiet decode rate; None when the request ended before."""
-    ts = [t for t, n, _ in timeline for _ in range(int(n))]
-    if quiet_rate <= 0:
-        return None
-    need = BACK * quiet_rate * WINDOW_S
-    j = 0
-    for i, t in enumerate(ts):
-        if t < off:
+def thread_counts(timeline: list[list[float]]) -> dict[str, int]:
+    """Iterations per decoder thread count (the controller's choices over the request)."""
+    out: dict[str, int] = {}
+    for *_, th in timeline:
+        out[str(th)] = out.get(str(th), 0) + 1
+    return out
+
+
+def token_times(timeline: list[list[float]]) -> list[float]:
+    return [t for t, n, _ in timeline for _ in range(int(n))]
+
+
+def rate_back_s(timeline: list[list[float]], off: float, quiet: list[list[float]]
+                ) -> float | None:
+    """Seconds from the load's end (`off`) until the run makes its tokens at `BACK` of the
+    speed its quiet run made the same tokens (greedy: the same tokens, so the same drafts
+    and acceptance), over `SPAN` tokens; None when the request ended before."""
+    ts, qs = token_times(timeline), token_times(quiet)
+    for i in range(min(len(ts), len(qs)) - SPAN):
+        if ts[i] < off:
             continue
-        while ts[j] < t - WINDOW_S:
-            j += 1
-        if i - j + 1 >= need:
-            return max(0.0, t - WINDOW_S - off)
+        if qs[i + SPAN] - qs[i] >= BACK * (ts[i + SPAN] - ts[i]):
+            return ts[i] - off
     return None
 
 
@@ -341,19 +367,16 @@ def run(pool: str | None, per_domain: int, max_new: int, loads: Sequence[str],
                     ld = Load(load)
                     try:
                         for v in order(i, variants):
-                            time.sleep(SETTLE_S)
-                            t0 = time.perf_counter()
-                            th = ld.during(t0)
-                            if v in peers:
-                                got[v] = peers[v].run(ids, n, eos)
+                            call = partial(peers[v].run, ids, n, eos) if v in peers else \
+                                partial(servers[v].run, r["prompt"], n, eos, trace=True)
+                            if load == "startstop":  # the same request with the load
+                                ref = timed_run(call, ld, False)  # paused throughout: its
+                                got[v] = timed_run(call, ld, True)  # quiet twin
+                                got[v]["reference_timeline"] = ref.pop("timeline")
+                                got[v]["reference_tok_s"] = ref["tokens"] / ref["seconds"]
                             else:
-                                got[v] = servers[v].run(r["prompt"], n, eos, trace=True)
-                            got[v]["decode_tok_s"] = decode_rate(got[v]["timeline"])
-                            if load != "startstop":  # (kept where the JSON shows it)
+                                got[v] = timed_run(call, ld, False)
                                 del got[v]["timeline"]
-                            if th is not None:
-                                th.join()
-                                got[v]["load_on_off_s"] = ld.marks
                     finally:
                         ld.stop()
                     row["loads"][load] = got
@@ -381,18 +404,14 @@ def run(pool: str | None, per_domain: int, max_new: int, loads: Sequence[str],
 
 
 def _recoveries(row: dict[str, Any]) -> None:
-    """Each startstop run's recovery against the same variant's quiet run of the prompt."""
-    ss, quiet = row["loads"].get("startstop"), row["loads"].get("quiet")
-    if not ss or not quiet:
-        return
-    for v, run in ss.items():
-        q = quiet.get(v)
+    """Each startstop run's recovery against its quiet twin (the same request with the
+    load paused throughout, run just before it)."""
+    for run in row["loads"].get("startstop", {}).values():
         marks = run.get("load_on_off_s")
-        if not q or not marks or not run.get("timeline"):
+        if not marks or not run.get("timeline"):
             continue
-        rate = q.get("decode_tok_s", 0.0)
-        run["recovery"] = {"quiet_decode_tok_s": rate,
-                           "rate_back_s": rate_back_s(run["timeline"], marks[1], rate),
+        run["recovery"] = {"rate_back_s": rate_back_s(run["timeline"], marks[1],
+                                                      run["reference_timeline"]),
                            "threads_back_s": threads_back_s(run["timeline"], marks[1])}
 
 
@@ -415,7 +434,7 @@ def _print(res: dict[str, Any]) -> None:
         back = f"within {worst:.2f} s" if worst is not None else "never"
         bound = ("" if "met" not in r else
                  f"  bound {RECOVERY_BOUND_S} s: {'met' if r['met'] else 'NOT met'}")
-        print(f"startstop {v}: back to {BACK:.0%} of its quiet decode rate "
+        print(f"startstop {v}: back to {BACK:.0%} of its quiet speed over the same tokens "
               f"{back} of the load's end "
               f"(worst run; never back in {r['never_back']} runs){bound}")
     idle = res["idle"]
@@ -477,9 +496,6 @@ def main_bench_contention(args: Any) -> int:
     bad = [x for x in loads if x not in LOADS]
     if bad:
         raise MemspecError(f"unknown load {', '.join(bad)}", f"use some of {', '.join(LOADS)}")
-    if "startstop" in loads and "quiet" not in loads:
-        raise MemspecError("the startstop load is judged against quiet runs",
-                           "add quiet to --loads")
     res = run(args.pool, args.per_domain, args.max_new_tokens, loads, args.idle_s)
     _print(res)
     name = Path(args.json).stem if args.json else "bench_contention"

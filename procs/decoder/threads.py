@@ -117,12 +117,21 @@ class CpuShare:
         self.allowed = self.allowed or self.cores
         self._window = self.idle_window_s
 
-    def rest(self) -> None:
-        """The decoder stopped (between requests): windows start afresh at the next
-        reading, so time it spent idle neither dilutes a wait nor counts as a free core;
-        the count stays as it was."""
-        self._mark = self._idle_mark = None
+    def rest(self, r: Reading) -> int:
+        """The decoder is back after a pause (between requests; `r` read now). While it
+        ran nothing, the CPUs' idle time is what the rest of the machine left free: the
+        count starts there (one busy program on two cores: one thread; none: both), and
+        the windows start afresh, so the pause neither dilutes a wait nor counts as a free
+        core of ours."""
+        last = self._mark if self._idle_mark is None or (
+            self._mark is not None and self._mark.t > self._idle_mark.t) else self._idle_mark
+        if last is not None and r.t - last.t >= REST_S:
+            free = (r.idle - last.idle) / (r.t - last.t)
+            self._set(r.t, max(1, min(self.cores, int(free + 0.5))))
+        self._mark = self._idle_mark = r
         self._was_shared = False
+        self._window, self._restored_at = self.idle_window_s, -1.0
+        return self.allowed
 
     def due(self, t: float) -> bool:
         """Whether a reading at `t` could change anything (the caller skips reading else)."""
@@ -270,7 +279,9 @@ class ThreadPlan:
         self._apply = apply or apply_threads
         self._tids = tids or _forward_tids
         self._caller = threading.get_native_id()
-        self._last = -1e9
+        self._last = -1e9  # the first call is a return from rest: from this reading on
+        if self.share is not None and probe is not None:
+            self.share.rest(probe.read([self._caller]))
 
     def limit(self, cap: int | None) -> None:
         """A request's cap, applied at once (its prefill may start before the loop asks)."""
@@ -284,10 +295,11 @@ class ThreadPlan:
             n = min(n, self.cap)
         if self.share is not None and self.probe is not None:
             now = self._clock()
-            if now - self._last > REST_S:
-                self.share.rest()
+            rested = now - self._last > REST_S
             self._last = now
-            if self.share.due(now):
+            if rested:
+                self.share.rest(self.probe.read([self._caller]))
+            elif self.share.due(now):
                 running = max(self.current, 1)
                 tids = [self._caller, *self._tids()[:running - 1]]
                 self.share.update(self.probe.read(tids), running)
