@@ -78,18 +78,17 @@ def test_a_restore_taken_back_doubles_the_wait_for_the_next_one():
     assert len(gaps) >= 3 and gaps[-1] > 3 * gaps[0]
 
 
-def test_after_a_pause_the_count_starts_from_what_the_machine_left_idle():
+def test_after_a_pause_every_core_is_tried_again():
     share = CpuShare(2)
     share.rest(reading(0.0))
-    share.update(reading(0.02), 2)
-    # between requests (the decoder runs nothing) one program holds a core: one idles
-    assert share.rest(reading(1.02, idle=1.0)) == 1
-    share.update(reading(1.05, idle=1.0), 1)
-    # it ends before the next request: both idle through the pause
-    assert share.rest(reading(3.05, idle=5.0)) == 2
-    # a pause too short to read (back-to-back requests) keeps the count
-    share.update(reading(3.07, idle=5.0), 2)
-    assert share.rest(reading(3.1, idle=5.0)) == 2
+    share.update(reading(0.03, 0.0, 0.01), 2)
+    share.update(reading(0.06, 0.0, 0.02), 2)
+    assert share.allowed == 1  # a program held a core during the request
+    # between requests the decoder ran nothing: the next one starts on every core, and the
+    # waits of its first windows decide again
+    assert share.rest(reading(2.0)) == 2
+    share.update(reading(2.03, 0.0, 0.02), 2)
+    assert share.update(reading(2.06, 0.0, 0.03), 2) == 1
 
 
 def test_the_plan_takes_the_least_of_helpers_cap_and_free_cpu():

@@ -118,16 +118,13 @@ class CpuShare:
         self._window = self.idle_window_s
 
     def rest(self, r: Reading) -> int:
-        """The decoder is back after a pause (between requests; `r` read now). While it
-        ran nothing, the CPUs' idle time is what the rest of the machine left free: the
-        count starts there (one busy program on two cores: one thread; none: both), and
-        the windows start afresh, so the pause neither dilutes a wait nor counts as a free
-        core of ours."""
-        last = self._mark if self._idle_mark is None or (
-            self._mark is not None and self._mark.t > self._idle_mark.t) else self._idle_mark
-        if last is not None and r.t - last.t >= REST_S:
-            free = (r.idle - last.idle) / (r.t - last.t)
-            self._set(r.t, max(1, min(self.cores, int(free + 0.5))))
+        """The decoder is back after a pause (between requests; `r` read now): every core
+        again, with the windows started afresh, so the pause neither dilutes a wait nor
+        counts as a free core. (The idle time over the pause would tell what the rest of
+        the machine took, but mostly long ago: a program that ran seconds before would
+        start a quiet request on one thread. A program still running costs the first two
+        windows on every core.)"""
+        self._set(r.t, self.cores)
         self._mark = self._idle_mark = r
         self._was_shared = False
         self._window, self._restored_at = self.idle_window_s, -1.0
