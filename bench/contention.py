@@ -253,6 +253,10 @@ def gmean(xs: Sequence[float]) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
 
 
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
 def summarise(rows: list[dict[str, Any]], loads: Sequence[str]) -> dict[str, Any]:
     from memspec.bench.stats import headline_ratios
 
@@ -286,7 +290,14 @@ def summarise(rows: list[dict[str, Any]], loads: Sequence[str]) -> dict[str, Any
                 "threads_back_s": [x.get("threads_back_s") for x in xs],
                 "worst_rate_back_s": max((x["rate_back_s"] for x in xs
                                           if x.get("rate_back_s") is not None), default=None),
-                "never_back": sum(x.get("rate_back_s") is None for x in xs)}
+                "median_rate_back_s": _median([x["rate_back_s"] for x in xs
+                                               if x.get("rate_back_s") is not None]),
+                "worst_threads_back_s": max((x["threads_back_s"] for x in xs
+                                             if x.get("threads_back_s") is not None),
+                                            default=None),
+                "ended_first": sum(bool(x.get("ended_first")) for x in xs),
+                "never_back": sum(x.get("rate_back_s") is None and not x.get("ended_first")
+                                  for x in xs)}
             for v, xs in rec.items()}
         for v in OURS:
             r = out["startstop"]["recovery"].get(v)
@@ -410,7 +421,10 @@ def _recoveries(row: dict[str, Any]) -> None:
         marks = run.get("load_on_off_s")
         if not marks or not run.get("timeline"):
             continue
-        run["recovery"] = {"rate_back_s": rate_back_s(run["timeline"], marks[1],
+        after = sum(1 for t in token_times(run["timeline"]) if t >= marks[1])
+        run["recovery"] = {"tokens_after_load": after,
+                           "ended_first": after <= SPAN,  # too short to judge
+                           "rate_back_s": rate_back_s(run["timeline"], marks[1],
                                                       run["reference_timeline"]),
                            "threads_back_s": threads_back_s(run["timeline"], marks[1])}
 
@@ -435,8 +449,9 @@ def _print(res: dict[str, Any]) -> None:
         bound = ("" if "met" not in r else
                  f"  bound {RECOVERY_BOUND_S} s: {'met' if r['met'] else 'NOT met'}")
         print(f"startstop {v}: back to {BACK:.0%} of its quiet speed over the same tokens "
-              f"{back} of the load's end "
-              f"(worst run; never back in {r['never_back']} runs){bound}")
+              f"{back} of the load's end (worst run; median {r['median_rate_back_s']}; "
+              f"never back in {r['never_back']} runs, {r['ended_first']} too short); "
+              f"threads back within {r['worst_threads_back_s']} s{bound}")
     idle = res["idle"]
     print(f"idle memspec up: {100 * idle['share_of_one_core']:.2f}% of one core over "
           f"{idle['seconds']:.0f} s (bound < {100 * IDLE_BOUND:.0f}%)")

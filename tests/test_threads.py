@@ -84,11 +84,15 @@ def test_after_a_pause_every_core_is_tried_again():
     share.update(reading(0.03, 0.0, 0.01), 2)
     share.update(reading(0.06, 0.0, 0.02), 2)
     assert share.allowed == 1  # a program held a core during the request
-    # between requests the decoder ran nothing: the next one starts on every core, and the
-    # waits of its first windows decide again
+    # between requests the decoder ran nothing: the next one starts on every core when no
+    # other program is runnable, and the waits of its first windows decide again
     assert share.rest(reading(2.0)) == 2
     share.update(reading(2.03, 0.0, 0.02), 2)
     assert share.update(reading(2.06, 0.0, 0.03), 2) == 1
+    # one program runnable as the next request starts: on the core it leaves
+    assert share.rest(reading(4.0), others=1) == 1
+    assert share.rest(reading(6.0), others=5) == 1
+    assert share.rest(reading(8.0), others=0) == 2
 
 
 def test_the_plan_takes_the_least_of_helpers_cap_and_free_cpu():
@@ -145,6 +149,7 @@ def test_the_probe_reads_this_threads_cpu_wait_and_the_idle_time():
     b = probe.read([me])
     assert set(a.waits) == {me} and b.waits[me] >= a.waits[me] >= 0.0
     assert b.t >= a.t and b.idle >= a.idle >= 0.0
+    assert probe.others_runnable() >= 0
 
 
 def _native(tiny_dir, dtype):

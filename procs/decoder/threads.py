@@ -13,6 +13,8 @@ So the count follows measurements, taken while the decoder runs (`CpuProbe`):
   schedstat run delay): a share above `DROP_WAIT` in two windows in a row (`WINDOW_S`, a
   few steps each; one may be a burst, such as a process starting) means another program
   holds the CPU, and the count drops by one;
+- at a request after a pause, the runnable threads of other programs (/proc/loadavg):
+  the count starts at the cores they leave;
 - the idle time of the CPUs this process may use (/proc/stat): while the count is below the
   cores, a core idle for `RESTORE_IDLE` of `IDLE_WINDOW_S` gives a thread back. A restore
   that the next windows take back doubles the idle window (up to `MAX_IDLE_WINDOW_S`), so a
@@ -117,14 +119,14 @@ class CpuShare:
         self.allowed = self.allowed or self.cores
         self._window = self.idle_window_s
 
-    def rest(self, r: Reading) -> int:
-        """The decoder is back after a pause (between requests; `r` read now): every core
-        again, with the windows started afresh, so the pause neither dilutes a wait nor
-        counts as a free core. (The idle time over the pause would tell what the rest of
-        the machine took, but mostly long ago: a program that ran seconds before would
-        start a quiet request on one thread. A program still running costs the first two
-        windows on every core.)"""
-        self._set(r.t, self.cores)
+    def rest(self, r: Reading, others: int = 0) -> int:
+        """The decoder is back after a pause (between requests; `r` read now), and
+        `others` threads of other programs are runnable right now: the count starts at the
+        cores they leave, and the windows start afresh, so the pause neither dilutes a wait
+        nor counts as a free core. (Not the idle time over the pause: it mostly tells what
+        ran long ago, and a program that ran seconds before would start a quiet request on
+        one thread.)"""
+        self._set(r.t, max(1, self.cores - max(0, others)))
         self._mark = self._idle_mark = r
         self._was_shared = False
         self._window, self._restored_at = self.idle_window_s, -1.0
@@ -198,6 +200,7 @@ class CpuProbe:
         self.cpus = {f"cpu{c}" for c in cpus}
         self.tick = 1.0 / os.sysconf("SC_CLK_TCK")
         self._stat = os.open("/proc/stat", os.O_RDONLY)
+        self._loadavg = os.open("/proc/loadavg", os.O_RDONLY)
         self._tasks: dict[int, int] = {}
 
     def _wait(self, tid: int) -> float | None:
@@ -210,6 +213,18 @@ class CpuProbe:
             if fd is not None:
                 os.close(self._tasks.pop(tid))
             return None
+
+    def others_runnable(self, samples: int = 3, gap_s: float = 0.0003) -> int:
+        """Threads of other programs runnable now: /proc/loadavg's count of runnable
+        threads (the reader included), the least of a few samples, so that a program
+        that runs holds its place and one that woke for a moment does not."""
+        least = None
+        for i in range(samples):
+            if i:
+                time.sleep(gap_s)
+            n = int(os.pread(self._loadavg, 128, 0).split()[3].split(b"/")[0])
+            least = n if least is None else min(least, n)
+        return max(0, (least or 1) - 1)
 
     def read(self, tids: Iterable[int]) -> Reading:
         waits = {tid: w for tid in tids if (w := self._wait(tid)) is not None}
@@ -295,7 +310,7 @@ class ThreadPlan:
             rested = now - self._last > REST_S
             self._last = now
             if rested:
-                self.share.rest(self.probe.read([self._caller]))
+                self.share.rest(self.probe.read([self._caller]), self._others())
             elif self.share.due(now):
                 running = max(self.current, 1)
                 tids = [self._caller, *self._tids()[:running - 1]]
@@ -305,6 +320,12 @@ class ThreadPlan:
             self._apply(n)
             self.current = n
             self.switches += 1
+
+    def _others(self) -> int:
+        try:
+            return self.probe.others_runnable() if self.probe is not None else 0
+        except (OSError, ValueError, IndexError, AttributeError):
+            return 0
 
     def stats(self) -> dict[str, Any]:
         s = self.share
