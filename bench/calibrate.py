@@ -17,9 +17,9 @@ import torch
 
 from memspec.bench.realruns import RealRequest, run_real
 from memspec.common.config import PoolConfig
+from memspec.procs.decoder.forward.threads import decoder_threads
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
-from memspec.procs.decoder.threads import decoder_threads
 from memspec.sim.costmodel import CostModel, fit
 
 CATCHUP_TOKENS = (8, 32, 96, 192)

@@ -39,10 +39,10 @@ from typing import Any
 
 from memspec.bench.floor import UpProcess, prompts, settle
 from memspec.bench.peers import LlamaCpp, order, unavailable
-from memspec.bench.plotting import save_outputs
 from memspec.bench.provenance import provenance
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
+from memspec.common.plotting import save_outputs
 
 SPIN = "while True: pass"
 NICE_SPIN = "import os\nos.nice(10)\nwhile True: pass"
@@ -458,7 +458,7 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def _plot(res: dict[str, Any], folder: Path, name: str) -> Path:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)

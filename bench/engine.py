@@ -25,29 +25,20 @@ from typing import Any
 import torch
 
 from memspec.bench import peers
-from memspec.bench.plotting import save_outputs
 from memspec.common.config import PoolConfig, check_paths, load_pool
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.metrics import gmean
-from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.common.plotting import save_outputs
+from memspec.procs.decoder.forward.checkpoint import lean_arch, load_state_dict, read_config
+from memspec.procs.decoder.forward.linear import DenseLinear, Linear, PermutedLinear, make_linear
+from memspec.procs.decoder.forward.native import extension, linear_spec
+from memspec.procs.decoder.forward.precision import resolve_dtype
+from memspec.procs.decoder.forward.quantized import dense_state_dict, quant_format, split_weights
+from memspec.procs.decoder.forward.runners import default_act_dtype
 from memspec.procs.decoder.inprocess import LocalRuntime, build_local, run_request
-from memspec.procs.decoder.linear import DenseLinear, Linear, make_linear
 from memspec.procs.decoder.models import encode_prompt
-from memspec.procs.decoder.native import extension, linear_spec
-from memspec.procs.decoder.precision import resolve_dtype
-from memspec.procs.decoder.quantized import (
-    PermutedLinear,
-    dense_state_dict,
-    quant_format,
-    split_weights,
-)
-from memspec.procs.decoder.runners import (
-    default_act_dtype,
-    lean_arch,
-    load_state_dict,
-    read_config,
-)
-from memspec.procs.decoder.tablefiles import numerics_key
+from memspec.procs.decoder.oracle.tablefiles import numerics_key
+from memspec.procs.decoder.sched.acceptance import SamplingParams
 from memspec.zoo.prompts import load_prompts
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -446,7 +437,7 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def _plot(res: dict[str, Any], folder: Path) -> Path:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
 

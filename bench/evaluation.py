@@ -53,14 +53,13 @@ from memspec.bench.realruns import (
 )
 from memspec.bench.report import summary_text, write_readme, write_results
 from memspec.bench.stats import HEADLINE, Runs, headline_ratios
-from memspec.bench.tune import UCB_C as TUNE_UCB_C
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.files import atomic_write_text, sha256_file
 from memspec.common.machine import machine_info
 from memspec.common.metrics import RunStats, Summary, gmean
 from memspec.common.paths import PACKAGE_ROOT, memspec_home
-from memspec.procs.decoder.replay import oracle_dynamic, oracle_static, pooled, replay_static
+from memspec.procs.decoder.oracle.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.predictor.head import read_info
 from memspec.procs.predictor.ranker import head_path_for
 from memspec.sim.costmodel import CostModel
@@ -95,7 +94,8 @@ NOT_SIMULATED = {"lookup-only": "real runs only: the simulator has no acceptance
                                 "the context lookup alone (sim/simulate.py refuses it)",
                  "target-only-1t": "real runs only: the cost model is timed with the "
                                    "decoder's own thread setting"}
-UCB_C = TUNE_UCB_C  # `bench tune`'s grid: it brackets the optimum on dev
+UCB_C = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)  # `bench tune`'s grid too: it brackets
+# the optimum on dev (~greedy at the bottom)
 SWEEP_N = (2, 4, 8, 16)
 SWEEP_LEN = (64, 128, 256)
 SWEEP_K = (2, 3, 4)

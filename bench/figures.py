@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.plotting import pyplot
 from memspec.bench.stats import HEADLINE
+from memspec.common.plotting import pyplot
 
 POLICY_ORDER = ("target-only", "target-only-1t", "lookup-only", "general-static",
                 "general-static-ungated", "oracle-static", "mab-sync", "mab-async",

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.plotting import save_outputs
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
+from memspec.common.plotting import save_outputs
 from memspec.zoo.prompts import DOMAINS, load_prompts
 
 MEMSPEC = [sys.executable, "-m", "memspec"]
@@ -257,9 +257,9 @@ def run_warm(rows: list[dict], pool: str | None, max_new: int, repeats: int
     import torch
 
     from memspec.common.config import load_pool
-    from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.forward.threads import decoder_threads
     from memspec.procs.decoder.inprocess import build_local, run_request
-    from memspec.procs.decoder.threads import decoder_threads
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
 
     with tempfile.TemporaryDirectory(prefix="memspec-floor-") as tmp:
         servers = {p: Server(p, pool, tmp) for p in COLD}
@@ -342,7 +342,7 @@ def _print(res: dict[str, Any]) -> None:
 
 def _plot(res: dict[str, Any], folder: Path, name: str = "bench_floor") -> Path:
     """``name``: the JSON file's stem, so a run per kernel path keeps its own plot."""
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)

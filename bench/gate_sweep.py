@@ -1,6 +1,6 @@
 """`memspec bench gate`: the speculation gate's constants, chosen on dev by a sweep.
 
-The gate (procs/decoder/gate.py) decides from a request's own iterations whether its draft
+The gate (procs/decoder/sched/gate.py) decides from a request's own iterations whether its draft
 pays; how fast it forgets (``ALPHA``), how long it looks at a draft before its record
 decides (``FIRST_LOOK``, ``NEAR_MISS``), whether that first look is free or paid from the
 share (``PRIOR_TAU``: free only where an iteration costs fewer target steps than the pool's
@@ -32,10 +32,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.plotting import save_outputs
 from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError
-from memspec.procs.decoder.gate import SpecGate
+from memspec.common.plotting import save_outputs
+from memspec.procs.decoder.sched.gate import SpecGate
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimRequest, simulate
 
@@ -142,7 +142,7 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def _plot(res: dict[str, Any], folder: Path) -> Path:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)

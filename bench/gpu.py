@@ -27,11 +27,12 @@ import torch
 
 from memspec.common.config import load_pool
 from memspec.common.machine import machine_info
-from memspec.procs.decoder.cudagraph import GraphLM
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.lean import LeanLM
+from memspec.procs.decoder.forward.checkpoint import lean_arch, read_config
+from memspec.procs.decoder.forward.cudagraph import GraphLM
+from memspec.procs.decoder.forward.lean import LeanLM
+from memspec.procs.decoder.forward.runners import HFRunner, set_feature_layers
 from memspec.procs.decoder.models import build_target, load_causal_lm
-from memspec.procs.decoder.runners import HFRunner, lean_arch, read_config, set_feature_layers
 from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.plotting import save_outputs
 from memspec.bench.stats import headline_ratios
 from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info, machine_line
+from memspec.common.plotting import save_outputs
 from memspec.zoo.heads import DEV_PER_DOMAIN
 from memspec.zoo.prompts import DOMAINS, load_prompts
 
@@ -41,8 +41,8 @@ def unscored_dev(per_domain: int, skip: int = DEV_PER_DOMAIN) -> list[dict]:
 
 def run(pool_a: str | None, pool_b: str, per_domain: int, max_new: int) -> dict[str, Any]:
     """``pool_a`` None: the embedded default pool."""
-    from memspec.procs.decoder.acceptance import SamplingParams
     from memspec.procs.decoder.inprocess import build_local, run_request
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
 
     rts = {"A": build_local(load_pool(pool_a)), "B": build_local(load_pool(pool_b))}
     rows = unscored_dev(per_domain)
@@ -97,7 +97,7 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def _plot(res: dict[str, Any], folder: Path) -> Path:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.6))

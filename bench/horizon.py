@@ -21,11 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.plotting import save_outputs
 from memspec.bench.realruns import pool_copy
 from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info, machine_line
+from memspec.common.plotting import save_outputs
 
 NEVER = 10**6  # no ranking at all: the general draft (what memspec runs before any ranking)
 GRID = (0, 64, 128, NEVER)  # seven servers in all (~1.5 GB each)
@@ -80,7 +80,7 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def _plot(res: dict[str, Any], folder: Path) -> Path:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     names = list(res["summary"])

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.bench.floor import UpProcess, settle
-from memspec.bench.pipeline import _log, _prompts
+from memspec.bench.pipeline import dev_prompts
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
 from memspec.launch.api import Runtime
@@ -40,6 +40,10 @@ class _Up(UpProcess):
         super().__init__(["--endpoint", f"ipc://{run_dir}/m.sock", "--http", "127.0.0.1:0"]
                          + (["--pool", pool] if pool else []))
         self.port = int(re.search(rb"HTTP on http://[^:]+:(\d+)/v1", self.err).group(1))
+
+
+def _log(msg: str) -> None:
+    print(f"[bench http] {msg}", file=sys.stderr, flush=True)
 
 
 def _generate(prompt: str, max_new: int, pool: str | None) -> dict[str, Any]:
@@ -131,7 +135,7 @@ def _disconnect(port: int, model: str, prompt: str) -> dict[str, float]:
 
 def run(pool: str | None, n_prompts: int, max_new: int) -> dict[str, Any]:
     model = load_pool(pool).target.name
-    prompts = _prompts(n_prompts)
+    prompts = dev_prompts(n_prompts)
     with tempfile.TemporaryDirectory(prefix="memspec-bench-http-") as tmp:
         _log("starting memspec up --http")
         up = _Up(pool, tmp)

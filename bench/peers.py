@@ -79,7 +79,7 @@ def unavailable(target: Path) -> str | None:
 
 def threads() -> int:
     """Every core this process may use: llama.cpp's fastest setting on a small CPU."""
-    from memspec.procs.decoder.threads import usable_cores
+    from memspec.procs.decoder.forward.threads import usable_cores
 
     return usable_cores()
 

@@ -29,7 +29,6 @@ import zmq
 
 from memspec.bench.floor import DOMAINS, Server, generate, interleaved, ratio_summary
 from memspec.bench.floor import prompts as floor_prompts
-from memspec.bench.plotting import save_outputs
 from memspec.common.config import load_pool
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.messages import (
@@ -45,13 +44,14 @@ from memspec.common.messages import (
     Snapshot,
     Submit,
 )
+from memspec.common.plotting import save_outputs
 from memspec.common.safetensors_layout import read_layout
 from memspec.common.slotmem import SlotMemory, choose_transport, new_run_token, shm_name
 from memspec.common.sockets import configure, recv, send
 from memspec.launch.supervisor import Supervisor
+from memspec.procs.decoder.forward.threads import decoder_threads
 from memspec.procs.decoder.inprocess import build_local, run_request
 from memspec.procs.decoder.models import encode_prompt
-from memspec.procs.decoder.threads import decoder_threads
 from memspec.procs.loader.reader import ColdReader
 from memspec.zoo.prompts import load_prompts
 
@@ -63,7 +63,7 @@ def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _prompts(n: int) -> list[str]:
+def dev_prompts(n: int) -> list[str]:
     rows = load_prompts("dev", DOMAINS, per_domain=-(-n // len(DOMAINS)))
     by = {d: [r["prompt"] for r in rows if r["domain"] == d] for d in DOMAINS}
     return [by[DOMAINS[i % 5]][i // 5] for i in range(n)]
@@ -232,7 +232,7 @@ def interference(sup: Supervisor, rt, pool, prompts: list[str], max_new: int
 
 def run(pool_path: str | None, n_prompts: int, max_new: int, reps: int = 2) -> dict[str, Any]:
     pool = load_pool(pool_path)
-    prompts = _prompts(n_prompts)
+    prompts = dev_prompts(n_prompts)
     sup = Supervisor(pool_path)
     try:
         _log("starting the pipeline and an in-process engine")
@@ -315,7 +315,7 @@ def target_only_e2e(pool_path: str | None, n_prompts: int, max_new: int, reps: i
 def _plot(res: dict[str, Any], folder: Path) -> Path:
     """Per prompt, target-only through the pipeline over in process, fresh and warm, with
     each phase's geometric mean, 95% interval and the bound."""
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from memspec.common.messages import Done, Error, Submit
 from memspec.common.metrics import Summary, as_json
 from memspec.common.paths import DEFAULT_POOL
 from memspec.launch.supervisor import Supervisor
-from memspec.procs.decoder.policies import GATED
+from memspec.procs.decoder.sched.policies import GATED
 
 UNGATED = "-ungated"
 ONE_THREAD = "-1t"  # the decoder on one thread throughout (the pipeline's old setting)
@@ -121,7 +121,7 @@ def run_fingerprint(pool_path: str | None) -> str:
     new figures."""
     from memspec.common.config import load_pool
     from memspec.common.tuned import tuned_path
-    from memspec.procs.decoder.tablefiles import pool_fingerprint, runtime_key
+    from memspec.procs.decoder.oracle.tablefiles import pool_fingerprint, runtime_key
     from memspec.procs.predictor.ranker import head_path_for
 
     pool = load_pool(pool_path)

@@ -103,7 +103,7 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
 

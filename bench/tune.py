@@ -20,7 +20,7 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   lookup, in real runs, one warm server per setting (bench/tune_lookup_gate.py: the
   simulator has no table for the lookup run alone);
 - **lookup_depth** (DEPTH_PRIOR, DEPTH_WEIGHT): how long the context lookup's proposals are
-  (procs/decoder/lookup_depth.py): the prior from lookup-only's accepted counts on dev per
+  (procs/decoder/drafts/lookup_depth.py): the prior from lookup-only's accepted counts on dev per
   suffix-match bucket, the prior's weight in real runs, one warm server per setting
   (bench/tune_lookup_depth.py);
 - **head_vocab** (head.VOCAB): how many rows of its frequency-ranked draft vocabulary a head
@@ -57,15 +57,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from memspec.bench.evaluation import UCB_C as EVAL_UCB_C
 from memspec.bench.gate_sweep import FLOOR, GMEAN_FLOOR, SPEC_SCALES, gate_constants, gmean, sweep
-from memspec.bench.plotting import save_outputs
 from memspec.bench.provenance import provenance
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.paths import DEFAULT_POOL, HOME_ENV, PACKAGE_ROOT, memspec_home
+from memspec.common.plotting import save_outputs
 from memspec.common.tuned import TUNED_FILE
 from memspec.procs.decoder import engine as engine_mod
-from memspec.procs.decoder import loop as loop_mod
+from memspec.procs.decoder.sched import loop as loop_mod
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimRequest, simulate
 
@@ -79,7 +80,7 @@ GATE_GRID: dict[str, tuple[Any, ...]] = {
 }
 RANK_HORIZON = (0, 32, 64, 128, 320, 10**6)  # 10**6: never ask again
 PREDICTOR_SHARE = (0.01, 0.02, 0.04, 0.08)
-UCB_C = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)  # ~greedy at the bottom
+UCB_C = EVAL_UCB_C  # the grid `memspec bench` tunes c on too
 LOOKUP = (0, 1, 2, 3, 4)
 CHUNKED_WAIT_S = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 PREDICTOR_SLOWER = (1.0, 10.0)  # the measured predictor, and one ten times slower
@@ -154,7 +155,7 @@ def tune_gate(reqs, cost, cfg, general) -> dict[str, Any]:  # noqa: ANN001
 
 
 def tune_ranking(reqs, cost, cfg, general) -> dict[str, Any]:  # noqa: ANN001
-    from memspec.procs.decoder.gate import SpecGate
+    from memspec.procs.decoder.sched.gate import SpecGate
 
     rows = []
     for h in RANK_HORIZON:
@@ -297,10 +298,10 @@ def tune_prefill_chunk(pool: PoolConfig, prompts: Sequence[str]) -> dict[str, An
     VM's speed drifts over minutes); per chunk the median of per-prompt ratios."""
     import torch
 
-    from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.forward.threads import decoder_threads
     from memspec.procs.decoder.inprocess import build_local
     from memspec.procs.decoder.models import encode_prompt
-    from memspec.procs.decoder.threads import decoder_threads
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
 
     torch.set_num_threads(decoder_threads()[0])
     rt = build_local(pool, with_drafts=False)
@@ -498,7 +499,7 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         res["head_prior"] = tune_head_prior(pool_file, per_domain, max_new, repeats)
     if "plan_budget" in want:
         from memspec.bench.tune_plan import tune_plan_budget
-        from memspec.procs.decoder import oracle
+        from memspec.procs.decoder.oracle import oracle
 
         ids = [p["id"] for p in set_prompts(pool, "dev", per_domain)]
         res["plan_budget"] = tune_plan_budget(pool, ids, cost, oracle.PLAN_BUDGET)
@@ -524,7 +525,7 @@ def _print(res: Mapping[str, Any]) -> None:
 
 
 def _plot(res: Mapping[str, Any], folder: Path) -> Path:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)

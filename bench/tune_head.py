@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
-from memspec.bench.tune_lookup_gate import _brief, tuned_with
+from memspec.bench.tune_lookup_gate import brief, tuned_with
 from memspec.common.config import PoolConfig
 from memspec.common.errors import ConfigError
 from memspec.common.tuned import TUNED_ENV, tuned_path
@@ -90,10 +90,10 @@ def sweep_head_knob(knob: str, grid: Sequence[Any], prefer: Callable[[Any], Any]
     log(f"chosen {_show(best)} (memspec / target-only {fig['gmean']:.3f}, worst prompt "
         f"{fig['min']:.3f})")
     return {"grid": {knob.split(".")[-1]: list(grid)},
-            "rows": [{"value": v, "variant": variant("memspec", v), **_brief(s["memspec"]),
-                      **{p.replace("-", "_"): _brief(s[p]) for p in COMPARED[1:]}}
+            "rows": [{"value": v, "variant": variant("memspec", v), **brief(s["memspec"]),
+                      **{p.replace("-", "_"): brief(s[p]) for p in COMPARED[1:]}}
                      for v, s in by_value.items()],
-            "chosen": best, "figure": _brief(fig), "floor": FLOOR, "prompts": len(rows),
+            "chosen": best, "figure": brief(fig), "floor": FLOOR, "prompts": len(rows),
             "repeats": repeats, "identical_tokens": res["identical_tokens"]}
 
 
@@ -138,7 +138,7 @@ def head_prior_tokens(pool: PoolConfig, first: int) -> tuple[float, int]:
     context ends with a suffix of `first`+ tokens seen before (its acceptance alone, gamma
     long), else the head's (its table: the head with the lookup inside)."""
     from memspec.bench.evaluation import load_pool_tables, trajectories_path, trajectory_rows
-    from memspec.procs.decoder.lookup import NgramIndex, lookup_table
+    from memspec.procs.decoder.drafts.lookup import NgramIndex, lookup_table
 
     tt = load_pool_tables(pool, "dev")
     rows = trajectory_rows(trajectories_path(pool, "dev", tt.dtype), list(tt.rows))

@@ -2,7 +2,7 @@
 chosen on dev by real runs.
 
 Each proposal is as long as pays for its verify rows at the costs the decoder calibrated
-(procs/decoder/lookup_depth.py), from how often the lookup's j-th token is accepted once the
+(procs/decoder/drafts/lookup_depth.py), from how often the lookup's j-th token is accepted once the
 ones before it were, by how long the context suffix under its first token matched. That
 prior comes from dev: the engine's lookup-only in this process with every proposal gamma
 tokens long (its tokens and proposals are the pipeline's; no clock is read), its accepted
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.bench.realsweep import FLOOR, Setting, choose_setting, dev_rows, run_settings
-from memspec.bench.tune_lookup_gate import _brief, tuned_with
+from memspec.bench.tune_lookup_gate import brief, tuned_with
 from memspec.common.tuned import TUNED_ENV, tuned_path
 
 WEIGHTS = (None, 2, 8, 32)  # observations the dev prior is worth (None: depth off)
@@ -74,8 +74,8 @@ def dev_lookup_verifies(pool_file: Path, rows: Sequence[dict[str, str]], max_new
 
     from memspec.common.config import load_pool
     from memspec.procs.decoder.inprocess import build_local
-    from memspec.procs.decoder.lookup import LOOKUP
     from memspec.procs.decoder.models import encode_prompt
+    from memspec.procs.decoder.sched.costs import LOOKUP
 
     rt = build_local(load_pool(pool_file), with_drafts=False)
     rt.engine.depth_costs = None  # no depth: every proposal is gamma tokens
@@ -114,8 +114,8 @@ def tune_lookup_depth(pool_file: Path, per_domain: int, max_new: int, repeats: i
     _log(f"chosen DEPTH_WEIGHT = {best} (memspec / target-only {fig['gmean']:.3f}, worst "
          f"prompt {fig['min']:.3f})")
     return {"grid": {"DEPTH_WEIGHT": list(WEIGHTS)}, "prior": prior, "counts": counts,
-            "rows": [{"value": w, "variant": variant(w), **_brief(summary[variant(w)])}
+            "rows": [{"value": w, "variant": variant(w), **brief(summary[variant(w)])}
                      for w in WEIGHTS],
-            "chosen": best, "figure": _brief(fig), "floor": FLOOR, "prompts": len(rows),
+            "chosen": best, "figure": brief(fig), "floor": FLOOR, "prompts": len(rows),
             "repeats": repeats, "identical_tokens": res["identical_tokens"]}
 

@@ -1,7 +1,7 @@
 """`memspec bench tune`'s lookup_gate section: when the speculation gate judges the context
 lookup, chosen on dev by real runs.
 
-The lookup (procs/decoder/lookup.py) proposes only where the context repeats, and its
+The lookup (procs/decoder/drafts/lookup.py) proposes only where the context repeats, and its
 worth comes in bursts, so the gate lets it run unjudged for its first LOOKUP_LOOKS
 proposals, unless after LOOKUP_FAILING's count it accepts under that floor. The simulator
 has no table for the lookup run alone, so each setting runs on its own warm server (a
@@ -76,15 +76,15 @@ def tune_lookup_gate(pool_file: Path, per_domain: int, max_new: int, repeats: in
     return {"grid": {"LOOKUP_LOOKS": list(LOOKS),
                      "LOOKUP_FAILING": [None if f is None else list(f) for f in FAILING]},
             "rows": [{"value": [looks, None if fail is None else list(fail)],
-                      "variant": variant(looks, fail), **_brief(summary[variant(looks, fail)])}
+                      "variant": variant(looks, fail), **brief(summary[variant(looks, fail)])}
                      for looks, fail in pairs],
-            "lookup_only": _brief(summary["lookup-only"]),
+            "lookup_only": brief(summary["lookup-only"]),
             "chosen": [best[0], None if best[1] is None else list(best[1])],
-            "figure": _brief(fig), "floor": FLOOR, "prompts": len(rows), "repeats": repeats,
+            "figure": brief(fig), "floor": FLOOR, "prompts": len(rows), "repeats": repeats,
             "identical_tokens": res["identical_tokens"]}
 
 
-def _brief(s: Mapping[str, Any]) -> dict[str, Any]:
+def brief(s: Mapping[str, Any]) -> dict[str, Any]:
     return {"gmean": s["gmean"], "ci95": s["ci95"], "min": s["min"],
             "paired_gmean": s["paired_gmean"],
             "mean_acceptance_length": s["mean_acceptance_length"]}

@@ -1,7 +1,7 @@
 """`memspec bench tune`'s plan_budget section: how wide oracle-dynamic's plan search may go.
 
 oracle-dynamic plans a request's runs and loads before its prompt prefills
-(procs/decoder/oracle.py), on the request's end-to-end clock. A wider search (more drafts
+(procs/decoder/oracle/oracle.py), on the request's end-to-end clock. A wider search (more drafts
 planned over, `PLAN_BUDGET` states past the narrowest) can find a faster plan, and takes
 longer to find it. On traced dev prompts, per budget: the plan's own value (its iterations
 at the cost model's mean iteration) plus the seconds the search took on this machine,
@@ -18,9 +18,9 @@ from typing import Any
 
 from memspec.common.config import PoolConfig
 from memspec.common.errors import ConfigError
-from memspec.procs.decoder.lookup import LOOKUP
-from memspec.procs.decoder.oracle import DynamicPlan, oracle_index, prompt_tables
-from memspec.procs.decoder.tablefiles import runtime_key, trajectories_path, trajectory_rows
+from memspec.procs.decoder.oracle.oracle import DynamicPlan, oracle_index, prompt_tables
+from memspec.procs.decoder.oracle.tablefiles import runtime_key, trajectories_path, trajectory_rows
+from memspec.procs.decoder.sched.costs import LOOKUP
 from memspec.sim.costmodel import CostModel
 
 BUDGETS = (0, 30, 100, 300, 10**6)  # 10**6: the exact search over every draft

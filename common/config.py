@@ -35,7 +35,7 @@ POLICIES = (
     "oracle-dynamic",
 )
 STORAGE_PROFILES = ("native", "edge-emulated")
-# target precision: auto = fastest on the device (procs/decoder/precision.py)
+# target precision: auto = fastest on the device (procs/decoder/forward/precision.py)
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 _POOL_KEYS = {
     "target", "K", "gamma", "N", "T", "policy", "storage", "general",
@@ -44,7 +44,7 @@ _POOL_KEYS = {
 }
 _DRAFT_KEYS = {"name", "domain", "path", "kind", "description"}
 # model: an independent causal LM sharing the tokenizer; head: a one-layer head over the
-# target's features (procs/decoder/head.py)
+# target's features (procs/decoder/drafts/head.py)
 DRAFT_KINDS = ("model", "head", "datastore")
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed accepts (unsigned)
 
@@ -78,7 +78,7 @@ class PoolConfig:
     ucb_c: float = knob("pool.ucb_c")  # `memspec bench tune` (tuned.json)
     spec_gate: bool = True  # memspec / prediction-only run the target alone when no draft pays
     lookup: int = knob("pool.lookup")  # greedy: a context suffix of >= this many tokens seen before proposes
-    # what followed it, in place of the draft's guess (procs/decoder/lookup.py); 0: off
+    # what followed it, in place of the draft's guess (procs/decoder/drafts/lookup.py); 0: off
     predictor_head: Path | None = None
     # tokens still to come for a ranking to be worth asking for (None: the tuned
     # gate.RANK_HORIZON, chosen on the heads pool): what a right choice gains per token

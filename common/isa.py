@@ -1,6 +1,6 @@
 """Which CPU kernel path runs: one choice, made once, from the CPU's own feature flags.
 
-The native forward is built once per path (``procs/decoder/native.py``), each with explicit
+The native forward is built once per path (``procs/decoder/forward/native.py``), each with explicit
 compiler flags, so a build only ever runs on a CPU that has every instruction it was
 compiled for. The paths, fastest first:
 

@@ -204,7 +204,7 @@ class Submit(Message):
     ucb_c: float | None = None  # mab-* exploration constant (None: the pool's)
     messages: list[ChatTurn] = []
     stop: list[str] = []
-    top_k: int = 0  # 0: off; 1: greedy (procs/decoder/acceptance.py)
+    top_k: int = 0  # 0: off; 1: greedy (procs/decoder/sched/acceptance.py)
     min_p: float = 0.0  # 0: off
     # Set by the supervisor only, to resume a request whose decoder crashed: the tokens the
     # client already has (decoded as context after the prompt, the rest of the budget
@@ -218,7 +218,7 @@ class Submit(Message):
     # for the sweep that chooses a pool's value on dev
     rank_horizon: int | None = None
     # at most this many decoder threads for this request (None: every core while the
-    # helpers rest, procs/decoder/threads.py); how the bench measures the old one-thread
+    # helpers rest, procs/decoder/forward/threads.py); how the bench measures the old one-thread
     # pipeline beside today's, and for a user who shares the machine with other work
     threads: int | None = None
 

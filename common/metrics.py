@@ -37,7 +37,7 @@ class IterationRecord(msgspec.Struct, forbid_unknown_fields=True):
     # would have run a target step here
     match: int = 0  # the context lookup's suffix match under its first proposal (0: none)
     threads: int = 0  # the decoder's forward threads in this iteration (0: not recorded;
-    # procs/decoder/threads.py: fewer while a helper or another program holds a core)
+    # procs/decoder/forward/threads.py: fewer while a helper or another program holds a core)
 
     @property
     def duration(self) -> float:

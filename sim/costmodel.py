@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.metrics import LoadEvent, RankEvent, Summary
-from memspec.procs.decoder.gate import GateCosts
-from memspec.procs.decoder.loadplan import PlanCosts, linear_fit
+from memspec.procs.decoder.oracle.loadplan import linear_fit
+from memspec.procs.decoder.sched.costs import PlanCosts
+from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.sim.loadqueue import LoadQueue
 
 
@@ -75,7 +76,7 @@ class CostModel:
 
     def plan_costs(self) -> PlanCosts:
         """oracle-dynamic's beliefs in SD iterations, as the decoder learns them from its
-        own finished requests (procs/decoder/oracle.py:PlanCostMeter): everything this model
+        own finished requests (procs/decoder/oracle/oracle.py:PlanCostMeter): everything this model
         charges a decision for (iterations as the lines the simulator charges, each draft's
         own intercept and one slope; catch-ups, binds, scheduling, the loads' head start
         during the prefill), so the plan matches the simulator's clock but for a switch back

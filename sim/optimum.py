@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import combinations, product
 
-from memspec.procs.decoder.replay import Table, step_accepted
+from memspec.procs.decoder.oracle.replay import Table, step_accepted
 from memspec.sim.costmodel import CostModel
 
 EPS = 1e-9

@@ -1,6 +1,6 @@
 """Replay one request through a policy: the runtime's own scheduling loop on a simulated clock.
 
-`simulate` runs procs/decoder/loop.py's `Controller` (the decoder's Alg. 3 loop, message
+`simulate` runs procs/decoder/sched/loop.py's `Controller` (the decoder's Alg. 3 loop, message
 handling included) against simulated parts, so the order of events is the runtime's by
 construction and only what cannot run here is modelled:
 
@@ -23,13 +23,12 @@ from memspec.common.errors import ConfigError
 from memspec.common.messages import Cancel, Load, Loaded, LoadFailed, Message, Ranking, Snapshot
 from memspec.common.metrics import IterationRecord, RunStats, Summary
 from memspec.procs.decoder.engine import PREFILL_CHUNK, prefill_pieces
-from memspec.procs.decoder.gate import GateCosts
-from memspec.procs.decoder.loadplan import PlanCosts
-from memspec.procs.decoder.lookup import LOOKUP
-from memspec.procs.decoder.loop import Controller, Job, Overhead
-from memspec.procs.decoder.oracle import make_plan
-from memspec.procs.decoder.policies import Policy, make_policy
-from memspec.procs.decoder.replay import Table, step_accepted
+from memspec.procs.decoder.oracle.oracle import make_plan
+from memspec.procs.decoder.oracle.replay import Table, step_accepted
+from memspec.procs.decoder.sched.costs import LOOKUP, PlanCosts
+from memspec.procs.decoder.sched.gate import GateCosts
+from memspec.procs.decoder.sched.loop import Controller, Job, Overhead
+from memspec.procs.decoder.sched.policies import Policy, make_policy
 from memspec.sim.costmodel import CostModel
 from memspec.sim.loadqueue import LoadQueue
 

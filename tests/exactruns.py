@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memspec.procs.decoder.oracle import exact_depth
+from memspec.procs.decoder.oracle.oracle import exact_depth
 
 
 def exact_and_full(eng, prompt: list[int], n: int, name: str,  # noqa: ANN001

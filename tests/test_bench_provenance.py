@@ -70,7 +70,7 @@ def test_table_2_is_of_the_head_the_pool_ranks_with(tmp_path):
                   for s in ("test", "mixed")}
     pool_path = _pool_with_head(tmp_path, tmp_path / "h.safetensors")
     pool = load_pool(pool_path, check=False)
-    from memspec.procs.decoder.tablefiles import pool_fingerprint
+    from memspec.procs.decoder.oracle.tablefiles import pool_fingerprint
 
     _head(tmp_path / "h.safetensors", b"w", train_set="train,dev", evaluation=evaluation,
           pool_fingerprint=pool_fingerprint(pool))

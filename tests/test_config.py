@@ -78,7 +78,7 @@ def test_bad_fields_name_the_field(edit, needle):
 
 
 def test_a_pool_sets_its_own_ranking_horizon_or_takes_the_tuned_one():
-    from memspec.procs.decoder.gate import SpecGate
+    from memspec.procs.decoder.sched.gate import SpecGate
 
     assert parse_pool(BASE, Path(".")).rank_horizon is None  # the tuned gate.RANK_HORIZON
     data = json.loads(json.dumps(BASE))

@@ -1,4 +1,4 @@
-"""The scheduling loop (procs/decoder/loop.py) with scripted fakes: no sockets, no models.
+"""The scheduling loop (procs/decoder/sched/loop.py) with scripted fakes: no sockets, no models.
 
 Each fake is the smallest honest stand-in: a clock that moves only when told, channels
 that answer loads and snapshots on a script, slots that bind (or refuse to), and an
@@ -26,13 +26,13 @@ from memspec.common.messages import (
     Snapshot,
 )
 from memspec.common.metrics import IterationRecord, RunStats, Summary
-from memspec.procs.decoder import oracle
-from memspec.procs.decoder.cache_manager import NO_ACTIONS
-from memspec.procs.decoder.gate import SpecGate
-from memspec.procs.decoder.loop import Controller, Job
-from memspec.procs.decoder.oracle import make_plan
-from memspec.procs.decoder.policies import Decision, SchedView, TargetOnly, make_policy
-from memspec.procs.decoder.replay import step_accepted
+from memspec.procs.decoder.oracle import oracle
+from memspec.procs.decoder.oracle.oracle import make_plan
+from memspec.procs.decoder.oracle.replay import step_accepted
+from memspec.procs.decoder.sched.cache_manager import NO_ACTIONS
+from memspec.procs.decoder.sched.gate import SpecGate
+from memspec.procs.decoder.sched.loop import Controller, Job
+from memspec.procs.decoder.sched.policies import Decision, SchedView, TargetOnly, make_policy
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimConfig, SimRequest, simulate_traced
 from memspec.zoo.tables import table_from_correct
@@ -493,7 +493,7 @@ def test_the_simulator_makes_the_runtime_loops_decisions(policy, monkeypatch):
 def test_a_requests_thread_cap_holds_through_helper_changes_and_ends_with_it():
     """`Submit.threads` caps the decoder at once (before its prefill asks), whatever the
     helpers do; the next request without a cap gets every core back."""
-    from memspec.procs.decoder.threads import ThreadPlan
+    from memspec.procs.decoder.forward.threads import ThreadPlan
 
     set_to: list[int] = []
     plan = ThreadPlan(4, 3, apply=set_to.append)
@@ -513,7 +513,7 @@ def test_threads_follow_the_helpers():
     """The decoder is told before every interval whether the predictor is encoding (a
     snapshot not answered yet, for at most SNAPSHOT_STALE_S) or the loader works (a load in
     flight); target-only with nothing loading keeps every core throughout."""
-    from memspec.procs.decoder.loop import SNAPSHOT_STALE_S
+    from memspec.procs.decoder.sched.loop import SNAPSHOT_STALE_S
 
     told: list[bool] = []
     ctl, ch, slots, ex = setup(auto=False)

@@ -20,11 +20,10 @@ import pytest
 
 from memspec.zoo.corpora import DOMAINS
 from memspec.zoo.prompts import PROMPTS_DIR, SPLITS, load_prompts, row_sources
-from memspec.zoo.promptsets import (
-    FINGERPRINT_FILE,
+from memspec.zoo.promptsets import FINGERPRINT_FILE, SOURCES_FILE
+from memspec.zoo.prompttext import (
     MAX_OVERLAP,
     MAX_PROMPT_CHARS,
-    SOURCES_FILE,
     fingerprint_ok,
     flat_text,
     leak_windows,

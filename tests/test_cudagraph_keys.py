@@ -1,5 +1,5 @@
 """CUDA graphs are keyed by the cache memory they write and keep that cache alive
-(procs/decoder/cudagraph.py); a stand-in graph class lets this run without a GPU. The
+(procs/decoder/forward/cudagraph.py); a stand-in graph class lets this run without a GPU. The
 tests marked for a GPU capture real graphs: a capture must not write over what the cache
 holds, and a head's replayed steps decode losslessly."""
 
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memspec.procs.decoder import cudagraph
-from memspec.procs.decoder.cudagraph import GraphLM, storage_key
-from memspec.procs.decoder.lean import KVCache
+from memspec.procs.decoder.forward import cudagraph
+from memspec.procs.decoder.forward.cudagraph import GraphLM, storage_key
+from memspec.procs.decoder.forward.lean import KVCache
 
 
 class _Captured:

@@ -21,7 +21,7 @@ from memspec.common.config import (
 )
 from memspec.common.errors import ModelError
 from memspec.common.manifest import write_manifest
-from memspec.procs.decoder.datastore import (
+from memspec.procs.decoder.drafts.datastore import (
     DATASTORE_KIND,
     SEP,
     Datastore,
@@ -32,9 +32,9 @@ from memspec.procs.decoder.datastore import (
     tail_key,
 )
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.gate import GateCosts, SpecGate
-from memspec.procs.decoder.lookup import LOOKUP
 from memspec.procs.decoder.models import build_target
+from memspec.procs.decoder.sched.costs import LOOKUP
+from memspec.procs.decoder.sched.gate import GateCosts, SpecGate
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 from memspec.zoo.stores import store_walk
 
@@ -159,7 +159,7 @@ def test_engine_output_is_target_only_greedy_with_a_good_and_a_wrong_store(tiny_
 
 
 def test_sampling_runs_a_store_as_plain_target_steps(tiny_dir, tmp_path):
-    from memspec.procs.decoder.acceptance import SamplingParams
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
 
     target = build_target(tiny_dir / "target", "float32")
     _store_folder(tmp_path / "s", DOCS)
@@ -248,7 +248,7 @@ def test_two_pools_on_one_target_keep_their_own_tables(tmp_path, tiny_dir, monke
     """Tracing a second pool (datastores, small models) on the default pool's target must not
     overwrite the default pool's tables, nor show up among its traced sets."""
     from memspec.common.config import load_pool as load
-    from memspec.procs.decoder import tablefiles
+    from memspec.procs.decoder.oracle import tablefiles
 
     monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "home"))
     pools = []
@@ -271,8 +271,8 @@ def test_two_pools_on_one_target_keep_their_own_tables(tmp_path, tiny_dir, monke
 def test_a_chain_says_whether_the_store_led_it():
     """The gate weighs a store against the lookup alone by the iterations its own token
     led: the lookup's token goes first where the context repeats."""
-    from memspec.procs.decoder.datastore import led_chain
-    from memspec.procs.decoder.lookup import NgramIndex
+    from memspec.procs.decoder.drafts.datastore import led_chain
+    from memspec.procs.decoder.drafts.lookup import NgramIndex
 
     store = Datastore(build_tables(stream(DOCS), 1, 3, 1))
     idx = NgramIndex(2, [7, 8, 9, 5, 7, 8])  # "7 8" was followed by 9

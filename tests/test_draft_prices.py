@@ -8,8 +8,8 @@ from test_engine import engine_with
 from tinymodels import TINY_VOCAB
 
 from memspec.common.config import parse_pool
-from memspec.procs.decoder import draft_prices
-from memspec.procs.decoder.gate import GateCosts
+from memspec.procs.decoder.oracle import draft_prices
+from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.procs.decoder.service import open_drafts
 from memspec.procs.decoder.slots import SlotBuffer
 

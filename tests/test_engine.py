@@ -91,7 +91,8 @@ def test_lookup_first_hands_repeating_iterations_to_the_lookup(tiny_dir, tiny_he
     the lookup's); every other iteration is the draft's, which catches up on what it
     skipped, booked as its catch-up (not as its draft time, which the gate prices it by).
     Output stays the target's greedy output; 0 turns it off."""
-    from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
+    from memspec.procs.decoder.drafts.lookup import NgramIndex
+    from memspec.procs.decoder.sched.costs import LOOKUP
 
     eng = engine_with(tiny_dir, ["small", "random"], dtype=dtype, lookup=1)
     if dtype != "float32":
@@ -261,8 +262,8 @@ def test_packed_weights_in_huge_pages_give_the_same_products():
     decode step streams all of them; on 4 KiB pages each page is a TLB miss and a stop for
     the prefetchers). The products must not change; where the kernel takes the advice
     (Linux THP "always" or "madvise") the block is in huge pages."""
-    from memspec.procs.decoder.linear import Int4Linear
-    from memspec.procs.decoder.native import extension, linear_spec
+    from memspec.procs.decoder.forward.linear import Int4Linear
+    from memspec.procs.decoder.forward.native import extension, linear_spec
 
     ext = extension()
     if ext is None:
@@ -288,8 +289,8 @@ def test_the_bare_matmul_floor_runs_every_product_in_one_native_call(tiny_dir, t
     product called on its own."""
     from memspec.bench.engine import floor_fns
     from memspec.common.config import load_pool
-    from memspec.procs.decoder.linear import Int4Linear
-    from memspec.procs.decoder.native import extension, linear_spec
+    from memspec.procs.decoder.forward.linear import Int4Linear
+    from memspec.procs.decoder.forward.native import extension, linear_spec
 
     ext = extension()
     if ext is None:
@@ -435,7 +436,7 @@ def test_a_head_step_embeds_its_token_as_the_target_does(tiny_dir, tiny_heads, d
     """The C++ step embeds its proposal itself: the rows are the target's embedding as
     tensor ops give it (Q8_0 values times their scales), and the step's logits and output
     are, bit for bit, the head's forward of those rows."""
-    from memspec.procs.decoder.linear import GROUP
+    from memspec.procs.decoder.forward.linear import GROUP
 
     eng = engine_with(tiny_dir, [], dtype=dtype)
     lean = eng.target.lean
@@ -467,7 +468,7 @@ def test_lookup_only_is_lossless_and_speculates_on_repeats(tiny_dir, dtype):
     """The context lookup alone as the draft: output is the target's greedy output, it
     proposes where the context repeats, and an iteration with nothing to propose is a
     plain target step (no verify, not counted as a draft)."""
-    from memspec.procs.decoder.lookup import LOOKUP
+    from memspec.procs.decoder.sched.costs import LOOKUP
 
     eng = engine_with(tiny_dir, [], dtype=dtype, lookup=1)
     proposed = 0
@@ -488,8 +489,8 @@ def test_lookup_depth_keeps_output_identical_and_follows_the_row_cost(tiny_dir, 
     """With calibrated costs the lookup's proposals are only as long as pay for their rows:
     free rows -> up to gamma tokens, costly rows -> one token; either way the output is the
     target's own greedy output."""
-    from memspec.procs.decoder.lookup import LOOKUP
-    from memspec.procs.decoder.lookup_depth import LookupDepth
+    from memspec.procs.decoder.drafts.lookup_depth import LookupDepth
+    from memspec.procs.decoder.sched.costs import LOOKUP
 
     eng = engine_with(tiny_dir, [], lookup=1)
     refs = [eng.generate(p, 60)[0] for p in PROMPTS]
@@ -542,7 +543,8 @@ def test_exact_lookup_depth_proposes_only_what_the_target_accepts(tiny_dir):
     table): every proposal is accepted whole, a position where the lookup would be
     rejected is a plain step, the walk is the full-depth lookup's, and the output is the
     target's own greedy output."""
-    from memspec.procs.decoder.lookup import LOOKUP, lookup_table
+    from memspec.procs.decoder.drafts.lookup import lookup_table
+    from memspec.procs.decoder.sched.costs import LOOKUP
 
     eng = engine_with(tiny_dir, [], lookup=1)
     saved = 0

@@ -14,11 +14,11 @@ from test_engine import PROMPTS, engine_with
 
 from memspec.common.config import load_pool
 from memspec.common.metrics import IterationRecord
-from memspec.procs.decoder.calibration import draft_gamma_s, measure_target
-from memspec.procs.decoder.gate import GateCosts, SpecGate
-from memspec.procs.decoder.lookup import LOOKUP
-from memspec.procs.decoder.loop import Controller, Job
-from memspec.procs.decoder.policies import Gated, MemSpec, SchedView, make_policy
+from memspec.procs.decoder.oracle.calibration import draft_gamma_s, measure_target
+from memspec.procs.decoder.sched.costs import LOOKUP
+from memspec.procs.decoder.sched.gate import GateCosts, SpecGate
+from memspec.procs.decoder.sched.loop import Controller, Job
+from memspec.procs.decoder.sched.policies import Gated, MemSpec, SchedView, make_policy
 from memspec.procs.decoder.service import SessionExecutor
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
@@ -386,7 +386,7 @@ def test_pool_spec_gate_option_is_validated(tmp_path):
 
 
 def test_ngram_index_proposes_the_latest_successor_of_the_longest_suffix():
-    from memspec.procs.decoder.lookup import NgramIndex
+    from memspec.procs.decoder.drafts.lookup import NgramIndex
 
     idx = NgramIndex(2, [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3])
     assert idx.propose([2, 3]) == 7  # most recent earlier "2 3" (the last is not indexed yet)
@@ -422,7 +422,7 @@ def test_every_drafting_policy_gets_the_gate():
     """No baseline lacks a tool memspec has: the pool's spec_gate wraps every policy that
     runs drafts (oracle-dynamic plans the target alone itself); `gate=False` gives the
     ungated policy."""
-    from memspec.procs.decoder.policies import GATED, POLICY_NAMES
+    from memspec.procs.decoder.sched.policies import GATED, POLICY_NAMES
 
     for name in POLICY_NAMES:
         pol = make_policy(name, gate_costs=COSTS, oracle_plan=lambda v: "code")
@@ -619,9 +619,9 @@ def test_a_store_whose_own_proposals_do_not_pay_gives_way_to_the_lookup(free_fir
     have run a target step. A store that pays overall only on the lookup's tokens runs the
     lookup instead (the interval ends, and the next runs the lookup); judged on its whole
     record until LED_LOOKS such iterations, and never without the lookup on."""
-    from memspec.procs.decoder.cache_manager import CacheActions
-    from memspec.procs.decoder.gate import gate_decision
-    from memspec.procs.decoder.policies import Decision
+    from memspec.procs.decoder.sched.cache_manager import CacheActions
+    from memspec.procs.decoder.sched.gate import gate_decision
+    from memspec.procs.decoder.sched.policies import Decision
 
     costs = GateCosts(target=(0.005, 0.0), verify=(0.0075, 0.0), free=frozenset({"code"}))
     for lookup in (True, False):
@@ -796,7 +796,7 @@ def test_a_calibration_cached_on_a_busy_machine_is_measured_again(tiny_dir, tmp_
     re-measured by the next decoder that reads them, and the faster lines are kept; lines
     that the target still matches are read as they are."""
     from memspec.common.paths import HOME_ENV
-    from memspec.procs.decoder.calibration import CONTEXTS, at, cache_key, gate_costs
+    from memspec.procs.decoder.oracle.calibration import CONTEXTS, at, cache_key, gate_costs
 
     monkeypatch.setenv(HOME_ENV, str(tmp_path))
     eng = engine_with(tiny_dir, [], dtype="int4")

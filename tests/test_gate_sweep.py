@@ -7,7 +7,7 @@ import pytest
 from test_gate import DRAFTS, cost, tables
 
 from memspec.bench.gate_sweep import FLOOR, GMEAN_FLOOR, gate_constants, sweep
-from memspec.procs.decoder.gate import SpecGate
+from memspec.procs.decoder.sched.gate import SpecGate
 from memspec.sim.simulate import SimConfig, SimRequest
 
 

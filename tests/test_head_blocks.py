@@ -13,9 +13,7 @@ from tinymodels import TINY_VOCAB, make_tiny_head
 
 from memspec.common.errors import ModelError
 from memspec.common.manifest import read_manifest, verify, write_manifest
-from memspec.procs.decoder import q4blocks, q8blocks
-from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.head import (
+from memspec.procs.decoder.drafts.head import (
     PACKED,
     Q4_MATRICES,
     dense_weights,
@@ -24,9 +22,11 @@ from memspec.procs.decoder.head import (
     pack_head,
     read_head_config,
 )
-from memspec.procs.decoder.linear import Int4Linear, Int8Linear
+from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.forward import q4blocks, q8blocks
+from memspec.procs.decoder.forward.linear import Int4Linear, Int8Linear
+from memspec.procs.decoder.forward.native import extension
 from memspec.procs.decoder.models import build_target
-from memspec.procs.decoder.native import extension
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 from memspec.zoo.heads import pack_stored, read_head_weights
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tinymodels import TINY_VOCAB, make_tiny_head
 
+from memspec.procs.decoder.drafts.head import read_head_config
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.head import read_head_config
+from memspec.procs.decoder.forward.checkpoint import read_config
 from memspec.procs.decoder.models import build_target
-from memspec.procs.decoder.runners import read_config
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 from memspec.zoo.head_train import ALL, Batches, HeadPlan, chain_ok, draft_index
 from memspec.zoo.heads import (

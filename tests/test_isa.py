@@ -17,7 +17,7 @@ import test_engine
 from memspec.common import isa
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
-from memspec.procs.decoder import native
+from memspec.procs.decoder.forward import native
 
 CSRC = Path(native.__file__).resolve().parent / "csrc"
 PATHS = isa.supported()

@@ -16,8 +16,8 @@ from memspec.common.paths import PACKAGE_ROOT
 
 RUNTIME = ("common", "procs")
 OFFLINE = ("memspec.zoo", "memspec.sim", "memspec.bench")
-PURE = ("procs/decoder/loop.py", "procs/decoder/policies.py", "procs/decoder/cache_manager.py",
-        "procs/decoder/residency.py", "procs/decoder/replay.py", "common/metrics.py",
+PURE = ("procs/decoder/sched/loop.py", "procs/decoder/sched/policies.py", "procs/decoder/sched/cache_manager.py",
+        "procs/decoder/sched/residency.py", "procs/decoder/oracle/replay.py", "common/metrics.py",
         "common/messages.py")
 IMPURE = ("torch", "zmq", "time", "socket", "transformers", "threading", "asyncio")
 

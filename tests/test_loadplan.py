@@ -1,4 +1,4 @@
-"""oracle-dynamic's plan (procs/decoder/loadplan.py): queued loads, binds, per-draft
+"""oracle-dynamic's plan (procs/decoder/oracle/loadplan.py): queued loads, binds, per-draft
 iteration costs, the target alone, an exact search, and the upper bound it must be in the
 simulator."""
 
@@ -13,11 +13,10 @@ from memspec.common.config import load_pool
 from memspec.common.errors import RequestError
 from memspec.common.metrics import IterationRecord
 from memspec.common.paths import DEFAULT_POOL
-from memspec.procs.decoder import oracle
-from memspec.procs.decoder.gate import GateCosts
-from memspec.procs.decoder.loadplan import Key, LoadPlanner, PlanCosts, State, Step
-from memspec.procs.decoder.lookup import LOOKUP, lookup_table
-from memspec.procs.decoder.oracle import (
+from memspec.procs.decoder.drafts.lookup import lookup_table
+from memspec.procs.decoder.oracle import oracle
+from memspec.procs.decoder.oracle.loadplan import Key, LoadPlanner, State, Step
+from memspec.procs.decoder.oracle.oracle import (
     CALIBRATED_CONTEXT,
     DynamicPlan,
     PlanCostMeter,
@@ -26,6 +25,8 @@ from memspec.procs.decoder.oracle import (
     plan_costs,
     prompt_tables,
 )
+from memspec.procs.decoder.sched.costs import LOOKUP, PlanCosts
+from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.sim.costmodel import CostModel
 from memspec.sim.simulate import SimConfig, SimRequest, simulate, simulate_traced
 from memspec.zoo.stores import store_walk

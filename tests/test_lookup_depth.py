@@ -1,4 +1,4 @@
-"""The context lookup's proposal length (procs/decoder/lookup_depth.py): as many tokens as
+"""The context lookup's proposal length (procs/decoder/drafts/lookup_depth.py): as many tokens as
 pay for their verify rows, learnt from the request's own verifies."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from memspec.bench.tune_lookup_depth import MIN_VERIFIES, prior_by_match, prior_from_counts
-from memspec.procs.decoder.lookup import NgramIndex
-from memspec.procs.decoder.lookup_depth import LookupDepth, buckets
+from memspec.procs.decoder.drafts.lookup import NgramIndex
+from memspec.procs.decoder.drafts.lookup_depth import LookupDepth, buckets
 
 STEP = (3.7e-3, 0.0)
 

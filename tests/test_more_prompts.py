@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from memspec.zoo.corpora import DOMAINS, write_jsonl
-from memspec.zoo.promptsets import more_train_prompts, prompt_body
+from memspec.zoo.promptsets import more_train_prompts
+from memspec.zoo.prompttext import prompt_body
 
 _FUNC = '''
 def f{i}(x):

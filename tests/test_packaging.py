@@ -73,7 +73,7 @@ def test_dependencies_fit_every_supported_python_and_plots_are_an_extra():
 
 def test_plots_without_matplotlib_are_one_line_naming_the_extra(tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None; from memspec.launch.cli import main; "
-            f"sys.exit(main(['bench', 'messages', '--plots', {str(tmp_path)!r}]))")
+            f"sys.exit(main(['bench', 'soak', '--plots', {str(tmp_path)!r}]))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2

@@ -40,7 +40,7 @@ from memspec.common.messages import (
 from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT
 from memspec.common.sockets import configure, send
 from memspec.launch.supervisor import Supervisor
-from memspec.procs.decoder.lookup import LOOKUP
+from memspec.procs.decoder.sched.costs import LOOKUP
 from memspec.procs.decoder.service import STREAM_EVERY_S
 from memspec.zoo.prompts import load_prompts
 

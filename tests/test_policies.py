@@ -9,9 +9,9 @@ import pytest
 
 from memspec.common.config import POLICIES
 from memspec.common.errors import ConfigError
-from memspec.procs.decoder.cache_manager import CacheActions, rank, update_cache
-from memspec.procs.decoder.lookup import LOOKUP
-from memspec.procs.decoder.policies import (
+from memspec.procs.decoder.sched.cache_manager import CacheActions, rank, update_cache
+from memspec.procs.decoder.sched.costs import LOOKUP
+from memspec.procs.decoder.sched.policies import (
     POLICY_NAMES,
     Decision,
     Policy,

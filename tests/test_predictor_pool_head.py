@@ -143,7 +143,7 @@ def _write_own_head(pool_file: Path, fingerprint: dict | None, views: str = "spl
 
 
 def test_pool_head_for_this_pool_ranks_and_one_for_other_drafts_falls_back(pool_file):
-    from memspec.procs.decoder.tablefiles import pool_fingerprint
+    from memspec.procs.decoder.oracle.tablefiles import pool_fingerprint
 
     pool = _pool(pool_file)
     torch.set_num_threads(1)

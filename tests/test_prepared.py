@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
+from memspec.procs.decoder.forward.prepared import cache_path
 from memspec.procs.decoder.models import build_target
-from memspec.procs.decoder.prepared import cache_path
 
 IDS = torch.tensor([1, 5, 9, 22, 40, 41, 7, 3])
 

@@ -106,7 +106,7 @@ root = memspec.__path__[0]
 assert compileall.compile_dir(root, quiet=2, rx=re.compile(r"/(models|build|tests)/")), "syntax"
 import memspec.common.config as config, memspec.common.limits, memspec.common.isa
 import memspec.common.messages as m, memspec.common.logs, memspec.common.child
-import memspec.procs.decoder.gate, memspec.procs.decoder.policies, memspec.procs.decoder.loop
+import memspec.procs.decoder.sched.gate, memspec.procs.decoder.sched.policies, memspec.procs.decoder.sched.loop
 pool = config.load_pool(check=False)
 sub = m.Submit(req_id="r1", prompt="hi", policy="memspec")
 assert m.CLIENT_REQUESTS.decode(m.encode(sub)) == sub

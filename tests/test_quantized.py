@@ -1,4 +1,4 @@
-"""GPTQ / AWQ int4 folders read into the engine's blocks (procs/decoder/quantized.py).
+"""GPTQ / AWQ int4 folders read into the engine's blocks (procs/decoder/forward/quantized.py).
 
 The folders here are packed as the reference implementations pack them (tests/quantpack.py
 follows AutoGPTQ's and AutoAWQ's packing loops), from known codes, so what the reader gives
@@ -22,19 +22,18 @@ from tinymodels import make_tiny, save_model
 from memspec.common.errors import ModelError
 from memspec.common.manifest import check_folder, write_manifest
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.lean import LeanLM, projection_shapes
-from memspec.procs.decoder.linear import Int4Linear
-from memspec.procs.decoder.models import build_target
-from memspec.procs.decoder.native import NativeLM
-from memspec.procs.decoder.precision import resolve_dtype
-from memspec.procs.decoder.quantized import (
-    PermutedLinear,
+from memspec.procs.decoder.forward.checkpoint import lean_arch, load_state_dict, read_config
+from memspec.procs.decoder.forward.lean import LeanLM, projection_shapes
+from memspec.procs.decoder.forward.linear import Int4Linear, PermutedLinear
+from memspec.procs.decoder.forward.native import NativeLM
+from memspec.procs.decoder.forward.precision import resolve_dtype
+from memspec.procs.decoder.forward.quantized import (
     quant_format,
     read_codes,
     split_weights,
     unpack_gptq_zeros,
 )
-from memspec.procs.decoder.runners import lean_arch, load_state_dict, read_config
+from memspec.procs.decoder.models import build_target
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 
 VARIANTS = {  # name: (method, group, sym, desc_act, v1)

@@ -37,16 +37,16 @@ from safetensors.torch import load_file
 from test_pipeline import scratch_home
 
 from memspec.common.paths import PACKAGE_ROOT, memspec_home
-from memspec.procs.decoder.lean import LeanLM, projection_shapes
-from memspec.procs.decoder.models import build_target
-from memspec.procs.decoder.quantized import dequantized, quant_format, quantized_lean, read_codes
-from memspec.procs.decoder.runners import (
-    accelerate,
-    default_act_dtype,
-    lean_arch,
-    load_state_dict,
-    read_config,
+from memspec.procs.decoder.forward.checkpoint import lean_arch, load_state_dict, read_config
+from memspec.procs.decoder.forward.lean import LeanLM, projection_shapes
+from memspec.procs.decoder.forward.quantized import (
+    dequantized,
+    quant_format,
+    quantized_lean,
+    read_codes,
 )
+from memspec.procs.decoder.forward.runners import accelerate, default_act_dtype
+from memspec.procs.decoder.models import build_target
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 from memspec.zoo.quantref import failure
 
@@ -178,8 +178,8 @@ def test_general_static_equals_target_only_on_the_gptq_target(refs, tmp_path, dr
     """In process: the GPTQ target with the default pool's heads, and with GPTQModel-made
     GPTQ / AWQ model drafts; greedy output token for token the target's own."""
     from memspec.common.config import load_pool
-    from memspec.procs.decoder.acceptance import SamplingParams
     from memspec.procs.decoder.inprocess import build_local, run_request
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
 
     job(refs, "target-gptq")
     chosen = HEADS if drafts == "heads" else [

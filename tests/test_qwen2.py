@@ -10,9 +10,9 @@ import torch
 from tinymodels import byte_tokenizer_json, make_tiny_qwen2, save_model
 
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.lean import LeanLM
+from memspec.procs.decoder.forward.lean import LeanLM
+from memspec.procs.decoder.forward.runners import HFRunner
 from memspec.procs.decoder.models import build_target, load_causal_lm
-from memspec.procs.decoder.runners import HFRunner
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 
 PROMPTS = [[72, 101, 108, 108, 111], [40, 41, 42, 43, 44, 45, 46], [1, 7]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memspec.procs.decoder.residency import SlotState, SlotTable
+from memspec.procs.decoder.sched.residency import SlotState, SlotTable
 
 
 def test_stale_completion_is_ignored():

@@ -23,7 +23,7 @@ from memspec.common.limits import check_request
 from memspec.common.messages import Submit
 from memspec.common.paths import DEFAULT_POOL
 from memspec.launch.cli import main as cli
-from memspec.procs.decoder.acceptance import SamplingParams
+from memspec.procs.decoder.sched.acceptance import SamplingParams
 from memspec.procs.decoder.service import open_drafts, verify_target
 from memspec.procs.predictor import DEFAULT_HEAD, pool_head_path
 from memspec.zoo.train_predictor import head_file

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from memspec.common.errors import RequestError
-from memspec.procs.decoder.acceptance import (
+from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.models import load_causal_lm
+from memspec.procs.decoder.sched.acceptance import (
     SamplingParams,
     greedy_accept,
     greedy_accept_host,
@@ -15,8 +17,6 @@ from memspec.procs.decoder.acceptance import (
     speculative_accept,
     warp,
 )
-from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.models import load_causal_lm
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 
 V = 6

@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 
 from memspec.common.metrics import IterationRecord, LoadEvent, RankEvent, RunStats, Summary, Trace
-from memspec.procs.decoder.loadplan import LoadPlanner, PlanCosts
-from memspec.procs.decoder.oracle import dynamic_plan, static_plan
-from memspec.procs.decoder.policies import POLICY_NAMES, SchedView
-from memspec.procs.decoder.replay import oracle_static, replay_static, step_accepted
+from memspec.procs.decoder.oracle.loadplan import LoadPlanner
+from memspec.procs.decoder.oracle.oracle import dynamic_plan, static_plan
+from memspec.procs.decoder.oracle.replay import oracle_static, replay_static, step_accepted
+from memspec.procs.decoder.sched.costs import PlanCosts
+from memspec.procs.decoder.sched.policies import POLICY_NAMES, SchedView
 from memspec.sim.costmodel import CostModel, fit, linear_fit
 from memspec.sim.loadqueue import LoadQueue
 from memspec.sim.optimum import optimum
@@ -273,7 +274,7 @@ def test_a_slow_predictor_is_asked_within_its_share():
     """Snapshots after the prompt's go out only while the predictor's encoding stays within
     PREDICTOR_SHARE of the decode time, the rankings still in flight counted: a predictor
     50x slower asks for fewer rankings, and neither overruns the share."""
-    from memspec.procs.decoder.loop import PREDICTOR_SHARE
+    from memspec.procs.decoder.sched.loop import PREDICTOR_SHARE
 
     tab = tables(9)
     counts = {}
@@ -359,7 +360,7 @@ def test_oracle_dynamic_replans_when_loads_run_late():
 def test_plan_cost_meter_learns_the_runtimes_costs():
     """oracle-dynamic's beliefs from finished requests: iterations are the unit, catch-up a
     line over tokens, loads as the loader timed them; the prior until there is data."""
-    from memspec.procs.decoder.oracle import PlanCostMeter
+    from memspec.procs.decoder.oracle.oracle import PlanCostMeter
 
     prior = PlanCosts.uniform(DRAFTS, 2.7)
     meter = PlanCostMeter(prior)

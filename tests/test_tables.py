@@ -16,7 +16,7 @@ from memspec.common.metrics import gmean
 from memspec.common.paths import default_target_dir
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import load_causal_lm
-from memspec.procs.decoder.replay import (
+from memspec.procs.decoder.oracle.replay import (
     Replay,
     dynamic_scores,
     lookahead,
@@ -415,7 +415,7 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
 def test_tables_made_with_another_head_stop_are_stale(tmp_path, monkeypatch):
     """Where a head stops proposing (``head.STOP``) changes its accepted counts: tables
     written under one floor are re-made under another."""
-    from memspec.procs.decoder.tablefiles import TraceTables, read_tables, write_tables
+    from memspec.procs.decoder.oracle.tablefiles import TraceTables, read_tables, write_tables
 
     fp = {"general": "a" * 64}
     tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
@@ -432,7 +432,7 @@ def test_tables_made_with_another_head_cut_are_stale(tmp_path, monkeypatch):
     """A head scoring fewer rows (``head.VOCAB``) proposes otherwise: tables written under
     one cut are re-made under another, never replayed."""
     from memspec.common.tuned import TUNED_ENV, TUNED_FILE
-    from memspec.procs.decoder.tablefiles import TraceTables, read_tables, write_tables
+    from memspec.procs.decoder.oracle.tablefiles import TraceTables, read_tables, write_tables
 
     fp = {"general": "a" * 64}
     tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
@@ -453,7 +453,7 @@ def test_a_head_stops_only_where_rows_cost():
     """On a GPU a verify's extra rows are free: a head there always proposes gamma (its
     tables likewise), whatever ``head.STOP`` says for CPUs."""
     from memspec.common.tuned import knob
-    from memspec.procs.decoder.head import stop_floor, unsure
+    from memspec.procs.decoder.drafts.head import stop_floor, unsure
 
     assert stop_floor("cuda") == 0.0
     assert stop_floor("cpu") == float(knob("head.STOP") or 0.0)

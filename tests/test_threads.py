@@ -1,4 +1,4 @@
-"""The decoder's threads follow the CPU that is free (procs/decoder/threads.py), and the
+"""The decoder's threads follow the CPU that is free (procs/decoder/forward/threads.py), and the
 forward's pool never waits for a thread that has not started (csrc/pool.h): the thread
 count may change at any step, or a worker may never come, and no token changes."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_engine import PROMPTS, engine_with
 
-from memspec.procs.decoder.threads import (
+from memspec.procs.decoder.forward.threads import (
     CpuProbe,
     CpuShare,
     Reading,

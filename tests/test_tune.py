@@ -14,12 +14,13 @@ from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.paths import DEFAULT_POOL
 from memspec.common.tuned import TUNED_FILE, knob, tuned_knobs
-from memspec.procs.decoder import engine, loop
-from memspec.procs.decoder.gate import SpecGate
-from memspec.procs.decoder.head import scored_rows, stop_floor
-from memspec.procs.decoder.loadplan import PlanCosts
-from memspec.procs.decoder.lookup_depth import LookupDepth
-from memspec.procs.decoder.oracle import DynamicPlan
+from memspec.procs.decoder import engine
+from memspec.procs.decoder.drafts.head import scored_rows, stop_floor
+from memspec.procs.decoder.drafts.lookup_depth import LookupDepth
+from memspec.procs.decoder.oracle.oracle import DynamicPlan
+from memspec.procs.decoder.sched import loop
+from memspec.procs.decoder.sched.costs import PlanCosts
+from memspec.procs.decoder.sched.gate import SpecGate
 
 RUNTIME = {  # knob -> the value the runtime runs
     "gate.ALPHA": lambda: SpecGate.ALPHA,
@@ -96,7 +97,7 @@ def test_a_sweep_setting_runs_from_its_own_tuned_file(tmp_path):
     path = lg.tuned_with(json.loads(TUNED_FILE.read_text()),
                          {"gate.LOOKUP_LOOKS": 8, "gate.LOOKUP_FAILING": None},
                          tmp_path / "t.json")
-    code = ("from memspec.procs.decoder.gate import SpecGate as G; "
+    code = ("from memspec.procs.decoder.sched.gate import SpecGate as G; "
             "print(G.LOOKUP_LOOKS, G.LOOKUP_FAILING, G.ALPHA)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, TUNED_ENV: str(path)},
                          capture_output=True, text=True, check=True).stdout.split()

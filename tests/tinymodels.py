@@ -100,7 +100,7 @@ def make_tiny_head(path: Path, seed: int, target_config: LlamaConfig | None = No
     stored as the pool's heads are (packed Q8_0 matrices) or, ``q8=False``, in bf16."""
     from safetensors.torch import save_file
 
-    from memspec.procs.decoder.head import pack_head
+    from memspec.procs.decoder.drafts.head import pack_head
 
     cfg = target_config or tiny_config()
     h, nq = cfg.hidden_size, cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)

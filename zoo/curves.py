@@ -92,7 +92,7 @@ def last_gain(c: dict[str, Any], share: float = 1 / 3) -> float | None:
 
 
 def plot(curves: dict[str, dict[str, Any]], out: Path) -> Path:
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2))

@@ -718,24 +718,9 @@ def build_drafts(names: Sequence[str] | None = None, minutes: float | None = Non
     return report
 
 
-def main_drafts(args) -> int:
-    """``memspec zoo drafts [--pool P] [--only a,b] [--minutes M] [--force]``.
-
-    The pool's draft kind picks the recipe: the default pool's heads (zoo/heads.py), or,
-    with ``--pool pools/small-models.toml``, the small independent draft models below.
-    """
-    from memspec.common.config import load_pool
-    from memspec.common.errors import ConfigError
-
-    pool = load_pool(getattr(args, "pool", None), check=False)
-    kinds = {d.kind for d in pool.drafts}
-    if kinds == {"head"}:
-        from memspec.zoo.heads import main_heads
-
-        return main_heads(args, pool)
-    if kinds != {"model"}:
-        raise ConfigError("the pool mixes draft kinds", "build heads and models with their "
-                          "own pools (pool.toml, pools/small-models.toml)")
+def main_models(args) -> int:
+    """``memspec zoo drafts --pool pools/small-models.toml [--only a,b] [--minutes M]
+    [--force]``: the small independent draft models (a pool of heads: zoo/heads.py)."""
     only = [s.strip() for s in args.only.split(",")] if getattr(args, "only", None) else None
     unknown = [n for n in only or [] if n not in DRAFT_NAMES]
     if unknown:

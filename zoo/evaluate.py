@@ -28,11 +28,11 @@ from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
 from memspec.common.metrics import gmean
+from memspec.procs.decoder.drafts.head import HEAD_KIND
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.head import HEAD_KIND
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.models import open_engine
-from memspec.procs.decoder.replay import oracle_dynamic, oracle_static, pooled, replay_static
+from memspec.procs.decoder.oracle.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.decoder.slots import BoundDraft, SlotBuffer, draft_weights_file, load_into_slot
 from memspec.zoo.engine_trajectories import engine_trajectories
 from memspec.zoo.prompts import load_prompts

@@ -1,6 +1,6 @@
-"""The trainable twin of a runtime draft head (procs/decoder/head.py), with training-time test.
+"""The trainable twin of a runtime draft head (procs/decoder/drafts/head.py), with training-time test.
 
-Same maths as :class:`memspec.procs.decoder.head.HeadRunner`, batched over sequences: the
+Same maths as :class:`memspec.procs.decoder.drafts.head.HeadRunner`, batched over sequences: the
 input at position j is ``[norm_e(embed(tok_j)); norm_g(g_j)]``, the residual runs on
 ``g``, and logits come from the target's final norm and the target's LM-head rows of the
 draft vocabulary (both frozen, read from the runtime target). Step 0 is teacher forced:
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memspec.procs.decoder.head import HeadArch
+from memspec.procs.decoder.drafts.head import HeadArch
 
 
 def rope_tables(head_dim: int, theta: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ class TrainableHead(nn.Module):
         self.register_buffer("lm_rows", lm_rows.float(), persistent=False)
         self.register_buffer("target_norm", target_norm.float(), persistent=False)
         self.target_eps = float(target_eps)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- weights as files hold them --------------------------------------------------------
     def head_state(self) -> dict[str, torch.Tensor]:
@@ -93,9 +93,9 @@ class TrainableHead(nn.Module):
 
     # ---- pieces ------------------------------------------------------------------------------
     def _tables(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0].shape[0] < T:
-            self._rope = rope_tables(self.arch.head_dim, self.arch.rope_theta, max(T, 512))
-        cos, sin = self._rope
+        if self.rope is None or self.rope[0].shape[0] < T:
+            self.rope = rope_tables(self.arch.head_dim, self.arch.rope_theta, max(T, 512))
+        cos, sin = self.rope
         return cos[:T], sin[:T]
 
     def normed(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from memspec.common.config import tokenizer_fingerprint
 from memspec.common.errors import MemspecError
 from memspec.common.manifest import write_manifest
 from memspec.common.paths import PACKAGE_ROOT, default_target_dir, memspec_home
-from memspec.procs.decoder.head import (
+from memspec.procs.decoder.drafts.head import (
     FORMATS,
     HEAD_KIND,
     PACKED,
@@ -45,9 +45,9 @@ from memspec.procs.decoder.head import (
     read_head_config,
     wanted_format,
 )
+from memspec.procs.decoder.forward.checkpoint import read_config
 from memspec.procs.decoder.models import load_tokenizer
-from memspec.procs.decoder.replay import pooled, replay_static
-from memspec.procs.decoder.runners import read_config
+from memspec.procs.decoder.oracle.replay import pooled, replay_static
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
 from memspec.zoo.corpora import DOMAINS
 from memspec.zoo.curves import chosen_minute
@@ -630,7 +630,7 @@ A draft **head** (`kind = "head"`) for speculative decoding with SmolLM2-135M-In
 {origin} by `memspec zoo drafts`. It is one decoder layer that reads the target's own
 residual streams (after layers {', '.join(map(str, arch['feature_layers']))}) and token
 embeddings, and scores the draft vocabulary with the target's final norm and LM-head rows,
-so only its own weights are in this folder (procs/decoder/head.py describes the maths).
+so only its own weights are in this folder (procs/decoder/drafts/head.py describes the maths).
 
 ## Architecture
 One Llama-style layer: fc {arch['hidden'] * len(arch['feature_layers'])} -> {arch['hidden']},

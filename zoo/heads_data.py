@@ -30,9 +30,9 @@ import torch
 
 from memspec.common.paths import memspec_home
 from memspec.procs.decoder.engine import SpecEngine
+from memspec.procs.decoder.forward.precision import resolve_dtype
+from memspec.procs.decoder.forward.runners import set_feature_layers
 from memspec.procs.decoder.models import build_target, eos_token_ids
-from memspec.procs.decoder.precision import resolve_dtype
-from memspec.procs.decoder.runners import set_feature_layers
 
 RESPONSE_TOKENS = 256  # new tokens per train prompt (eval trajectories use 128)
 WINDOW = 256  # corpus window length (positions per teacher-forced pass)

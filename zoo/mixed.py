@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from random import Random
 
 from memspec.zoo.corpora import Doc, stable_hash
-from memspec.zoo.promptsets import (
+from memspec.zoo.prompttext import (
     MAX_PROMPT_CHARS,
     LeakGuard,
     documented_functions,

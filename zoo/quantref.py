@@ -189,7 +189,7 @@ def _run_worker(cmd: list[str], env: dict, log: Path, timeout: float, name: str)
 def build(only: list[str] | None = None, timeout: float = 900.0) -> dict:
     """Make every job's folder and reference that is missing; returns status.json."""
     from memspec.procs.decoder.models import encode_prompt, load_tokenizer
-    from memspec.procs.decoder.slots import _inverse
+    from memspec.procs.decoder.slots import draft_index
 
     target = default_target_dir()
     if not (target / "config.json").is_file():
@@ -202,7 +202,7 @@ def build(only: list[str] | None = None, timeout: float = 900.0) -> dict:
     tok = load_tokenizer(target)
     probe = encode_prompt(tok, PROBE_PROMPT)
     draft_src, id_map = _draft_source(root / "work", target)
-    to_draft = _inverse(id_map.long(), tok.vocab_size if hasattr(tok, "vocab_size") else None)
+    to_draft = draft_index(id_map.long(), tok.vocab_size if hasattr(tok, "vocab_size") else None)
     todo = []
     for name, job in jobs().items():
         if only and name not in only:

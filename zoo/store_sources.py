@@ -29,7 +29,7 @@ import numpy as np
 from memspec.common.errors import MemspecError
 from memspec.common.metrics import gmean
 from memspec.common.paths import memspec_home
-from memspec.procs.decoder.datastore import (
+from memspec.procs.decoder.drafts.datastore import (
     SEP,
     Datastore,
     StoreParams,
@@ -247,7 +247,7 @@ def main_sources(args) -> int:  # noqa: ANN001
 def plot(res: dict, path: Path) -> Path:
     """Left: oracle-static / general against the responses in the stores (the fit drawn on to
     the gap the pool needs). Right: own / general per domain for every source."""
-    from memspec.bench.plotting import pyplot
+    from memspec.common.plotting import pyplot
 
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -8,7 +8,7 @@ every position. A head's 2nd..gamma-th proposals read its own previous outputs, 
 position is unrolled as the engine does it. :func:`runtime_table` runs the engine's own
 runners (whose kernels give a row the same numbers however rows are batched), so its tables
 are the engine's; :func:`acceptance_table` is the older pass through an HF module. The
-replay over tables (runtime oracles, simulator) lives in procs/decoder/replay.py.
+replay over tables (runtime oracles, simulator) lives in procs/decoder/oracle/replay.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memspec.procs.decoder.datastore import DATASTORE_KIND, Datastore, tail_width
-from memspec.procs.decoder.head import HEAD_KIND, stop_floor, unsure
-from memspec.procs.decoder.lookup import NgramIndex
+from memspec.procs.decoder.drafts.datastore import DATASTORE_KIND, Datastore, tail_width
+from memspec.procs.decoder.drafts.head import HEAD_KIND, stop_floor, unsure
+from memspec.procs.decoder.drafts.lookup import NgramIndex
 
 # --------------------------------------------------------------------------- model pass
 

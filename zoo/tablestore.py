@@ -1,7 +1,7 @@
 """The prompt sets `memspec trace` writes tables for, and loading them for offline tools.
 
 The file format, names and readers live with the runtime that also reads them
-(procs/decoder/tablefiles.py); they are re-exported here for the offline code.
+(procs/decoder/oracle/tablefiles.py); they are re-exported here for the offline code.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from memspec.common.config import PoolConfig
 from memspec.common.errors import ConfigError
-from memspec.procs.decoder.tablefiles import (  # noqa: F401 - the offline tools' names
+from memspec.procs.decoder.oracle.tablefiles import (  # noqa: F401 - the offline tools' names
     FORMAT,
     TraceTables,
     numerics_key,

@@ -52,7 +52,7 @@ from memspec.common.config import load_pool
 from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT, memspec_home
 from memspec.procs.decoder.models import load_tokenizer
-from memspec.procs.decoder.replay import utility_label
+from memspec.procs.decoder.oracle.replay import utility_label
 from memspec.procs.predictor import DEFAULT_HEAD, pool_head_path
 from memspec.procs.predictor.encoder import (
     ENCODER_NAME,

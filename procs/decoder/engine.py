@@ -26,7 +26,17 @@ import torch
 from memspec.common.errors import ModelError, RequestError
 from memspec.common.metrics import IterationRecord, RunStats
 from memspec.common.tuned import knob
-from memspec.procs.decoder.acceptance import (
+from memspec.procs.decoder.drafts.datastore import (
+    DATASTORE_KIND,
+    Datastore,
+    led_chain,
+    tail_width,
+)
+from memspec.procs.decoder.drafts.head import HEAD_KIND, TargetParts, stop_floor, unsure
+from memspec.procs.decoder.drafts.lookup import NgramIndex
+from memspec.procs.decoder.drafts.lookup_depth import LookupDepth
+from memspec.procs.decoder.forward.runners import Runner, as_runner, set_feature_layers
+from memspec.procs.decoder.sched.acceptance import (
     SamplingParams,
     argmax_index,
     greedy_accept,
@@ -37,17 +47,8 @@ from memspec.procs.decoder.acceptance import (
     speculative_accept,
     warp,
 )
-from memspec.procs.decoder.datastore import (
-    DATASTORE_KIND,
-    Datastore,
-    led_chain,
-    tail_width,
-)
-from memspec.procs.decoder.gate import Line
-from memspec.procs.decoder.head import HEAD_KIND, TargetParts, stop_floor, unsure
-from memspec.procs.decoder.lookup import LOOKUP, NgramIndex
-from memspec.procs.decoder.lookup_depth import LookupDepth
-from memspec.procs.decoder.runners import Runner, as_runner, set_feature_layers
+from memspec.procs.decoder.sched.costs import LOOKUP
+from memspec.procs.decoder.sched.gate import Line
 from memspec.procs.decoder.slots import BoundDraft
 
 TokenCallback = Callable[[list[int]], None]
@@ -107,7 +108,7 @@ class SpecEngine:
     def __init__(self, target: Runner | torch.nn.Module, eos_ids: tuple[int, ...] | list[int],
                  gamma: int = 4, max_context: int = DEFAULT_MAX_CONTEXT, lookup: int = 0) -> None:
         """``lookup``: shortest context suffix whose earlier successor replaces a draft's
-        greedy proposal (procs/decoder/lookup.py); 0 turns the lookup off."""
+        greedy proposal (procs/decoder/drafts/lookup.py); 0 turns the lookup off."""
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
         if lookup < 0:

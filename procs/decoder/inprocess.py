@@ -17,12 +17,12 @@ from memspec.common.config import PoolConfig
 from memspec.common.errors import ConfigError, ModelError
 from memspec.common.manifest import read_manifest
 from memspec.common.safetensors_layout import read_layout
-from memspec.procs.decoder.acceptance import SamplingParams
 from memspec.procs.decoder.engine import SpecEngine, TokenCallback
-from memspec.procs.decoder.lookup import LOOKUP
+from memspec.procs.decoder.forward.threads import ThreadPlan
 from memspec.procs.decoder.models import encode_prompt, open_engine
+from memspec.procs.decoder.sched.acceptance import SamplingParams
+from memspec.procs.decoder.sched.costs import LOOKUP
 from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
-from memspec.procs.decoder.threads import ThreadPlan
 
 IN_PROCESS_POLICIES = ("target-only", "lookup-only", "general-static")
 

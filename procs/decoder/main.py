@@ -54,9 +54,12 @@ from memspec.common.messages import (
 from memspec.common.procexit import fast_exit
 from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv, send
-from memspec.procs.decoder import edge_profile, standby
+from memspec.procs.decoder import standby
+from memspec.procs.decoder.forward.native import extension
+from memspec.procs.decoder.forward.threads import decoder_threads, make_plan
 from memspec.procs.decoder.models import open_engine
-from memspec.procs.decoder.native import extension
+from memspec.procs.decoder.oracle import edge_profile
+from memspec.procs.decoder.oracle.tablefiles import runtime_key
 from memspec.procs.decoder.service import (
     LOG,
     DecoderService,
@@ -68,8 +71,6 @@ from memspec.procs.decoder.service import (
 )
 from memspec.procs.decoder.slots import SlotBuffer
 from memspec.procs.decoder.startup import StartupClock
-from memspec.procs.decoder.tablefiles import runtime_key
-from memspec.procs.decoder.threads import decoder_threads, make_plan
 
 HEARTBEAT_S = 0.5
 

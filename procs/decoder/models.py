@@ -21,24 +21,22 @@ from memspec.common.limits import CHAT_ROLES, TOOL_ROLE, LimitError
 from memspec.common.messages import ChatTurn
 from memspec.common.paths import memspec_home
 from memspec.procs.decoder.engine import SpecEngine
-from memspec.procs.decoder.lean import LeanLM
-from memspec.procs.decoder.precision import resolve_dtype
-from memspec.procs.decoder.quantized import (
+from memspec.procs.decoder.forward.checkpoint import lean_arch, load_state_dict, read_config
+from memspec.procs.decoder.forward.lean import LeanLM
+from memspec.procs.decoder.forward.precision import resolve_dtype
+from memspec.procs.decoder.forward.quantized import (
     dense_state_dict,
     load_hf_dequantized,
     quant_format,
     quantized_lean,
 )
-from memspec.procs.decoder.runners import (
+from memspec.procs.decoder.forward.runners import (
     FLOAT_DTYPES,
     LOW_BIT,
     HFRunner,
     Runner,
     accelerate,
     default_act_dtype,
-    lean_arch,
-    load_state_dict,
-    read_config,
 )
 from memspec.procs.decoder.tokenizer import GENERIC_TOKENIZERS, serving_tokenizer
 
@@ -173,7 +171,7 @@ def build_target(model_dir: Path, dtype: str, device: str | torch.device = "cpu"
         lean = quantized_lean(qfmt, arch, load_state_dict(model_dir), act)
         return accelerate(lean, fast)
     if prepared is not None and device.type == "cpu":
-        from memspec.procs.decoder.prepared import lean_target
+        from memspec.procs.decoder.forward.prepared import lean_target
 
         return accelerate(lean_target(model_dir, arch, dtype, act,
                                       lambda: dense_state_dict(model_dir), prepared), fast)
@@ -204,7 +202,7 @@ def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = No
 def _keep_head_features(engine: SpecEngine, pool) -> None:
     """A pool with heads: the target keeps their feature rows from the first request on (a
     request that starts before a head lands must still have the rows the head will read)."""
-    from memspec.procs.decoder.head import is_head, read_head_config
+    from memspec.procs.decoder.drafts.head import is_head, read_head_config
 
     for d in pool.drafts:
         if not is_head(d.path):

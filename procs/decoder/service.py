@@ -1,6 +1,6 @@
 """The decoder's side of the scheduling loop: requests in, the engine and slot memory below.
 
-`DecoderService` turns a Submit into a `Job` for the shared loop (procs/decoder/loop.py):
+`DecoderService` turns a Submit into a `Job` for the shared loop (procs/decoder/sched/loop.py):
 prompt ids, the policy (with an oracle plan from traced tables when asked), and an engine
 Session as the loop's Executor. Tokens stream out as the engine commits them and a Done
 follows the last interval. A request that cannot be served (bad prompt, an oracle without
@@ -44,16 +44,14 @@ from memspec.common.messages import (
 from memspec.common.metrics import IterationRecord, RunStats, Summary
 from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
-from memspec.procs.decoder.acceptance import SamplingParams
-from memspec.procs.decoder.calibration import gate_costs as calibrated_gate_costs
 from memspec.procs.decoder.detok import StreamDecoder
-from memspec.procs.decoder.draft_prices import price_drafts
+from memspec.procs.decoder.drafts.head import is_head, scored_rows
 from memspec.procs.decoder.engine import Session, SpecEngine
-from memspec.procs.decoder.gate import GateCosts
-from memspec.procs.decoder.head import is_head, scored_rows
-from memspec.procs.decoder.loop import Channels, Controller, Job, Overhead
+from memspec.procs.decoder.forward.threads import ThreadPlan
 from memspec.procs.decoder.models import check_template_roles, encode_chat, encode_prompt
-from memspec.procs.decoder.oracle import (
+from memspec.procs.decoder.oracle.calibration import gate_costs as calibrated_gate_costs
+from memspec.procs.decoder.oracle.draft_prices import price_drafts
+from memspec.procs.decoder.oracle.oracle import (
     ORACLE_POLICIES,
     OracleIndex,
     PlanCostMeter,
@@ -63,11 +61,13 @@ from memspec.procs.decoder.oracle import (
     plan_costs,
     prompt_tables,
 )
-from memspec.procs.decoder.policies import make_policy
+from memspec.procs.decoder.oracle.tablefiles import runtime_key, traced_sets
+from memspec.procs.decoder.sched.acceptance import SamplingParams
+from memspec.procs.decoder.sched.gate import GateCosts
+from memspec.procs.decoder.sched.loop import Channels, Controller, Job, Overhead
+from memspec.procs.decoder.sched.policies import make_policy
 from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft, draft_weights_file
 from memspec.procs.decoder.stops import StopMatcher
-from memspec.procs.decoder.tablefiles import runtime_key, traced_sets
-from memspec.procs.decoder.threads import ThreadPlan
 
 Emit = Callable[[Message], None]
 # a test hook: a decoder whose environment sets this kills itself (SIGKILL) during any
@@ -81,7 +81,7 @@ STREAM_EVERY_S = 0.05
 
 
 LOG = logging.getLogger(__name__)
-log = LOG.info  # the loop's own notes (procs/decoder/loop.py) too
+log = LOG.info  # the loop's own notes (procs/decoder/sched/loop.py) too
 
 
 class MonotonicClock:

@@ -16,15 +16,14 @@ from torch import nn
 
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
-from memspec.procs.decoder.cudagraph import GraphLM
-from memspec.procs.decoder.datastore import (
+from memspec.procs.decoder.drafts.datastore import (
     DATASTORE_KIND,
     Datastore,
     StoreRunner,
     read_store_config,
     store_params,
 )
-from memspec.procs.decoder.head import (
+from memspec.procs.decoder.drafts.head import (
     HEAD_KIND,
     HeadRunner,
     TargetParts,
@@ -32,16 +31,17 @@ from memspec.procs.decoder.head import (
     read_head_config,
     scored_rows,
 )
-from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache, projection_shapes
-from memspec.procs.decoder.native import NativeLM
-from memspec.procs.decoder.quantized import QuantFormat, dequantized, quant_format, quantized_lean
-from memspec.procs.decoder.runners import (
-    HFRunner,
-    Runner,
-    accelerate,
-    default_act_dtype,
-    lean_arch,
+from memspec.procs.decoder.forward.checkpoint import lean_arch, materialise_buffers
+from memspec.procs.decoder.forward.cudagraph import GraphLM
+from memspec.procs.decoder.forward.lean import KVCache, LeanLM, alloc_cache, projection_shapes
+from memspec.procs.decoder.forward.native import NativeLM
+from memspec.procs.decoder.forward.quantized import (
+    QuantFormat,
+    dequantized,
+    quant_format,
+    quantized_lean,
 )
+from memspec.procs.decoder.forward.runners import HFRunner, Runner, accelerate, default_act_dtype
 
 META_PREFIX = "memspec."  # tensors in a draft file that are ours, not the model's
 ID_MAP_KEY = "memspec.draft_to_target"  # draft vocab index -> target token id
@@ -141,20 +141,6 @@ class BoundDraft:
         return _hf_module(self.name, self.config, self.weights, self.slot.data.device)
 
 
-def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inv_freq) are not in the file: rebuild their modules."""
-    for name, mod in list(model.named_modules()):
-        if not any(b.is_meta for b in mod.buffers(recurse=False)):
-            continue
-        if not hasattr(mod, "inv_freq"):
-            raise ModelError(f"module {name} has a buffer the weight file does not hold",
-                             "this architecture is not supported as a slot-bound draft")
-        cfg = getattr(mod, "config", None) or model.config
-        with torch.device(device):  # constructor signatures differ across transformers versions
-            fresh = type(mod)(config=cfg)
-        model.set_submodule(name, fresh)
-
-
 def _hf_module(name: str, config: Any, weights: dict[str, torch.Tensor],
                device: torch.device) -> nn.Module:
     """The draft as an HF module whose parameters are the given slot views (no copy)."""
@@ -171,7 +157,7 @@ def _hf_module(name: str, config: Any, weights: dict[str, torch.Tensor],
                          "rebuild the draft's model.safetensors from its config")
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    _materialise_buffers(model, device)
+    materialise_buffers(model, device)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ModelError(f"draft '{name}' has unbound parameter {leftover[0]}",
@@ -254,7 +240,7 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         arch = replace(arch, vocab=to_target.numel())
         runner: Runner = HeadRunner(name, arch, weights, parts, to_target)
         return BoundDraft(name, runner, slot, slot.generation, to_target,
-                          _inverse(to_target, target_vocab), config, weights)
+                          draft_index(to_target, target_vocab), config, weights)
     if config is None:
         from transformers import AutoConfig  # model drafts only: a head pool skips it
 
@@ -262,7 +248,7 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
     qfmt = quant_format(model_dir, config.to_dict())
     if qfmt is not None:  # GPTQ / AWQ: blocks unpacked out of the slot (not views)
         runner = _quantized_runner(name, qfmt, config, weights, slot.data.device)
-        to_draft = _inverse(to_target, target_vocab) if to_target is not None else None
+        to_draft = draft_index(to_target, target_vocab) if to_target is not None else None
         return BoundDraft(name, runner, slot, slot.generation, to_target, to_draft, config)
     lean = _lean_runner(name, config, weights)
     if lean is not None:
@@ -272,11 +258,11 @@ def bind_draft(name: str, model_dir: Path, slot: SlotBuffer, layout: Layout | No
         runner = accelerate(lean)
     else:
         runner = HFRunner(_hf_module(name, config, weights, slot.data.device))
-    to_draft = _inverse(to_target, target_vocab) if to_target is not None else None
+    to_draft = draft_index(to_target, target_vocab) if to_target is not None else None
     return BoundDraft(name, runner, slot, slot.generation, to_target, to_draft, config, weights)
 
 
-def _inverse(to_target: torch.Tensor, target_vocab: int | None) -> torch.Tensor:
+def draft_index(to_target: torch.Tensor, target_vocab: int | None) -> torch.Tensor:
     """Target id -> draft id (ids outside the draft vocabulary -> 0)."""
     vocab = max(target_vocab or 0, int(to_target.max()) + 1)
     to_draft = torch.zeros(max(vocab, 1), dtype=torch.long, device=to_target.device)

@@ -31,8 +31,8 @@ def prepare(pool_path: str | None, device: str) -> None:
     imports are here, not at the top: the supervisor imports this module for `go_message`
     and must not pay torch's import for it (`memspec up` would start seconds later)."""
     from memspec.common.config import load_pool
+    from memspec.procs.decoder.forward.native import extension
     from memspec.procs.decoder.models import load_serving_tokenizer
-    from memspec.procs.decoder.native import extension
 
     pool = load_pool(pool_path)
     load_serving_tokenizer(pool.target, chat=True)

@@ -25,7 +25,7 @@ import torch
 from memspec.common.config import DraftSpec, PoolConfig
 from memspec.common.errors import ModelError
 from memspec.procs.decoder.models import load_serving_tokenizer
-from memspec.procs.decoder.tablefiles import pool_fingerprint
+from memspec.procs.decoder.oracle.tablefiles import pool_fingerprint
 from memspec.procs.predictor import pool_head_path
 from memspec.procs.predictor.encoder import Encoder, recent_text
 from memspec.procs.predictor.head import RankHead, default_head_path, load_head, split_input

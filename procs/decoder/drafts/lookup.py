@@ -22,9 +22,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 MAX_NGRAM = 8  # longest suffix tried first (a longer match is a more precise one)
-# the lookup on its own as a draft (the engine's zero-memory draft, `lookup-only`): always
-# "resident", nothing to load; a name no pool draft may take
-LOOKUP = "(lookup)"
 
 
 class NgramIndex:

@@ -19,8 +19,8 @@ from typing import Any
 
 from memspec.common.files import atomic_write_text
 from memspec.common.paths import memspec_home
-from memspec.procs.decoder.calibration import cache_key
 from memspec.procs.decoder.models import encode_prompt
+from memspec.procs.decoder.oracle.calibration import cache_key
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 
 FORMAT = "memspec-edge-iteration/1"

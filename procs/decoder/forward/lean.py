@@ -4,7 +4,7 @@ Why not the Hugging Face module: at batch 1 a decode step on a CPU is a pass ove
 weights plus per-operator overhead, and HF's eager graph (a ``DynamicCache`` that is cropped
 and re-concatenated, fp32 everywhere) spends more time on the latter than on the former.
 Here every layer is a handful of kernels: fused q/k/v and gate/up projections in the
-chosen weight format (:mod:`memspec.procs.decoder.linear`), rotary tables sliced by
+chosen weight format (:mod:`memspec.procs.decoder.forward.linear`), rotary tables sliced by
 position, K/V written in place at ``pos`` and attention over ``[:pos + T]``. Rolling a
 request back is a change of the caller's length: nothing is truncated or copied.
 """
@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from memspec.common.errors import ModelError
-from memspec.procs.decoder.linear import GROUP, DenseLinear, Int8Linear, Linear, make_linear
+from memspec.procs.decoder.forward.linear import (
+    GROUP,
+    DenseLinear,
+    Int8Linear,
+    Linear,
+    fuse_prebuilt,
+    make_linear,
+)
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -110,7 +117,7 @@ def alloc_cache(arch: Arch, capacity: int, dtype: torch.dtype, device: torch.dev
 
 
 @dataclass
-class _Layer:
+class LeanLayer:
     ln1: torch.Tensor
     ln2: torch.Tensor
     qkv: list[Linear]  # one fused projection, or q, k, v
@@ -119,7 +126,7 @@ class _Layer:
     down: Linear
 
 
-def _rope_tables(arch: Arch, length: int, dtype: torch.dtype, device: torch.device
+def rope_tables(arch: Arch, length: int, dtype: torch.dtype, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [length, head_dim] in the half-split layout HF Llama uses (fp32 maths)."""
     half = arch.head_dim // 2
@@ -130,7 +137,7 @@ def _rope_tables(arch: Arch, length: int, dtype: torch.dtype, device: torch.devi
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; rotate each head's halves by its position's angle."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -138,7 +145,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rot * sin[:, None]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
             ) -> torch.Tensor:
     """Causal GQA attention for a few queries. q: [T, H, D]; k, v: [KVH, L, D] -> [T, H*D].
 
@@ -161,7 +168,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
 class LeanLM:
     """Weights + forward; the caller owns positions and cache lengths."""
 
-    def __init__(self, arch: Arch, embed: torch.Tensor, layers: list[_Layer],
+    def __init__(self, arch: Arch, embed: torch.Tensor, layers: list[LeanLayer],
                  norm: torch.Tensor, lm_head: Linear, act_dtype: torch.dtype,
                  embed_scale: torch.Tensor | None = None) -> None:
         self.arch, self.embed_w, self.layers = arch, embed, layers
@@ -203,8 +210,6 @@ class LeanLM:
 
         def lin(*names: str, bias: bool = False) -> list[Linear]:
             if all(n in linears for n in names):
-                from memspec.procs.decoder.quantized import fuse_prebuilt
-
                 built = [linears[n] for n in names]
                 return fuse_prebuilt(built) if fuse else built
             ws = [get(f"{n}.weight") for n in names]
@@ -221,7 +226,7 @@ class LeanLM:
         for i in range(arch.layers):
             p = f"model.layers.{i}"
             sa = f"{p}.self_attn"
-            layers.append(_Layer(
+            layers.append(LeanLayer(
                 ln1=get(f"{p}.input_layernorm.weight").to(act_dtype),
                 ln2=get(f"{p}.post_attention_layernorm.weight").to(act_dtype),
                 qkv=lin(f"{sa}.q_proj", f"{sa}.k_proj", f"{sa}.v_proj", bias=arch.qkv_bias),
@@ -268,7 +273,7 @@ class LeanLM:
     def _tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if end > self._rope_len:
             n = max(end, 2 * self._rope_len, 256)
-            self._cos, self._sin = _rope_tables(self.arch, n, self.act_dtype, self.device)
+            self._cos, self._sin = rope_tables(self.arch, n, self.act_dtype, self.device)
             self._rope_len = n
         return self._cos, self._sin
 
@@ -321,8 +326,8 @@ class LeanLM:
                 q, k, v = L.qkv[0](h).split((nq, nk, nk), dim=-1)
             else:
                 q, k, v = (proj(h) for proj in L.qkv)
-            q = _rope(q.view(T, a.heads, a.head_dim), cos, sin)
-            k = _rope(k.view(T, a.kv_heads, a.head_dim), cos, sin).transpose(0, 1)
+            q = rope(q.view(T, a.heads, a.head_dim), cos, sin)
+            k = rope(k.view(T, a.kv_heads, a.head_dim), cos, sin).transpose(0, 1)
             v = v.view(T, a.kv_heads, a.head_dim).transpose(0, 1)
             kc, vc = cache.k[i], cache.v[i]
             if isinstance(at, int):
@@ -335,10 +340,10 @@ class LeanLM:
                 # a verify: each row over exactly its own keys, the shapes a step of that
                 # token alone has (BLAS and softmax reductions block by length, and a
                 # token's logits must not depend on whether it was verified or stepped)
-                att = torch.cat([_attend(q[j:j + 1], kc[:, :at + j + 1], vc[:, :at + j + 1],
+                att = torch.cat([attend(q[j:j + 1], kc[:, :at + j + 1], vc[:, :at + j + 1],
                                          None) for j in range(T)])
             else:
-                att = _attend(q, kc[:, :keys], vc[:, :keys], bias)
+                att = attend(q, kc[:, :keys], vc[:, :keys], bias)
             x = x + L.o(att)
             h = F.rms_norm(x, (a.hidden,), L.ln2, a.eps)
             if len(L.gate_up) == 1:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memspec.procs.decoder.lean import KVCache, LeanLM
+from memspec.procs.decoder.forward.lean import KVCache, LeanLM
 
 ROWS = 8
 Key = tuple[int, ...]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from memspec.procs.decoder.lean import Arch, LeanLM, _Layer
-from memspec.procs.decoder.linear import DenseLinear, Int4Linear, Int8Linear, Linear
+from memspec.procs.decoder.forward.lean import Arch, LeanLayer, LeanLM
+from memspec.procs.decoder.forward.linear import DenseLinear, Int4Linear, Int8Linear, Linear
 
 FORMAT = "memspec-prepared/1"
 CACHED_FORMATS = ("int4", "int8")  # the formats that cost a quantisation
@@ -154,7 +154,7 @@ def _read(path: Path, key: str, arch: Arch, act_dtype: torch.dtype) -> LeanLM | 
         counts = json.loads(meta["layers"])
         if len(counts) != arch.layers:
             return None
-        layers = [_Layer(ln1=t[f"l{i}.ln1"], ln2=t[f"l{i}.ln2"],
+        layers = [LeanLayer(ln1=t[f"l{i}.ln1"], ln2=t[f"l{i}.ln2"],
                          qkv=[_unlinear(f"l{i}.qkv{j}", kinds[f"l{i}.qkv{j}"], t, act_dtype)
                               for j in range(nq)],
                          o=_unlinear(f"l{i}.o", kinds[f"l{i}.o"], t, act_dtype),

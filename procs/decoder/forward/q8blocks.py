@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from memspec.procs.decoder.linear import GROUP, Int8Linear
+from memspec.procs.decoder.forward.linear import GROUP, Int8Linear
 
 TILE = 16  # outputs per tile (qkernels.h QTILE)
 PARTS = ("q8w", "q8d", "q8c", "q8s")  # tensor-name suffixes of one packed matrix

@@ -7,7 +7,7 @@ proposes correctly, capped at gamma and at the remaining length (`memspec trace`
 it, zoo/tables.py). Replaying any draft schedule over these tables reproduces the engine's
 per-iteration accepted counts exactly, which makes oracle baselines and policy sweeps cheap.
 
-Pure (lists and ints): the runtime's oracle policies (procs/decoder/oracle.py), the replay
+Pure (lists and ints): the runtime's oracle policies (procs/decoder/oracle/oracle.py), the replay
 simulator, the predictor's labels and the evaluations share this one definition.
 """
 

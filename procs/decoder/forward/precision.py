@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from memspec.procs.decoder.linear import INT4_GROUP
-from memspec.procs.decoder.runners import lean_arch, read_config
+from memspec.procs.decoder.forward.checkpoint import lean_arch, read_config
+from memspec.procs.decoder.forward.linear import INT4_GROUP
 
 
 def resolve_dtype(requested: str, target_dir: Path, device: str | torch.device = "cpu") -> str:

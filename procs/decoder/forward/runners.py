@@ -10,18 +10,15 @@ cover still decode losslessly through the same engine.
 from __future__ import annotations
 
 import inspect
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from memspec.common.errors import ModelError
 from memspec.common.isa import bf16_native
-from memspec.procs.decoder.cudagraph import GraphLM
-from memspec.procs.decoder.lean import Arch, LeanLM, UnsupportedArch
-from memspec.procs.decoder.native import accelerate as native_accelerate
-from memspec.procs.decoder.quantized import needs_gather
+from memspec.procs.decoder.forward.cudagraph import GraphLM
+from memspec.procs.decoder.forward.lean import LeanLM
+from memspec.procs.decoder.forward.native import accelerate as native_accelerate
+from memspec.procs.decoder.forward.quantized import needs_gather
 
 if TYPE_CHECKING:  # imported where an HF model runs: a lean target's decoder starts without it
     from transformers import DynamicCache
@@ -107,43 +104,6 @@ def set_feature_layers(runner: Runner, layers: list[int]) -> None:
 
 def as_runner(model: Runner | torch.nn.Module) -> Runner:
     return HFRunner(model) if isinstance(model, torch.nn.Module) else model
-
-
-def read_config(model_dir: Path) -> dict:
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"cannot read {model_dir}/config.json ({exc})",
-                         "point the pool at a Hugging Face model folder") from None
-
-
-def lean_arch(config: dict) -> Arch | None:
-    """The lean forward's view of a config, or None when only the HF path can run it."""
-    try:
-        return Arch.from_config(config)
-    except UnsupportedArch:
-        return None
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on the CPU."""
-    from safetensors.torch import load_file
-
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("model*.safetensors"))
-    if not files:
-        raise ModelError(f"no safetensors weights in {model_dir}",
-                         "save the model with safe_serialization=True")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            out.update(load_file(f))
-        except Exception as exc:  # safetensors raises its own error types on corrupt files
-            raise ModelError(f"cannot read {f} ({str(exc)[:120]})",
-                             "rebuild or re-copy the weight file") from None
-    return out
 
 
 def accelerate(lean: LeanLM, enabled: bool = True) -> Runner:

@@ -31,8 +31,8 @@ import torch
 
 from memspec.common.files import atomic_write_text
 from memspec.common.paths import memspec_home
-from memspec.procs.decoder.datastore import DATASTORE_KIND
-from memspec.procs.decoder.gate import GateCosts, Line
+from memspec.procs.decoder.drafts.datastore import DATASTORE_KIND
+from memspec.procs.decoder.sched.gate import GateCosts, Line
 
 CONTEXTS = (48, 304)  # two context lengths: the lines' two points
 REPS, WARM = 5, 2
@@ -111,7 +111,7 @@ def cache_key(engine: Any, pool: Any, numerics: str) -> str:
     for f in _CODE:
         h.update(f.read_bytes())
     try:
-        from memspec.procs.decoder.native import build_dir
+        from memspec.procs.decoder.forward.native import build_dir
 
         isa = getattr(engine.target, "isa", "")
         h.update((build_dir(isa).name if isa else "").encode())

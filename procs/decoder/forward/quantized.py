@@ -50,8 +50,21 @@ from pathlib import Path
 import torch
 
 from memspec.common.errors import ModelError
-from memspec.procs.decoder.lean import Arch, LeanLM, projection_shapes
-from memspec.procs.decoder.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, Linear
+from memspec.procs.decoder.forward.checkpoint import (
+    lean_arch,
+    load_state_dict,
+    materialise_buffers,
+    read_config,
+)
+from memspec.procs.decoder.forward.lean import Arch, LeanLM, projection_shapes
+from memspec.procs.decoder.forward.linear import (
+    GROUP,
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    PermutedLinear,
+)
 
 METHODS = ("gptq", "awq")
 PACKED = ("qweight", "qzeros", "scales", "g_idx")
@@ -246,32 +259,6 @@ def read_codes(fmt: QuantFormat, prefix: str, t: Mapping[str, torch.Tensor], n: 
 
 
 # ---- into the engine's formats ------------------------------------------------------------
-class PermutedLinear(Linear):
-    """A layer whose input columns were reordered so that act-order groups are contiguous:
-    y = inner(x[:, perm]) (the gather GPTQ's own act-order kernels do too)."""
-
-    def __init__(self, inner: Linear, perm: torch.Tensor) -> None:
-        self.inner, self.perm = inner, perm
-        self.bias = inner.bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x.index_select(-1, self.perm))
-
-    def dequantize(self) -> torch.Tensor:
-        w = dense_of(self.inner)
-        out = torch.empty_like(w)
-        out[:, self.perm] = w
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes + self.perm.numel() * 4  # int32 would do
-
-
-def dense_of(lin: Linear) -> torch.Tensor:
-    return lin.weight.float() if isinstance(lin, DenseLinear) else lin.dequantize()
-
-
 def to_linear(c: Codes, act_dtype: torch.dtype) -> Linear:
     """The engine's int4 blocks for one layer: d = s, m = -s * z per 32-input block of a
     group (permuting act-order columns first), else exact dense weights (module doc)."""
@@ -327,32 +314,6 @@ def absorb_down_gather(linears: dict[str, Linear], layer: str) -> None:
     if all(m is not None for m in moved):
         linears.update(zip(names, moved))
         linears[f"{layer}.mlp.down_proj"] = down.inner
-
-
-def fuse_prebuilt(parts: list[Linear]) -> list[Linear]:
-    """Projections of one input as one layer where their formats allow it: int4 blocks
-    (with the same input gather, if any) concatenate by output; others stay apart."""
-    if len(parts) == 1:
-        return parts
-    gathers = [p for p in parts if isinstance(p, PermutedLinear)]
-    if len(gathers) == len(parts):
-        perm = gathers[0].perm
-        if all(torch.equal(perm, p.perm) for p in gathers[1:]):
-            inner = fuse_prebuilt([p.inner for p in gathers])
-            if len(inner) == 1:
-                return [PermutedLinear(inner[0], perm)]
-        return parts
-    blocks = [p for p in parts if type(p) is Int4Linear]
-    if len(blocks) != len(parts):
-        return parts
-    act = blocks[0].act_dtype
-    bias = None
-    if any(p.bias is not None for p in blocks):
-        bias = torch.cat([p.bias if p.bias is not None else
-                          torch.zeros(p.q.shape[0], dtype=act) for p in blocks])
-    return [Int4Linear.from_blocks(torch.cat([p.q for p in blocks]),
-                                   torch.cat([p.d for p in blocks]),
-                                   torch.cat([p.m for p in blocks]), act, bias)]
 
 
 def _module_names(arch: Arch) -> list[tuple[str, str]]:
@@ -447,8 +408,6 @@ def quantized_lean(fmt: QuantFormat, arch: Arch, weights: Mapping[str, torch.Ten
 def dense_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """A folder's tensors with GPTQ / AWQ layers dequantised exactly (fp32), for the float
     and int8 dtypes; an unquantised folder's tensors as they are."""
-    from memspec.procs.decoder.runners import lean_arch, load_state_dict, read_config
-
     weights = load_state_dict(model_dir)
     fmt = quant_format(model_dir)
     if fmt is None:
@@ -477,7 +436,5 @@ def load_hf_dequantized(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
                          REEXPORT)
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    from memspec.procs.decoder.slots import _materialise_buffers
-
-    _materialise_buffers(model, torch.device("cpu"))  # rotary tables are not in the file
+    materialise_buffers(model, torch.device("cpu"))  # rotary tables are not in the file
     return model.eval()

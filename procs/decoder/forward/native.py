@@ -27,8 +27,8 @@ import torch
 from memspec.common import isa as isa_mod
 from memspec.common.errors import ConfigError
 from memspec.common.paths import memspec_home
-from memspec.procs.decoder.lean import KVCache, LeanLM, alloc_cache
-from memspec.procs.decoder.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, Linear
+from memspec.procs.decoder.forward.lean import KVCache, LeanLM, alloc_cache
+from memspec.procs.decoder.forward.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, Linear
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp", CSRC / "qkernels.cpp", CSRC / "pool.cpp"]
@@ -232,7 +232,7 @@ def accelerate(lean: LeanLM) -> LeanLM | NativeLM:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m memspec.procs.decoder.native [--all | --isa PATH] [-v]`: build the chosen
+    """`python -m memspec.procs.decoder.forward.native [--all | --isa PATH] [-v]`: build the chosen
     path now (``--all``: every path this CPU runs, two at a time, for the suite's per-path
     tests; one build's compile leaves a core idle most of its time)."""
     if "--isa" in argv:
@@ -244,7 +244,7 @@ def main(argv: list[str]) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     def one(path: str) -> int:
-        cmd = [sys.executable, "-m", "memspec.procs.decoder.native", "--isa", path]
+        cmd = [sys.executable, "-m", "memspec.procs.decoder.forward.native", "--isa", path]
         return subprocess.run(cmd + (["-v"] if "-v" in argv else [])).returncode
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:

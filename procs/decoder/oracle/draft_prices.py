@@ -25,8 +25,8 @@ from typing import Any
 from memspec.common.files import atomic_write_text
 from memspec.common.paths import memspec_home
 from memspec.common.tuned import knob
-from memspec.procs.decoder.calibration import cache_key, draft_gamma_s
-from memspec.procs.decoder.gate import GateCosts
+from memspec.procs.decoder.oracle.calibration import cache_key, draft_gamma_s
+from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 
 FORMAT = "memspec-draft-steps/1"

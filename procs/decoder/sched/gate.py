@@ -36,8 +36,8 @@ from typing import Literal
 
 from memspec.common.metrics import IterationRecord
 from memspec.common.tuned import knob
-from memspec.procs.decoder.cache_manager import CacheActions
-from memspec.procs.decoder.lookup import LOOKUP
+from memspec.procs.decoder.sched.cache_manager import CacheActions
+from memspec.procs.decoder.sched.costs import LOOKUP
 
 Line = tuple[float, float]  # seconds = a + b * context tokens
 Verdict = Literal["run", "probe", "skip"]

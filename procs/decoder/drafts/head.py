@@ -36,19 +36,19 @@ import torch.nn.functional as F
 
 from memspec.common.errors import ModelError
 from memspec.common.tuned import knob
-from memspec.procs.decoder import q4blocks, q8blocks
-from memspec.procs.decoder.cudagraph import GraphLM, HeadSteps
-from memspec.procs.decoder.lean import (
+from memspec.procs.decoder.forward import q4blocks, q8blocks
+from memspec.procs.decoder.forward.cudagraph import GraphLM, HeadSteps
+from memspec.procs.decoder.forward.lean import (
     Arch,
     KVCache,
     LeanLM,
-    _attend,
-    _rope,
-    _rope_tables,
     alloc_cache,
+    attend,
+    rope,
+    rope_tables,
 )
-from memspec.procs.decoder.linear import DenseLinear, Int8Linear, Linear
-from memspec.procs.decoder.native import NativeLM, extension, linear_spec
+from memspec.procs.decoder.forward.linear import DenseLinear, Int8Linear, Linear
+from memspec.procs.decoder.forward.native import NativeLM, extension, linear_spec
 
 HEAD_KIND = "head"
 HEAD_TENSORS = ("fc", "norm_e", "norm_g", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -384,7 +384,7 @@ class HeadRunner:
         self._check_room(end, cache)
         if end > self._rope_len:
             n = max(end, 2 * self._rope_len, 256)
-            self._cos, self._sin = _rope_tables(self.cache_arch, n, self.act_dtype, self.device)
+            self._cos, self._sin = rope_tables(self.cache_arch, n, self.act_dtype, self.device)
             self._rope_len = n
         bias = None
         if T > 1:
@@ -412,8 +412,8 @@ class HeadRunner:
         x = g.float()
         a_in = torch.cat([F.rms_norm(emb, (a.hidden,), w["norm_e"].float(), a.eps),
                           F.rms_norm(x, (a.hidden,), w["norm_g"].float(), a.eps)], -1).to(dt)
-        q = _rope(F.linear(a_in, w["q_proj"]).view(T, a.heads, a.head_dim), cos, sin)
-        k = _rope(F.linear(a_in, w["k_proj"]).view(T, a.kv_heads, a.head_dim), cos, sin)
+        q = rope(F.linear(a_in, w["q_proj"]).view(T, a.heads, a.head_dim), cos, sin)
+        k = rope(F.linear(a_in, w["k_proj"]).view(T, a.kv_heads, a.head_dim), cos, sin)
         v = F.linear(a_in, w["v_proj"]).view(T, a.kv_heads, a.head_dim)
         kc, vc = cache.k[0], cache.v[0]
         if isinstance(at, int):
@@ -422,7 +422,7 @@ class HeadRunner:
         else:
             kc.index_copy_(1, at, k.transpose(0, 1).to(kc.dtype))
             vc.index_copy_(1, at, v.transpose(0, 1).to(vc.dtype))
-        x = x + F.linear(_attend(q, kc[:, :keys], vc[:, :keys], bias), w["o_proj"]).float()
+        x = x + F.linear(attend(q, kc[:, :keys], vc[:, :keys], bias), w["o_proj"]).float()
         h = F.rms_norm(x, (a.hidden,), w["post_attention_layernorm"].float(), a.eps).to(dt)
         x = x + F.linear(F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]),
                          w["down_proj"]).float()
@@ -434,7 +434,7 @@ class HeadRunner:
     def graph_tables(self, capacity: int) -> tuple[torch.Tensor, ...]:
         """RoPE tables and key indices over a whole cache, owned by the graph that reads
         them by address (the eager tables are regrown, and so reallocated, as contexts grow)."""
-        cos, sin = _rope_tables(self.cache_arch, capacity, self.act_dtype, self.device)
+        cos, sin = rope_tables(self.cache_arch, capacity, self.act_dtype, self.device)
         return cos, sin, torch.arange(capacity, device=self.device)
 
     def graph_step(self, token: torch.Tensor, pos: torch.Tensor, cache: KVCache,

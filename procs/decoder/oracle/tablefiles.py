@@ -27,7 +27,7 @@ from memspec.common.config import PoolConfig, tomllib
 from memspec.common.files import read_jsonl, sha256_file
 from memspec.common.paths import DEFAULT_POOL, default_target_dir, expand_path, memspec_home
 from memspec.common.tuned import knob
-from memspec.procs.decoder.precision import resolve_dtype
+from memspec.procs.decoder.forward.precision import resolve_dtype
 from memspec.procs.decoder.slots import draft_weights_file
 
 # 2: with the context lookup on, a head takes a looked-up token outside its vocabulary (it

@@ -21,16 +21,15 @@ from typing import Protocol, cast
 
 from memspec.common.errors import ConfigError
 from memspec.common.metrics import IterationRecord
-from memspec.procs.decoder.cache_manager import (
+from memspec.procs.decoder.sched.cache_manager import (
     NO_ACTIONS,
     CacheActions,
     lowest,
     rank,
     update_cache,
 )
-from memspec.procs.decoder.gate import GateCosts, SpecGate, gate_decision
-from memspec.procs.decoder.loadplan import PlanCosts
-from memspec.procs.decoder.lookup import LOOKUP
+from memspec.procs.decoder.sched.costs import LOOKUP, PlanCosts
+from memspec.procs.decoder.sched.gate import GateCosts, SpecGate, gate_decision
 
 
 @dataclass
@@ -161,7 +160,7 @@ class TargetOnly:
 
 
 class LookupOnly(TargetOnly):
-    """The context lookup alone as the draft (procs/decoder/lookup.py): no model, nothing to
+    """The context lookup alone as the draft (procs/decoder/drafts/lookup.py): no model, nothing to
     load; an iteration verifies what the context proposes, or is a plain target step."""
 
     name = "lookup-only"
@@ -250,7 +249,7 @@ class MemSpec(TargetOnly):
 
 
 class Gated:
-    """Any drafting policy behind the speculation gate (procs/decoder/gate.py): its choice
+    """Any drafting policy behind the speculation gate (procs/decoder/sched/gate.py): its choice
     runs while it pays, is probed one iteration at a time while that is cheap, and the
     target runs alone otherwise (by choice: not booked as a fallback)."""
 
@@ -312,7 +311,7 @@ class Gated:
 
 
 class OracleDynamic(TargetOnly):
-    """Future knowledge of acceptance *and* of loads: the plan (procs/decoder/oracle.py)
+    """Future knowledge of acceptance *and* of loads: the plan (procs/decoder/oracle/oracle.py)
     picks each interval's draft and starts every load early enough, under the same K and
     loader. An upper bound for the online policies, not a competitor to tune. Where the
     plan runs the target alone (by choice, or while a load it waits for lands) it runs the
@@ -470,7 +469,7 @@ def make_policy(name: str, *, ucb_c: float = 2.0, **kw: object) -> Policy:
     it in place of a model draft's iteration where the context repeats (engine.LOOKUP_FIRST),
     so the gate judges a draft against the target alone. Every policy's
     first decision is taken before the prompt prefills, so its initial loads overlap the
-    prefill (procs/decoder/loop.py, Alg. 3 line 3).
+    prefill (procs/decoder/sched/loop.py, Alg. 3 line 3).
     """
     unknown = sorted(set(kw) - set(_KW))
     if unknown:

@@ -32,7 +32,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 
 from memspec.common.tuned import knob
-from memspec.procs.decoder.gate import Line
+from memspec.procs.decoder.sched.gate import Line
 
 Prior = Sequence[float] | Sequence[tuple[int, Sequence[float]]]
 

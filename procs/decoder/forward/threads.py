@@ -254,7 +254,7 @@ def open_probe() -> CpuProbe | None:
 
 def native_pools() -> list[Any]:
     """The native forward's modules loaded in this process (each has its own pool)."""
-    from memspec.procs.decoder import native
+    from memspec.procs.decoder.forward import native
 
     return [ext for ext in native._EXT.values() if ext is not None]
 

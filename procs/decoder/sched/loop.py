@@ -50,9 +50,9 @@ from memspec.common.metrics import (
     Trace,
 )
 from memspec.common.tuned import knob
-from memspec.procs.decoder.lookup import LOOKUP
-from memspec.procs.decoder.policies import Decision, Policy, SchedView
-from memspec.procs.decoder.residency import Slot, SlotState, SlotTable
+from memspec.procs.decoder.sched.costs import LOOKUP
+from memspec.procs.decoder.sched.policies import Decision, Policy, SchedView
+from memspec.procs.decoder.sched.residency import Slot, SlotState, SlotTable
 
 INITIAL_RANKING_TIMEOUT_S = 2.0  # a predictor that does not answer must not stall requests
 RANKING_POLL_S = 0.05

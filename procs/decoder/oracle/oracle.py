@@ -4,7 +4,7 @@ The plans are pure (lists and ints): the decoder and the replay simulator hand t
 plan to `make_policy(..., oracle_plan=...)`; each passes a `position()` callable that says
 how many tokens the request has committed, which is all the tables need. oracle-static
 names the best single draft; oracle-dynamic follows a plan of runs *and loads*
-(procs/decoder/loadplan.py) under the pool's K and loader, re-planned from whatever state
+(procs/decoder/oracle/loadplan.py) under the pool's K and loader, re-planned from whatever state
 the runtime is really in at each scheduling point. At run time the tables come from
 `memspec trace`'s files (traced in the decoder's target precision), looked up by the
 prompt's token ids: an oracle knows the future only of a traced prompt under greedy
@@ -29,21 +29,17 @@ from memspec.common.config import PoolConfig
 from memspec.common.errors import RequestError
 from memspec.common.metrics import IterationRecord
 from memspec.common.tuned import knob
-from memspec.procs.decoder.cache_manager import CacheActions
-from memspec.procs.decoder.gate import GateCosts
-from memspec.procs.decoder.loadplan import (
+from memspec.procs.decoder.drafts.lookup import lookup_table
+from memspec.procs.decoder.oracle.loadplan import (
     Loading,
     LoadPlanner,
     PlanBudget,
-    PlanCosts,
     State,
     Step,
     linear_fit,
 )
-from memspec.procs.decoder.lookup import LOOKUP, lookup_table
-from memspec.procs.decoder.policies import Decision, OraclePlan, SchedView
-from memspec.procs.decoder.replay import Table, oracle_static, replay_static
-from memspec.procs.decoder.tablefiles import (
+from memspec.procs.decoder.oracle.replay import Table, oracle_static, replay_static
+from memspec.procs.decoder.oracle.tablefiles import (
     pool_fingerprint,
     read_tables,
     tables_path,
@@ -51,6 +47,10 @@ from memspec.procs.decoder.tablefiles import (
     trajectories_path,
     trajectory_rows,
 )
+from memspec.procs.decoder.sched.cache_manager import CacheActions
+from memspec.procs.decoder.sched.costs import LOOKUP, PlanCosts
+from memspec.procs.decoder.sched.gate import GateCosts
+from memspec.procs.decoder.sched.policies import Decision, OraclePlan, SchedView
 
 ORACLE_POLICIES = ("oracle-static", "oracle-dynamic")
 PLAN_BUDGET = knob("oracle.PLAN_BUDGET")  # states one plan search may expand past the

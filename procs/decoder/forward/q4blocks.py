@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from memspec.procs.decoder.linear import GROUP, Int4Linear
-from memspec.procs.decoder.q8blocks import TILE, check_parts, packable, tiled, untiled
+from memspec.procs.decoder.forward.linear import GROUP, Int4Linear
+from memspec.procs.decoder.forward.q8blocks import TILE, check_parts, packable, tiled, untiled
 
 PARTS = ("q4n", "q4d", "q4m")  # tensor-name suffixes of one packed matrix
 DTYPES = {"q4n": torch.uint8, "q4d": torch.float16, "q4m": torch.float16}

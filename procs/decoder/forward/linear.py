@@ -175,3 +175,55 @@ def make_linear(weight: torch.Tensor, fmt: str, act_dtype: torch.dtype,
         return Int4Linear(weight, act_dtype, bias)
     dt = act_dtype
     return DenseLinear(weight.to(dt).contiguous(), None if bias is None else bias.to(dt))
+
+
+class PermutedLinear(Linear):
+    """A layer whose input columns were reordered so that act-order groups are contiguous:
+    y = inner(x[:, perm]) (the gather GPTQ's own act-order kernels do too)."""
+
+    def __init__(self, inner: Linear, perm: torch.Tensor) -> None:
+        self.inner, self.perm = inner, perm
+        self.bias = inner.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.index_select(-1, self.perm))
+
+    def dequantize(self) -> torch.Tensor:
+        w = dense_of(self.inner)
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + self.perm.numel() * 4  # int32 would do
+
+
+def dense_of(lin: Linear) -> torch.Tensor:
+    return lin.weight.float() if isinstance(lin, DenseLinear) else lin.dequantize()
+
+
+def fuse_prebuilt(parts: list[Linear]) -> list[Linear]:
+    """Projections of one input as one layer where their formats allow it: int4 blocks
+    (with the same input gather, if any) concatenate by output; others stay apart."""
+    if len(parts) == 1:
+        return parts
+    gathers = [p for p in parts if isinstance(p, PermutedLinear)]
+    if len(gathers) == len(parts):
+        perm = gathers[0].perm
+        if all(torch.equal(perm, p.perm) for p in gathers[1:]):
+            inner = fuse_prebuilt([p.inner for p in gathers])
+            if len(inner) == 1:
+                return [PermutedLinear(inner[0], perm)]
+        return parts
+    blocks = [p for p in parts if type(p) is Int4Linear]
+    if len(blocks) != len(parts):
+        return parts
+    act = blocks[0].act_dtype
+    bias = None
+    if any(p.bias is not None for p in blocks):
+        bias = torch.cat([p.bias if p.bias is not None else
+                          torch.zeros(p.q.shape[0], dtype=act) for p in blocks])
+    return [Int4Linear.from_blocks(torch.cat([p.q for p in blocks]),
+                                   torch.cat([p.d for p in blocks]),
+                                   torch.cat([p.m for p in blocks]), act, bias)]
