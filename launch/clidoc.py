@@ -50,8 +50,8 @@ def render() -> str:
             continue
         out.append("\n| argument | default | what it does |\n|---|---|---|\n")
         for a in rows:
-            default = "" if a.default in (None, False, argparse.SUPPRESS) or not a.option_strings \
-                else f"`{a.default}`"
+            hidden = a.default is None or a.default is False or a.default == argparse.SUPPRESS
+            default = "" if hidden or not a.option_strings else f"`{a.default}`"
             choices = f" (one of {', '.join(map(str, a.choices))})" if a.choices else ""
             text = (a.help or "").replace("|", "\\|").replace("\n", " ")
             out.append(f"| `{_flag(a)}` | {default} | {text}{choices} |\n")

@@ -3,8 +3,8 @@ the options its code reads: `memspec bench X --help` lists only X's."""
 
 from __future__ import annotations
 
-import ast
 import argparse
+import ast
 from pathlib import Path
 
 import pytest

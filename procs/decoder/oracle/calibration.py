@@ -38,7 +38,8 @@ CONTEXTS = (48, 304)  # two context lengths: the lines' two points
 REPS, WARM = 5, 2
 STALE = 1.2  # a cached step this much slower than one timed now is re-measured
 FORMAT = "memspec-calibration/2"  # /2: with the prefill line
-_CODE = [Path(__file__).resolve().parent / n for n in ("engine.py", "native.py", "lean.py")]
+_CODE = [Path(__file__).resolve().parents[1] / n
+         for n in ("engine.py", "forward/native.py", "forward/lean.py")]
 
 
 def _fastest_s(fns: list, reps: int = REPS, warm: int = WARM) -> list[float]:

@@ -30,8 +30,8 @@ from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 
 FORMAT = "memspec-draft-steps/1"
-_CODE = [Path(__file__).resolve().parent / n
-         for n in ("head.py", "slots.py", "lean.py", "draft_prices.py")]
+_CODE = [Path(__file__).resolve().parents[1] / n
+         for n in ("drafts/head.py", "slots.py", "forward/lean.py", "oracle/draft_prices.py")]
 
 
 def shape_key(spec: Any, data_size: int) -> str:

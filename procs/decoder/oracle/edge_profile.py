@@ -26,7 +26,8 @@ from memspec.procs.decoder.slots import SlotBuffer, bind_draft
 FORMAT = "memspec-edge-iteration/1"
 PROMPT = "Describe the ocean in two sentences."
 TOKENS = 40
-_CODE = [Path(__file__).resolve().parent / n for n in ("head.py", "slots.py", "edge_profile.py")]
+_CODE = [Path(__file__).resolve().parents[1] / n
+         for n in ("drafts/head.py", "slots.py", "oracle/edge_profile.py")]
 
 
 def measure(engine: Any, tokenizer: Any, pool: Any, slot: SlotBuffer,
