@@ -411,7 +411,21 @@ def run(pool: str | None, per_domain: int, max_new: int, loads: Sequence[str],
             "quiet_only": QUIET_ONLY, "llama_cpp_threads": cores,
             "clock": "call to last token, prefill included; end-of-generation token not "
                      "counted", "summary": summarise(out_rows, loads), "idle": idle,
-            "rows": out_rows}
+            "rows": _hashed_ids(out_rows)}
+
+
+def _hashed_ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's token ids as a short hash once the summary has compared them."""
+    import hashlib
+    import json
+
+    for r in rows:
+        for runs in r["loads"].values():
+            for run in runs.values():
+                ids = run.pop("ids", None)
+                if ids is not None:
+                    run["ids_sha1"] = hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
+    return rows
 
 
 def _recoveries(row: dict[str, Any]) -> None:
@@ -514,5 +528,5 @@ def main_bench_contention(args: Any) -> int:
     res = run(args.pool, args.per_domain, args.max_new_tokens, loads, args.idle_s)
     _print(res)
     name = Path(args.json).stem if args.json else "bench_contention"
-    save_outputs(res, args, lambda r, folder: _plot(r, folder, name))
+    save_outputs(res, args, lambda r, folder: _plot(r, folder, name), indent=None)
     return 0
