@@ -176,22 +176,11 @@ class Peer:
         self.llama = LlamaCpp(threads, gamma)
 
     def run(self, ids: Sequence[int], max_new: int, eos: set[int]) -> dict[str, Any]:
-        lc = self.llama
-        t0 = time.perf_counter()
-        lc.reset()
-        lc.decode(list(ids))
-        out: list[int] = []
         times: list[float] = []
-        while len(out) < max_new:
-            tok = lc.argmax()
-            if tok in eos or lc.lc.llama_vocab_is_eog(lc.vocab, tok):
-                break
-            out.append(tok)
-            times.append(time.perf_counter() - t0)
-            if len(out) < max_new:
-                lc.decode([tok])
+        t0 = time.perf_counter()
+        out = self.llama.greedy(ids, max_new, eos, times)
         return {"tokens": len(out), "seconds": time.perf_counter() - t0, "ids": out,
-                "timeline": [[round(t, 5), 1, lc.threads] for t in times]}
+                "timeline": [[round(t, 5), 1, self.llama.threads] for t in times]}
 
 
 def timed_run(call: Callable[[], dict[str, Any]], load: Load, during: bool) -> dict[str, Any]:

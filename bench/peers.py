@@ -160,10 +160,12 @@ class LlamaCpp:
         ptr = self.lc.llama_get_logits_ith(self._ctx, -1)
         return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
 
-    def greedy(self, ids: Sequence[int], max_new: int, eos: set[int]) -> list[int]:
+    def greedy(self, ids: Sequence[int], max_new: int, eos: set[int],
+               times: list[float] | None = None) -> list[int]:
         """Plain greedy decoding through the C API until `eos` or any token llama.cpp
         ends a generation at (as its `create_completion` stops); the tokens, that one
-        left out."""
+        left out. `times` gets each token's time since the call."""
+        t0 = time.perf_counter()
         self.fits(len(ids) + max_new)
         self.reset()
         self.decode(list(ids))
@@ -173,6 +175,8 @@ class LlamaCpp:
             if tok in eos or self.lc.llama_vocab_is_eog(self.vocab, tok):
                 break
             out.append(tok)
+            if times is not None:
+                times.append(time.perf_counter() - t0)
             if len(out) < max_new:
                 self.decode([tok])
         return out
