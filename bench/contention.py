@@ -461,7 +461,7 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def _plot(res: dict[str, Any], folder: Path, name: str) -> Path:
-    from memspec.common.plotting import pyplot
+    from memspec.common.plotting import finish_figure, pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
@@ -501,11 +501,7 @@ def _plot(res: dict[str, Any], folder: Path, name: str) -> Path:
             ax2.set_ylabel(f"tokens/s over {WINDOW_S * 1e3:.0f} ms")
             ax2.set_title(f"one prompt's timeline ({row['id'] if row else ''})", fontsize=10)
             ax2.legend(fontsize=7)
-        fig.suptitle(res["machine"], fontsize=8)
-        fig.tight_layout()
-        last = folder / f"{name}_{load}.png"
-        fig.savefig(last, dpi=110)
-        plt.close(fig)
+        last = finish_figure(fig, folder / f"{name}_{load}.png", res["machine"], 110, 8)
     return last
 
 

@@ -342,7 +342,7 @@ def _print(res: dict[str, Any]) -> None:
 
 def _plot(res: dict[str, Any], folder: Path, name: str = "bench_floor") -> Path:
     """``name``: the JSON file's stem, so a run per kernel path keeps its own plot."""
-    from memspec.common.plotting import pyplot
+    from memspec.common.plotting import finish_figure, pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
@@ -359,12 +359,7 @@ def _plot(res: dict[str, Any], folder: Path, name: str = "bench_floor") -> Path:
         ax.set_xticks(range(len(runs)), ids, rotation=90, fontsize=6)
         ax.set_title(f"{phase}: end-to-end tokens/s over pipeline target-only")
         ax.legend(fontsize=7)
-    fig.suptitle(res["machine"], fontsize=9)
-    fig.tight_layout()
-    out = folder / f"{name}.png"
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return finish_figure(fig, folder / f"{name}.png", res["machine"])
 
 
 def main_bench_floor(args) -> int:

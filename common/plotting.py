@@ -33,3 +33,13 @@ def save_outputs(res: dict[str, Any], args: Any, plot: Callable[[dict[str, Any],
         Path(args.json).write_text(json.dumps(res, indent=indent))
     if args.plots:
         print(f"plot: {plot(res, Path(args.plots))}")
+
+
+def finish_figure(fig: Any, path: Path, title: str, dpi: int = 120, size: int = 9) -> Path:
+    """A figure's title (the machine it was measured on), layout, PNG at `path`, closed."""
+    plt = pyplot()
+    fig.suptitle(title, fontsize=size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
