@@ -43,6 +43,11 @@ if [[ "${1:-}" == "--dev" ]]; then
       g++-aarch64-linux-gnu qemu-user-static >/dev/null \
       || echo "[setup] no aarch64 cross tools: those checks will be skipped"
   fi
+  # the whole forward under qemu (tests/test_aarch64.py): an aarch64 Python and PyTorch
+  # unpacked under $MEMSPEC_HOME/aarch64 (~1.5 min the first time, nothing after)
+  if command -v qemu-aarch64-static >/dev/null && command -v aarch64-linux-gnu-g++ >/dev/null; then
+    echo "[setup] $("$PY" -m memspec.zoo.aarch64root || true)"
+  fi
   "$PY" -m memspec.procs.decoder.forward.native --all || echo "[setup] some kernel paths not built (see above)"
   # GPTQ / AWQ checkpoints written by GPTQModel itself, with its own forward on them, for
   # tests/test_quantized_reference.py: a side venv under $MEMSPEC_HOME/quantref (GPTQModel

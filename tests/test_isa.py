@@ -1,5 +1,6 @@
 """Every kernel path on every machine: the choice of path, the kernels' bits on each path
-(and on aarch64, cross-built), and the engine's losslessness under each path this CPU runs.
+(and on aarch64, cross-built; the whole forward on aarch64: test_aarch64.py), and the
+engine's losslessness under each path this CPU runs.
 
 An AVX-512 CI machine proves the AVX2 and generic paths through ``MEMSPEC_ISA``; the whole
 suite also runs under ``MEMSPEC_ISA=avx2`` (README, Tests)."""
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -149,28 +149,6 @@ def test_kernels_on_aarch64(kernel_bits, tmp_path, arm):
     assert bits["path"] == arm
     for fmt in ("q4", "q8", "bf16", "fp16"):
         assert bits[fmt] == kernel_bits["generic"][fmt], fmt
-
-
-@pytest.mark.slow
-def test_the_whole_extension_compiles_for_aarch64():
-    """Beyond the kernels: the forward and its PyTorch glue compile for aarch64 (syntax and
-    types; PyTorch's headers are the same on every architecture)."""
-    cxx = shutil.which("aarch64-linux-gnu-g++")
-    if cxx is None:
-        pytest.skip("no aarch64 cross compiler (apt install g++-aarch64-linux-gnu)")
-    from torch.utils.cpp_extension import include_paths
-
-    inc = [f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
-    cmd = [cxx, "-std=c++20", "-fsyntax-only", "-fopenmp",
-           *isa.compile_flags_for("aarch64", "neon-dotprod"), "-DTORCH_EXTENSION_NAME=check",
-           "-DTORCH_API_INCLUDE_EXTENSION_H", *inc]
-    # one compiler per source, side by side: each parses PyTorch's headers on its own
-    procs = {src.name: subprocess.Popen([*cmd, str(src)], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
-             for src in native.SOURCES}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, (name, err[-2000:])
 
 
 # ---- the engine under every path ----------------------------------------------------------

@@ -32,7 +32,8 @@ from memspec.procs.decoder.forward.linear import GROUP, DenseLinear, Int4Linear,
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp", CSRC / "qkernels.cpp", CSRC / "pool.cpp"]
-HEADERS = [CSRC / "qgemm.h", CSRC / "qkernels.h", CSRC / "pool.h"]
+HEADERS = [CSRC / "qgemm.h", CSRC / "qkernels.h", CSRC / "pool.h",
+           *sorted((CSRC / "arch").glob("*.inc"))]  # one kernel source per ISA family
 _EXT: dict[str, Any] = {}
 DENSE_PAD_ROWS = 8  # decode calls (a step, a verify of up to 8 tokens) as 8 rows: lossless
 # kinds whose rows are computed each on its own (qgemm.cpp): a prompt prefilled in chunks
