@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import secrets
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -34,10 +33,9 @@ import msgspec
 
 from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.files import read_jsonl
-from memspec.common.messages import Done, Error, Submit
 from memspec.common.metrics import Summary, as_json
 from memspec.common.paths import DEFAULT_POOL
-from memspec.launch.supervisor import Supervisor
+from memspec.launch.api import Result, Runtime
 from memspec.procs.decoder.sched.policies import GATED
 
 UNGATED = "-ungated"
@@ -154,16 +152,22 @@ def read_results(path: Path, fingerprint: str | None = None) -> dict[str, RealRe
     return out
 
 
-def _one(sup: Supervisor, req: RealRequest) -> Done:
+def _runtime(pool_path: str | None) -> Runtime:
+    """The three processes as a user's program starts them (the public API), with drafts'
+    slots emptied before each request (as the paper measures) and no standby decoder (its
+    start-up while the server idles would land on a peer's timing)."""
+    return Runtime(pool=pool_path, cold_start=True, standby=False).start()
+
+
+def _one(rt: Runtime, req: RealRequest) -> Result:
     policy, gate = variant(req.policy)
-    msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=req.prompt, policy=policy,
-                         max_new_tokens=req.max_new_tokens, trace=True, ucb_c=req.ucb_c,
-                         gate=gate, threads=variant_threads(req.policy)))
-    if not isinstance(msg, Done):
-        reason = msg.message if isinstance(msg, Error) else "no reply"
-        raise MemspecError(f"real run {req.key} failed: {reason}",
-                           "see the decoder log under the run directory")
-    return msg
+    try:
+        return rt.generate(req.prompt, policy=policy, max_new_tokens=req.max_new_tokens,
+                           trace=True, ucb_c=req.ucb_c, gate=gate,
+                           threads=variant_threads(req.policy))
+    except MemspecError as exc:
+        raise MemspecError(f"real run {req.key} failed: {exc.problem}",
+                           "see the decoder log under the run directory") from None
 
 
 def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None = None
@@ -176,20 +180,19 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
     if todo:
         _log(f"{len(todo)} requests through the three processes (cold start, traced)")
         out.parent.mkdir(parents=True, exist_ok=True)
-        sup = Supervisor(pool_path, cold_start=True)
+        rt = _runtime(pool_path)
         t0 = last = time.perf_counter()
         try:
-            sup.start()
+            decoder = rt.status().procs["decoder"]
             with out.open("a") as f:
                 for i, r in enumerate(todo):
-                    msg = _one(sup, r)
-                    info = sup.procs["decoder"].info
+                    msg = _one(rt, r)
                     row = {"key": r.key, "policy": r.policy, "id": r.prompt_id,
                            "domain": r.domain, "max_new_tokens": r.max_new_tokens,
                            "ucb_c": r.ucb_c, "gate": variant(r.policy)[1],
                            "repeat": r.repeat, "token_ids": msg.token_ids,
                            "stats": as_json(msg.stats), "fingerprint": fp,
-                           "bandwidth_bytes_s": getattr(info, "bandwidth_bytes_s", None)}
+                           "bandwidth_bytes_s": decoder.bandwidth_bytes_s}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     done[r.key] = RealResult(row, msg.stats)
@@ -200,7 +203,7 @@ def run_real(requests: Sequence[RealRequest], out: Path, pool_path: str | None =
                              f"{msg.stats.tokens_per_s_steady:.1f} tok/s; "
                              f"~{el / (i + 1) * (len(todo) - i - 1) / 60:.1f} min left")
         finally:
-            sup.shutdown()
+            rt.close()
     return {r.key: done[r.key] for r in requests}
 
 
@@ -216,21 +219,19 @@ def peer_runs(rows: Sequence[dict], pool_path: str | None, max_new: int, gamma: 
     pool = load_pool(pool_path)
     tokenizer = load_tokenizer(pool.target)
     eos = set(eos_token_ids(pool.target, tokenizer))
-    sup: Supervisor | None = None
+    rt: Runtime | None = None
 
     def ours(prompt: str, policy: str) -> tuple[list[int], float, dict[str, Any]]:
-        nonlocal sup
-        if sup is None:
-            sup = Supervisor(pool_path, cold_start=True)
-            sup.start()
+        nonlocal rt
+        if rt is None:
+            rt = _runtime(pool_path)
         t0 = time.perf_counter()
-        msg = sup.run(Submit(req_id=secrets.token_hex(4), prompt=prompt, policy=policy,
-                             max_new_tokens=max_new), timeout_s=600)
+        try:
+            msg = rt.generate(prompt, policy=policy, max_new_tokens=max_new)
+        except MemspecError as exc:
+            raise MemspecError(f"peer run of {policy} failed: {exc.problem}",
+                               "see the decoder log under the run directory") from None
         spent = time.perf_counter() - t0
-        if not isinstance(msg, Done):
-            reason = msg.message if isinstance(msg, Error) else "no reply in 600 s"
-            raise MemspecError(f"peer run of {policy} failed: {reason}",
-                               "see the decoder log under the run directory")
         st = msg.stats
         return list(msg.token_ids), spent, {
             "e2e_s": st.time.e2e, "prefill_s": st.time.prefill, "decode_s": st.time.decode,
@@ -241,8 +242,8 @@ def peer_runs(rows: Sequence[dict], pool_path: str | None, max_new: int, gamma: 
         return peers.run(rows, ours, lambda p: encode_prompt(tokenizer, p), eos, max_new,
                          gamma, out, run_fingerprint(pool_path))
     finally:
-        if sup is not None:
-            sup.shutdown()
+        if rt is not None:
+            rt.close()
 
 
 def pool_copy(pool_path: str | None, out: Path, settings: Mapping[str, str]) -> str:

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from memspec.common.errors import MemspecError
-from memspec.common.memory import process_rss_mb
-from memspec.common.messages import Done, Submit
-from memspec.launch.supervisor import PROCS, Supervisor
+from memspec.launch.api import Runtime
 from memspec.zoo.prompts import DOMAINS, load_prompts
 
 POLICIES = ("memspec", "mab-async", "general-static", "target-only")
@@ -37,8 +34,13 @@ def _prompts(n: int) -> list[str]:
     return [r["prompt"] for r in rows]
 
 
-def _rss(sup: Supervisor) -> dict[str, float]:
-    return {n: round(process_rss_mb(sup.procs[n].pid), 1) for n in PROCS if sup.procs[n].pid}
+PROCS = ("decoder", "loader", "predictor")
+
+
+def _rss(rt: Runtime) -> dict[str, float]:
+    """Each process's RSS as `memspec status` reports it."""
+    procs = rt.status().procs
+    return {n: procs[n].rss_mb for n in PROCS if n in procs and procs[n].pid}
 
 
 def soak(pool: str | None, requests: int, max_new: int, policies: tuple[str, ...] = POLICIES,
@@ -47,27 +49,27 @@ def soak(pool: str | None, requests: int, max_new: int, policies: tuple[str, ...
     """Serve `requests` prompts (default: the dev split's, in turn); RSS per process after
     each one, plus the checkpoints."""
     prompts = prompts or _prompts(min(requests, 40 * len(DOMAINS)))
-    sup = Supervisor(pool)
     series: list[dict[str, float]] = []
     load_before = os.getloadavg()[1]  # other work on the machine, for reading the figures
     t0 = time.perf_counter()
+    # no standby decoder: the series is the serving processes' own
+    rt = Runtime(pool=pool, standby=False).start()
     try:
-        sup.start()
         _log(f"ready; {requests} requests of {max_new} tokens, policies {', '.join(policies)}")
         for i in range(requests):
-            req = Submit(req_id=secrets.token_hex(4), prompt=prompts[i % len(prompts)],
-                         policy=policies[i % len(policies)], max_new_tokens=max_new)
-            msg = sup.run(req, timeout_s=600)
-            if not isinstance(msg, Done):
-                raise MemspecError(f"request {i + 1} failed: {getattr(msg, 'message', 'timeout')}",
-                                   f"see the logs in {sup.run_dir}")
-            series.append(_rss(sup))
+            try:
+                rt.generate(prompts[i % len(prompts)], policy=policies[i % len(policies)],
+                            max_new_tokens=max_new)
+            except MemspecError as exc:
+                raise MemspecError(f"request {i + 1} failed: {exc.problem}",
+                                   "the processes' logs on stderr say why") from None
+            series.append(_rss(rt))
             if (i + 1) in checkpoints or (i + 1) % 20 == 0:
                 _log(f"{i + 1}/{requests}: " + ", ".join(f"{n} {v:.0f} MB"
                                                         for n, v in series[-1].items()))
-        restarts = {n: p.restarts for n, p in sup.procs.items()}
+        restarts = {n: p.restarts for n, p in rt.status().procs.items()}
     finally:
-        sup.shutdown()
+        rt.close()
     if any(restarts.values()):
         raise MemspecError(f"a process restarted during the soak ({restarts})",
                            "an RSS series across a restart means nothing; see the logs")

@@ -76,6 +76,7 @@ class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
     recovery_s: float = 0.0  # its last restart: crash noticed -> ready again
     startup: dict[str, float] = {}  # the decoder's start-up phases of its last start
     standby_pid: int | None = None  # the decoder's standby (procs/decoder/standby.py), if any
+    bandwidth_bytes_s: float = 0.0  # the decoder's edge-emulated load pacing (0: unpaced)
 
 
 class TensorRange(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):

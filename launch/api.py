@@ -12,8 +12,9 @@ that ticks it is the only one that touches it; calls from any thread go through
 ZeroMQ endpoint. Either way a prompt is a string (one user turn, as `memspec generate`) or
 a chat (a list of {"role", "content"} dicts rendered by the target's template), options
 are `max_new_tokens`, `policy`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`
-and `gate` (the speculation gate on or off for this request; None: the pool's), and an
-error is a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
+and `gate` (the speculation gate on or off for this request; None: the pool's), with
+`threads`, `trace` and `ucb_c` for measurements (the benchmarks run through this API), and
+an error is a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
             stop: str | list[str] | None = None, top_k: int = 0, min_p: float = 0.0,
             gate: bool | None = None, threads: int | None = None,
-            trace: bool = False) -> Submit:
+            trace: bool = False, ucb_c: float | None = None) -> Submit:
     """The request, checked here against the limits every front door shares
     (common/limits.py): a bad one raises before anything is sent, local or remote."""
     if isinstance(prompt, str):
@@ -93,7 +94,7 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
     req = Submit(req_id=secrets.token_hex(8), prompt=text, max_new_tokens=max_new_tokens,
                  policy=policy, temperature=temperature, top_p=top_p, seed=seed,
                  messages=turns, stop=stops, top_k=top_k, min_p=min_p, gate=gate,
-                 threads=threads, trace=bool(trace))
+                 threads=threads, trace=bool(trace), ucb_c=ucb_c)
     check_request(req)
     return req
 
@@ -142,20 +143,20 @@ class _Local:
     """A supervisor in a thread of this process."""
 
     def __init__(self, pool: str | None, cold_start: bool, max_queue: int,
-                 start_timeout: float) -> None:
+                 start_timeout: float, standby: bool) -> None:
         self.bridge = Bridge()
         self.stopping = threading.Event()
         self.started = threading.Event()
         self.error: BaseException | None = None
-        self.args = (pool, cold_start, max_queue, start_timeout)
+        self.args = (pool, cold_start, max_queue, start_timeout, standby)
         self.thread = threading.Thread(target=self._run, name="memspec-supervisor",
                                        daemon=True)
 
     def _run(self) -> None:
-        pool, cold_start, max_queue, start_timeout = self.args
+        pool, cold_start, max_queue, start_timeout, standby = self.args
         sup = None
         try:
-            sup = Supervisor(pool, cold_start=cold_start, max_queue=max_queue, standby=True)
+            sup = Supervisor(pool, cold_start=cold_start, max_queue=max_queue, standby=standby)
 
             def starting() -> bool:
                 self.bridge.pump(sup)
@@ -246,18 +247,21 @@ class _Remote:
 
 
 class Runtime:
-    """memspec's three processes, started here or reached at `endpoint`."""
+    """memspec's three processes, started here or reached at `endpoint`. Started here:
+    `pool` (None: the default), `cold_start` (drafts' slots emptied before each request,
+    as the paper measures), `standby` (keep a prepared spare decoder while idle, so a
+    crashed decoder is replaced in a fraction of a cold start; False saves its memory)."""
 
     def __init__(self, endpoint: str | None = None, *, pool: str | None = None,
                  cold_start: bool = False, max_queue: int = MAX_QUEUE,
-                 start_timeout: float = START_TIMEOUT_S,
+                 start_timeout: float = START_TIMEOUT_S, standby: bool = True,
                  timeouts: Timeouts | None = None) -> None:
         if endpoint is not None and pool is not None:
             raise MemspecError("a Runtime takes an endpoint or a pool, not both",
                                "the server at the endpoint has its own pool")
         self._backend: _Local | _Remote = (_Remote(endpoint, timeouts or Timeouts()) if endpoint
                                            else _Local(pool, cold_start, max_queue,
-                                                       start_timeout))
+                                                       start_timeout, standby))
         self._open = False
 
     def __enter__(self) -> Runtime:
@@ -292,7 +296,8 @@ class Runtime:
         top_k, min_p, seed, stop (a string or a list), gate (True / False: the speculation
         gate on or off for this request, e.g. to compare a policy with and without it;
         None: the pool's spec_gate), threads (at most this many decoder threads), trace
-        (stats["trace"]: a timeline of iterations, loads and rankings)."""
+        (stats["trace"]: a timeline of iterations, loads and rankings), ucb_c (the mab-*
+        policies' exploration constant for this request; None: the pool's)."""
         _, replies = self._replies(prompt, opts)
         for msg in replies:
             if isinstance(msg, Done):

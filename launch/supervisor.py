@@ -687,7 +687,8 @@ class Supervisor:
                                   if n == "decoder" and self.standby is not None
                                   and self.standby_ready else {}),
                                **({"isa": p.info.isa, "dtype": p.info.dtype,
-                                   "startup": dict(p.info.startup)}
+                                   "startup": dict(p.info.startup),
+                                   "bandwidth_bytes_s": p.info.bandwidth_bytes_s}
                                   if isinstance(p.info, DecoderInfo) else {}))
                  for n, p in self.procs.items()}
         return Status(procs=procs, slots=self.slots, quarantined=self.quarantined,

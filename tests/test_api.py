@@ -82,3 +82,22 @@ def test_runtime_in_this_process():
     while _children() - before:
         assert time.monotonic() < deadline, "the processes outlived the Runtime"
         time.sleep(0.05)
+
+
+def test_runtime_without_a_standby_and_with_a_tuning_knob():
+    """What the benchmarks start (bench/realruns.py, soak.py): no standby decoder however
+    long the server idles (its start-up would land on a peer's timing), and the mab-*
+    exploration constant passed per request; greedy output is still target-only's."""
+    from memspec.launch.supervisor import STANDBY_IDLE_S
+
+    _ready_pool()
+    before = _children()
+    with Runtime(standby=False) as rt:
+        ref = rt.generate(PROMPT, max_new_tokens=12, policy="target-only")
+        tuned = rt.generate(PROMPT, max_new_tokens=12, policy="mab-async", ucb_c=0.05)
+        assert tuned.token_ids == ref.token_ids
+        time.sleep(STANDBY_IDLE_S + 1.5)
+        kids = _children() - before
+        assert len(kids) == 3 and not any("--standby" in _cmdline(k) for k in kids)
+        decoder = rt.status().procs["decoder"]
+        assert decoder.standby_pid is None and decoder.bandwidth_bytes_s >= 0
