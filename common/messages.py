@@ -276,6 +276,7 @@ class Status(Message):
     slots: list[SlotStatus]
     quarantined: dict[str, str] = {}  # draft -> why it is never loaded or run
     totals: Totals | None = None  # the supervisor's counters (None from the decoder)
+    pool_id: str = ""  # the supervisor's pool (paths.pool_identity; "" from the decoder)
 
 
 # --- encoding and one decoder per socket ----------------------------------------------------

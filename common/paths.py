@@ -9,6 +9,7 @@ installed package.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -53,3 +54,17 @@ def expand_path(raw: str, base: Path) -> Path:
         text = text.replace("${" + key + "}", env[key]).replace("$" + key, env[key])
     p = Path(os.path.expanduser(os.path.expandvars(text)))
     return p if p.is_absolute() else (base / p).resolve()
+
+
+def pool_identity(pool: str | Path | None) -> str:
+    """Which pool a server runs, comparable across processes without loading it: the pool
+    file's resolved path and bytes (sha256, 16 hex digits; its relative paths resolve from
+    its folder, so the path is part of it). `memspec generate` reuses a `memspec up` only
+    when this matches."""
+    path = Path(pool).expanduser() if pool else DEFAULT_POOL
+    h = hashlib.sha256(str(path.resolve()).encode() + b"\0")
+    try:
+        h.update(path.read_bytes())
+    except OSError:
+        pass
+    return h.hexdigest()[:16]

@@ -24,42 +24,59 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from memspec.common.config import POLICIES, load_pool
-    from memspec.common.limits import check_request
-    from memspec.common.messages import Submit
-    from memspec.procs.decoder.sched.acceptance import SamplingParams
-
     check_utf8(args.prompt, "the prompt")
-    pool = load_pool(args.pool)
-    policy = args.policy or pool.policy
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown policy '{policy}'", f"use one of: {', '.join(POLICIES)}")
-    SamplingParams(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)  # checked
     _check_max_new(args.max_new_tokens)
-    max_new = args.max_new_tokens or pool.max_new_tokens
-    check_request(Submit(req_id="generate", prompt=args.prompt, max_new_tokens=max_new,
-                         policy=policy, threads=args.threads))  # every front door's limits
-    if args.in_process:
-        out = _generate_in_process(pool, args, policy, max_new)
-    else:
-        from memspec.common import logs
-        from memspec.launch.up import generate
+    out = None
+    if not args.in_process and not args.fresh:
+        # a `memspec up` with this pool answers when one runs: the pool's defaults and the
+        # checks are the server's (this path imports neither the config nor torch)
+        from memspec.launch.reuse import generate_on_server
 
-        logs.setup("supervisor")  # its notes on stderr, beside the streamed text
-        out = generate(args.pool, args.prompt, stream=not args.json, policy=policy,
-                       max_new_tokens=max_new, temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p,
-                       threads=args.threads)
+        out = generate_on_server(args.pool, args.prompt, not args.json,
+                                 policy=args.policy or "",
+                                 max_new_tokens=args.max_new_tokens or 0,
+                                 temperature=args.temperature, top_p=args.top_p,
+                                 seed=args.seed, top_k=args.top_k, min_p=args.min_p,
+                                 threads=args.threads)
+    if out is None:
+        out = _generate_here(args)
     if args.json:
         print(json.dumps(out))
     else:
         s = out["stats"]
         CONSOLE.end_text()
-        CONSOLE.message(f"[{policy}] {s['generated_tokens']} tokens, "
+        CONSOLE.message(f"[{s['policy']}] {s['generated_tokens']} tokens, "
                         f"{s['tokens_per_s_steady']:.1f} tok/s steady, "
                         f"{s['tokens_per_s_e2e']:.1f} tok/s e2e, mean acceptance length "
                         f"{s['mean_acceptance_length']:.2f}, drafts {s['drafts_used']}")
     return 0
+
+
+def _generate_here(args: argparse.Namespace) -> dict:
+    """One request in this process or through private processes started for it."""
+    from memspec.common.config import POLICIES, check_sampling, load_pool
+    from memspec.common.limits import check_request
+    from memspec.common.messages import Submit
+
+    pool = load_pool(args.pool)
+    policy = args.policy or pool.policy
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy '{policy}'", f"use one of: {', '.join(POLICIES)}")
+    # checked here without torch: a fresh run's command never imports it (seconds on a small CPU)
+    check_sampling(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)
+    max_new = args.max_new_tokens or pool.max_new_tokens
+    check_request(Submit(req_id="generate", prompt=args.prompt, max_new_tokens=max_new,
+                         policy=policy, threads=args.threads))  # every front door's limits
+    request = {"policy": policy, "max_new_tokens": max_new, "temperature": args.temperature,
+               "top_p": args.top_p, "seed": args.seed, "top_k": args.top_k,
+               "min_p": args.min_p, "threads": args.threads}
+    if args.in_process:
+        return _generate_in_process(pool, args, policy, max_new)
+    from memspec.common import logs
+    from memspec.launch.up import generate
+
+    logs.setup("supervisor")  # its notes on stderr, beside the streamed text
+    return generate(args.pool, args.prompt, stream=not args.json, fresh=True, **request)
 
 
 def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int) -> dict:
@@ -482,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_request_args(g)
     g.add_argument("--in-process", action="store_true",
                    help="run the engine in this process (target-only / general-static only)")
+    g.add_argument("--fresh", action="store_true",
+                   help="start private processes even when a `memspec up` serves the default "
+                        "endpoint with the same pool (by default that server answers)")
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
 

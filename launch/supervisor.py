@@ -69,6 +69,7 @@ from memspec.common.messages import (
     encode,
 )
 from memspec.common.metrics import RequestTimes, Totals
+from memspec.common.paths import pool_identity
 from memspec.common.shmclean import cleanup_shm, owned_run_token, sweep_orphans
 from memspec.common.sockets import (
     SUPERVISOR_ID_ENV,
@@ -182,6 +183,7 @@ class Supervisor:
                  log_level: str | None = None, standby: bool = False,
                  backoff_scale: float = 1.0) -> None:
         self.pool = pool
+        self.pool_id = pool_identity(pool)  # what a client compares before reusing us
         # crash-loop pauses (resume.backoff_s) times this: a fault test that kills restarting
         # processes on purpose keeps the pauses' shape at a fraction of their length
         self.backoff_scale = backoff_scale
@@ -692,7 +694,8 @@ class Supervisor:
                                   if isinstance(p.info, DecoderInfo) else {}))
                  for n, p in self.procs.items()}
         return Status(procs=procs, slots=self.slots, quarantined=self.quarantined,
-                      totals=self.totals.snapshot(len(self.queue), int(self.in_flight is not None)))
+                      totals=self.totals.snapshot(len(self.queue), int(self.in_flight is not None)),
+                      pool_id=self.pool_id)
 
     @property
     def ready(self) -> bool:

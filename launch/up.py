@@ -167,23 +167,33 @@ def _stdout_reply(msg: Message) -> None:
         CONSOLE.error(msg.message)
 
 
-def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = False,
-             **kw: Any) -> dict[str, Any]:
-    """One request through a private pipeline; returns the `--json` object."""
-    check_utf8(prompt, "the prompt")
-    req = Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw)
-    check_request(req)  # the request's limits, before three processes start
-    stop = StopSignals()
-    sup = Supervisor(pool, cold_start=cold_start)
-
+def _show_tokens(stream: bool) -> Any:
     def show(msg: Message) -> None:
         if isinstance(msg, Tokens) and stream:
             CONSOLE.text(msg.text)
+    return show
 
+
+def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = False,
+             fresh: bool = False, **kw: Any) -> dict[str, Any]:
+    """One request; returns the `--json` object. Through the `memspec up` serving the
+    default endpoint with the same pool when there is one (launch/reuse.py), else through
+    a private pipeline started for it (`fresh`: always)."""
+    check_utf8(prompt, "the prompt")
+    req = Submit(req_id=secrets.token_hex(6), prompt=prompt, **kw)
+    check_request(req)  # the request's limits, before three processes start
+    if not (fresh or cold_start):
+        from memspec.launch.reuse import generate_on_server
+
+        out = generate_on_server(pool, prompt, stream, **kw)
+        if out is not None:
+            return out
+    stop = StopSignals()
+    sup = Supervisor(pool, cold_start=cold_start)
     done = None
     try:
         if sup.start(stop=stop):
-            done = sup.run(req, show, stop)
+            done = sup.run(req, _show_tokens(stream), stop)
     finally:
         sup.shutdown()
     if stop.signum or done is None:

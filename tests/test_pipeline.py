@@ -516,3 +516,44 @@ def test_oracle_policies_replay_traced_tables(tmp_path, monkeypatch, reference):
         assert isinstance(run(s, first_prompts()["math"], "memspec"), Done)
     finally:
         s.shutdown()
+
+
+def test_generate_reuses_a_running_server_with_the_same_pool(tmp_path):
+    """`memspec generate` goes to the `memspec up` on the default endpoint when its pool is
+    the same file (saying so on stderr, importing no torch), starts its own for another pool
+    or with --fresh; the tokens are the same every way, and the same as in-process."""
+    _ready_pool()
+    pool = write_pool(tmp_path)
+    (tmp_path / "other").mkdir()
+    other = write_pool(tmp_path / "other")  # the same text in another file: another pool
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=str(tmp_path / "rt"))
+    (tmp_path / "rt").mkdir()
+    up = subprocess.Popen([sys.executable, "-m", "memspec", "up", "--no-stdin",
+                           "--pool", str(pool)], stderr=subprocess.PIPE, text=True, env=env)
+
+    def generate(*args: str) -> tuple[list[int], str]:
+        res = subprocess.run([sys.executable, "-X", "importtime", "-m", "memspec", "generate",
+                              "--json", "--max-new-tokens", "12", *args, "Say hi."],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout)["token_ids"], res.stderr
+
+    try:
+        for line in up.stderr:
+            if "ready on" in line:
+                break
+        reused, err = generate("--pool", str(pool))
+        assert "using the server at" in err
+        assert not [ln for ln in err.splitlines() if ln.rstrip().endswith("| torch")]
+        fresh, err = generate("--pool", str(pool), "--fresh")
+        assert "using the server" not in err
+        elsewhere, err = generate("--pool", str(other))
+        assert "runs another pool" in err and "using the server" not in err
+        here, _ = generate("--pool", str(pool), "--in-process", "--policy", "target-only")
+        assert reused == fresh == elsewhere == here and len(reused) == 12
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()

@@ -1,14 +1,16 @@
 """The decoder's cache of quantised target weights (a restart reads them instead of
-quantising): the same bits and the same logits as quantising, a key that follows the weight
+quantising, in the kernels' packed layout): the same bits and the same logits as quantising, a key that follows the weight
 file, and a damaged cache that is rebuilt rather than used."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from memspec.procs.decoder.forward.prepared import cache_path
 from memspec.procs.decoder.models import build_target
@@ -35,6 +37,13 @@ def test_cached_weights_give_the_quantised_model_bit_for_bit(tiny_dir, tmp_path,
     cached = build_target(target, fmt, fast=fast, prepared=tmp_path / "home")
     assert file.stat().st_mtime_ns == stamp  # read, not written again
     assert torch.equal(_logits(first), fresh) and torch.equal(_logits(cached), fresh)
+    # the layers' projections are kept in the kernels' packed layout (read as they are);
+    # the LM head, which is also the embedding, as it is
+    with safe_open(str(file), framework="pt") as f:
+        kinds = json.loads(f.metadata()["kinds"])
+    blocks = {"int4": "q4blocks", "int8": "q8blocks"}[fmt]
+    assert {k for k, v in kinds.items() if k != "lm_head"} and all(
+        v == blocks for k, v in kinds.items() if k != "lm_head")
     # the weight file changes: the key changes, and the cache is rebuilt from it
     weights = target / "model.safetensors"
     os.utime(weights, ns=(stamp, stamp + 10**9))

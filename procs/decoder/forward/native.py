@@ -29,6 +29,8 @@ from memspec.common.errors import ConfigError
 from memspec.common.paths import memspec_home
 from memspec.procs.decoder.forward.lean import KVCache, LeanLM, alloc_cache
 from memspec.procs.decoder.forward.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, Linear
+from memspec.procs.decoder.forward.q4blocks import PackedInt4Linear
+from memspec.procs.decoder.forward.q8blocks import PackedInt8Linear
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "lean_cpu.cpp", CSRC / "qgemm.cpp", CSRC / "qkernels.cpp", CSRC / "pool.cpp"]
@@ -138,7 +140,14 @@ def tiles(layer: Linear) -> bool:
 def linear_spec(layer: Linear) -> tuple:
     """(kind, a, b, c, bias): the C++ side's view of one linear layer's weights. Every kind
     takes and returns fp32 rows; shapes the block kernels do not tile fall back to PyTorch's
-    kernels, which the C++ side calls in their own dtype."""
+    kernels, which the C++ side calls in their own dtype. Layers held as packed arrays
+    (a prepared target) are passed as they are: the C++ side points its kernels at them."""
+    if isinstance(layer, PackedInt4Linear):
+        p = layer.parts
+        return (7, p["q4n"], p["q4d"], p["q4m"], layer.bias)
+    if isinstance(layer, PackedInt8Linear):
+        p = layer.parts
+        return (6, p["q8w"], p["q8d"], (p["q8c"], p["q8s"]), layer.bias)
     if isinstance(layer, Int4Linear):
         if tiles(layer):
             return (3, layer.q, layer.d, layer.m, layer.bias)

@@ -32,7 +32,12 @@ def pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     if not packable((n, k)):
         raise ValueError(f"Q4_1 packing needs N % {TILE} == 0 and K % {GROUP} == 0, "
                          f"got {n}x{k}")
-    blocks = Int4Linear(weight.float(), torch.float32)
+    return pack_blocks(Int4Linear(weight.float(), torch.float32))
+
+
+def pack_blocks(blocks: Int4Linear) -> dict[str, torch.Tensor]:
+    """An Int4Linear's blocks (N % 16 == 0) in the kernels' layout (keys: PARTS)."""
+    n, k = blocks.q.shape
     g = k // GROUP
     # q as (tile, output j, pair e, half h, input i): byte (t, e, 4j + i) = lo | hi << 4
     q = blocks.q.view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
@@ -47,13 +52,19 @@ def shape_of(parts: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     return t * TILE, e * 8
 
 
+def codes(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The 4-bit codes [N, K] (uint8, one a byte) of a packed matrix: `pack_blocks` undone."""
+    n, k = shape_of(parts)
+    nib = parts["q4n"].view(n // TILE, k // 8, TILE, 4)
+    q = torch.stack([nib & 0x0F, nib >> 4], dim=3)  # (t, e, j, h, i)
+    return q.permute(0, 2, 1, 3, 4).reshape(n, k)
+
+
 def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The fp32 weights [N, K] a packed matrix stands for (the PyTorch forward's copy)."""
     n, k = shape_of(parts)
-    t, g = n // TILE, k // GROUP
-    nib = parts["q4n"].view(t, k // 8, TILE, 4)
-    q = torch.stack([nib & 0x0F, nib >> 4], dim=3)  # (t, e, j, h, i)
-    q = q.permute(0, 2, 1, 3, 4).reshape(n, k).float()
+    g = k // GROUP
+    q = codes(parts).float()
     d, m = untiled(parts["q4d"], n, g), untiled(parts["q4m"], n, g)
     return (q.view(n, g, GROUP) * d[..., None] + m[..., None]).view(n, k)
 
@@ -64,3 +75,31 @@ def check(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) 
     scales = (n // TILE, k // GROUP, TILE)
     return check_parts(name, parts, shape, {"q4n": (n // TILE, k // 8, 64), "q4d": scales,
                                             "q4m": scales}, DTYPES)
+
+
+class PackedInt4Linear(Int4Linear):
+    """An Int4Linear held as its packed arrays only (a prepared target: prepared.py): the C++
+    forward points its kernels at them (native.linear_spec; half the bytes of q as one byte
+    a weight), and the blocks as Int4Linear holds them are unpacked only if the PyTorch
+    forward asks for them."""
+
+    def __init__(self, parts: Mapping[str, torch.Tensor], act_dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
+        self.parts = dict(parts)
+        self.act_dtype = act_dtype
+        self.bias = None if bias is None else bias.to(act_dtype)
+        self._packed = None
+
+    def __getattr__(self, name: str):
+        if name in ("q", "d", "m"):  # the PyTorch forward's blocks, made once when first used
+            n, k = shape_of(self.parts)
+            g = k // GROUP
+            self.q = codes(self.parts).contiguous()
+            self.d = untiled(self.parts["q4d"], n, g)
+            self.m = untiled(self.parts["q4m"], n, g)
+            return getattr(self, name)
+        raise AttributeError(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())

@@ -49,7 +49,12 @@ def pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     if not packable((n, k)):
         raise ValueError(f"Q8_0 packing needs N % {TILE} == 0 and K % {GROUP} == 0, "
                          f"got {n}x{k}")
-    blocks = Int8Linear(weight, torch.float32)
+    return pack_blocks(Int8Linear(weight, torch.float32))
+
+
+def pack_blocks(blocks: Int8Linear) -> dict[str, torch.Tensor]:
+    """An Int8Linear's blocks (N % 16 == 0) in the kernels' layout (keys: PARTS)."""
+    n, k = blocks.q.shape
     q, d, g = blocks.q, blocks.d, k // GROUP  # d: fp32 holding fp16 values
     sums = q.view(n, g, GROUP).sum(-1, dtype=torch.int32)
     c = (d * sums.float()) * 128.0
@@ -64,11 +69,17 @@ def shape_of(parts: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     return t * TILE, c * 4
 
 
+def codes(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The int8 codes [N, K] of a packed matrix: `pack_blocks` undone."""
+    n, k = shape_of(parts)
+    return parts["q8w"].view(n // TILE, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
 def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The fp32 weights [N, K] a packed matrix stands for (the PyTorch forward's copy)."""
     n, k = shape_of(parts)
-    t, g = n // TILE, k // GROUP
-    q = parts["q8w"].view(t, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k).float()
+    g = k // GROUP
+    q = codes(parts).float()
     d = untiled(parts["q8d"], n, g)
     return (q.view(n, g, GROUP) * d[..., None]).view(n, k)
 
@@ -95,3 +106,29 @@ def check_parts(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, 
             return (f"{name}.{p} is {t.dtype} {tuple(t.shape)}, a {shape[0]}x{shape[1]} "
                     f"matrix needs {dtypes[p]} {shp}")
     return None
+
+
+class PackedInt8Linear(Int8Linear):
+    """An Int8Linear held as its packed arrays only (a prepared target: prepared.py): the C++
+    forward points its kernels at them (native.linear_spec), and the blocks as
+    Int8Linear holds them are unpacked only if the PyTorch forward asks for them."""
+
+    def __init__(self, parts: Mapping[str, torch.Tensor], act_dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
+        self.parts = dict(parts)
+        self.act_dtype = act_dtype
+        self.bias = None if bias is None else bias.to(act_dtype)
+        self._dense = None
+
+    def __getattr__(self, name: str):
+        if name in ("q", "d"):  # the PyTorch forward's blocks, made once when first used
+            n, k = shape_of(self.parts)
+            self.q = codes(self.parts).contiguous()
+            self.d = untiled(self.parts["q8d"], n, k // GROUP)
+            return getattr(self, name)
+        raise AttributeError(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
