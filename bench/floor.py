@@ -57,7 +57,8 @@ def prompts(per_domain: int) -> list[dict]:
 def generate(prompt: str, policy: str, max_new: int, pool: str | None,
              in_process: bool = False) -> dict[str, Any]:
     """A fresh `memspec generate --json`: its stats (the decoder's clock) and its tokens."""
-    cmd = [*MEMSPEC, "generate", "--json", "--policy", policy, "--max-new-tokens", str(max_new)]
+    cmd = [*MEMSPEC, "generate", "--fresh", "--json", "--policy", policy, "--max-new-tokens",
+           str(max_new)]
     cmd += (["--pool", pool] if pool else []) + (["--in-process"] if in_process else [])
     t0 = time.perf_counter()
     out = subprocess.run([*cmd, prompt], capture_output=True, text=True, timeout=600)

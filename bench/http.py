@@ -49,7 +49,7 @@ def _log(msg: str) -> None:
 def _generate(prompt: str, max_new: int, pool: str | None) -> dict[str, Any]:
     """`memspec generate`, timed from its start to its first byte of text and to its exit."""
     t0 = time.monotonic()
-    p = subprocess.Popen([*MEMSPEC, "generate", "--max-new-tokens", str(max_new), prompt,
+    p = subprocess.Popen([*MEMSPEC, "generate", "--fresh", "--max-new-tokens", str(max_new), prompt,
                           *(["--pool", pool] if pool else [])],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     first = p.stdout.read1(1)

@@ -77,6 +77,9 @@ class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
     startup: dict[str, float] = {}  # the decoder's start-up phases of its last start
     standby_pid: int | None = None  # the decoder's standby (procs/decoder/standby.py), if any
     bandwidth_bytes_s: float = 0.0  # the decoder's edge-emulated load pacing (0: unpaced)
+    ready_s: float = 0.0  # its last start: spawned (or taken over, a standby) -> Ready
+    pss_mb: float = 0.0  # proportional set size: shared pages split among their users
+    uss_mb: float = 0.0  # unique set size: what ending the process would free
 
 
 class TensorRange(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):

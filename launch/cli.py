@@ -168,7 +168,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if p.crashes > 1 else "")
             back = f"  last back in {p.recovery_s:.1f}s" if p.restarts else ""
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
-                  f"rss {p.rss_mb:.0f} MB{kernels}{back}{loop}")
+                  f"rss {p.rss_mb:.0f} MB  pss {p.pss_mb:.0f} MB{kernels}{back}{loop}")
+        print(f"all processes: pss {sum(p.pss_mb for p in st.procs.values()):.0f} MB "
+              "(shared pages counted once)")
         for slot in st.slots:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
@@ -344,6 +346,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_floor(args)
+    if args.what == "memory":
+        from memspec.bench.memory import main_bench_memory
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_memory(args)
+    if args.what == "startup":
+        from memspec.bench.startup import main_bench_startup
+
+        args.max_new_tokens = args.max_new_tokens or 128  # the README's job
+        return main_bench_startup(args)
     if getattr(args, "max_new_tokens", 0) is None:
         args.max_new_tokens = 64
     if args.what == "engine":
@@ -411,6 +423,8 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "per_domain": _opt("--per-domain", type=int, default=4,
                        help="dev prompts per domain (beside the README's prompt where it runs)"),
     "repeats": _opt("--repeats", type=int, default=2, help="real runs per prompt and policy"),
+    "requests_20": _opt("--requests", type=int, default=20,
+                        help="requests served before the second measurement"),
     "requests": _opt("--requests", type=int, default=200,
                      help="requests served (RSS per process after 20, 100 and 200)"),
     "kills": _opt("--kills", type=int, default=10,
@@ -469,6 +483,10 @@ BENCH_ACTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "messages": ("encode + decode time and bytes of every message type", ("json",)),
     "gpu": ("CUDA graphs against eager on a GPU",
             ("pool", "json", "context", "target", "random_weights")),
+    "startup": ("the first answer: fresh generate, a reused server and llama.cpp's load",
+                ("pool", *_OUT, "max_new_tokens", "repeats")),
+    "memory": ("every process's memory by kind, beside llama.cpp on the same GGUF",
+               ("pool", *_OUT, "max_new_tokens", "requests_20")),
     "soak": ("RSS of every process over a long run",
              ("pool", *_OUT, "max_new_tokens", "requests")),
     "http": ("time to first token: generate, HTTP and the Python API",

@@ -166,4 +166,7 @@ def render(st: Status, drafts: Iterable[str]) -> str:
           [({"proc": n}, p.rss_mb * 2**20) for n, p in procs])
     gauge("process_shared_memory_bytes", "Shared memory of each process (slots included).",
           [({"proc": n}, p.shared_mb * 2**20) for n, p in procs])
+    gauge("process_proportional_memory_bytes", "PSS of each process: shared pages split "
+          "among the processes mapping them (the sum is the server's memory).",
+          [({"proc": n}, p.pss_mb * 2**20) for n, p in procs])
     return "\n".join(out) + "\n"

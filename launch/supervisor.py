@@ -682,6 +682,8 @@ class Supervisor:
         now = time.monotonic()
         procs = {n: ProcStatus(pid=p.pid, state=p.state, restarts=p.restarts,
                                crashes=p.crashes, recovery_s=p.recovery_s,
+                               ready_s=round(max(0.0, p.ready_at - p.started), 4)
+                               if p.ready_at >= p.started > 0 else 0.0,
                                backoff_s=max(0.0, p.next_start - now)
                                if p.state == "backoff" else 0.0,
                                **(process_info(p.pid) if p.pid else {}),

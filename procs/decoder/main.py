@@ -100,6 +100,12 @@ class SocketChannels:
             self.poller.register(sock, zmq.POLLIN)
         self._last_beat = 0.0
         self.rejected = RejectLog(LOG.warning)
+        self.wake: child.SignalWake | None = None
+
+    def wake_on_signals(self) -> None:
+        """A signal (SIGTERM) ends a wait at once (child.SignalWake; main thread only)."""
+        self.wake = child.SignalWake()
+        self.poller.register(self.wake.fd, zmq.POLLIN)
 
     def send(self, msg: Message) -> None:
         sock = self.predictor if isinstance(msg, Snapshot) else self.loader
@@ -127,6 +133,8 @@ class SocketChannels:
         timeout_ms = math.ceil(timeout_s * 1000) if timeout_s > 0 else 0
         events = dict(self.poller.poll(timeout_ms))
         while events:
+            if self.wake is not None and self.wake.fd in events:
+                self.wake.drain()
             for sock, codec in ((self.loader, LOADER_REPLIES),
                                 (self.predictor, PREDICTOR_REPLIES)):
                 if sock in events:
@@ -240,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
     requests = configure(ctx.socket(zmq.ROUTER))
     requests.bind(args.endpoint)
     channels = SocketChannels(ctx, args.loader, args.predictor, args.control, requests)
+    channels.wake_on_signals()
     t0 = time.perf_counter()
     device = args.device
     clock.mark("config")

@@ -58,6 +58,10 @@ class LoaderProcess:
         self.ctx = zmq.Context()
         self.router = sockets.configure(self.ctx.socket(zmq.ROUTER))
         self.router.bind(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._wake = child.SignalWake()  # a SIGTERM ends a wait at once
+        self._poller.register(self._wake.fd, zmq.POLLIN)
         self.control = sockets.configure(self.ctx.socket(zmq.PUSH))
         self.control.setsockopt(zmq.SNDHWM, 64)
         self.control.connect(control)
@@ -92,9 +96,16 @@ class LoaderProcess:
             self._push(Heartbeat(proc=PROC, pid=os.getpid(), state=state))
             self._next_beat = now + HEARTBEAT_S
 
+    def _readable(self, timeout_ms: int) -> bool:
+        """Whether a request waits, within ``timeout_ms``; a signal ends the wait at once."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._wake.fd in events:
+            self._wake.drain()
+        return self.router in events
+
     def _receive(self, timeout_ms: int) -> None:
         """Handle every message that arrives within ``timeout_ms`` (0: only what is queued)."""
-        while not self.stopping and self.router.poll(timeout_ms, zmq.POLLIN):
+        while not self.stopping and self._readable(timeout_ms):
             timeout_ms = 0
             try:
                 ident, msg = sockets.recv(self.router, LOADER_REQUESTS, router=True,
@@ -200,6 +211,7 @@ class LoaderProcess:
         self.queue.clear()
 
     def close(self) -> None:
+        self._wake.close()
         for _handle, _cap, writer in self.writers.values():
             writer.close()
         self.writers.clear()

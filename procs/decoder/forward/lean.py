@@ -11,6 +11,8 @@ request back is a change of the caller's length: nothing is truncated or copied.
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -110,10 +112,21 @@ def alloc_cache(arch: Arch, capacity: int, dtype: torch.dtype, device: torch.dev
     shape = (arch.layers, arch.kv_heads, capacity, arch.head_dim)
     kshape = (arch.layers, arch.kv_heads, capacity // 16, arch.head_dim, 16) if k_blocked \
         else shape
-    feat = torch.zeros(capacity, feature_layers * arch.hidden, device=device) \
+    feat = _zeros((capacity, feature_layers * arch.hidden), torch.float32, device) \
         if feature_layers else None
-    return KVCache(torch.zeros(kshape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device), k_blocked, feat)
+    return KVCache(_zeros(kshape, dtype, device), _zeros(shape, dtype, device), k_blocked, feat)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost memory only where written, on a CPU: an anonymous mapping's pages are
+    zeroed by the kernel on first touch, in 4 KiB pages (no huge-page advice, which would
+    make every touched 2 MB resident), so a cache sized for the pool's whole context holds
+    only the positions requests reached (torch.zeros writes every byte: the demo target's
+    2048 positions were 94 MB at start; a 300-token request now touches ~14 MB)."""
+    nbytes = math.prod(shape) * 4
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and nbytes >= 1 << 20:
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.float32).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -38,6 +39,7 @@ _CODE = [Path(__file__).resolve().parent / n
          for n in ("lean.py", "linear.py", "prepared.py", "q4blocks.py", "q8blocks.py")]
 LOG = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
+_PACKED_PART = re.compile(r"^l\d+\.\w+\.(q4[ndm]|q8[wdcs])$")  # a layer's packed blocks
 
 
 def cache_key(model_dir: Path, fmt: str, act_dtype: torch.dtype) -> str:
@@ -176,7 +178,13 @@ def _read(path: Path, key: str, arch: Arch, act_dtype: torch.dtype) -> LeanLM | 
             if meta.get("format") != FORMAT or meta.get("key") != key:
                 return None
             names = f.keys()  # (a safe_open handle is not iterable)
-            t = {k: f.get_tensor(k) for k in names}
+            # get_tensor gives views of one mapping of the whole file: a view kept alive
+            # keeps every page read through it counted in the process (~94 MB for the demo
+            # target). The layers' packed blocks are copied once more by the C++ forward
+            # (into huge pages) and then dropped; everything else is copied out here, so
+            # the mapping goes once the model is built.
+            t = {k: f.get_tensor(k) if _PACKED_PART.search(k) else f.get_tensor(k).clone()
+                 for k in names}
         kinds = json.loads(meta["kinds"])
         counts = json.loads(meta["layers"])
         if len(counts) != arch.layers:
