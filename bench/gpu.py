@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from memspec.common.config import load_pool
+from memspec.common.draftfiles import draft_weights_file
 from memspec.common.machine import machine_info
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.forward.checkpoint import lean_arch, read_config
@@ -33,7 +34,7 @@ from memspec.procs.decoder.forward.cudagraph import GraphLM
 from memspec.procs.decoder.forward.lean import LeanLM
 from memspec.procs.decoder.forward.runners import HFRunner, set_feature_layers
 from memspec.procs.decoder.models import build_target, load_causal_lm
-from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
+from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -2,7 +2,7 @@
 llama.cpp holding the same GGUF.
 
 A `memspec up` (with its defaults: a standby decoder once idle) is measured at
-ready and after `--requests` requests of the dev split (the policies in turn), with psutil
+ready and after `--warm-requests` requests of the dev split (the policies in turn), with psutil
 `memory_full_info`: RSS, PSS (shared pages split among the processes mapping them, so the
 processes' PSS adds up to what the server holds) and USS, and the peak RSS the kernel
 recorded (VmHWM). Each process's PSS is split by where its pages are mapped from
@@ -180,7 +180,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main_bench_memory(args) -> int:
-    res = run(args.pool, args.requests, args.max_new_tokens)
+    res = run(args.pool, args.warm_requests, args.max_new_tokens)
     print(format_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

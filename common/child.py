@@ -76,7 +76,11 @@ class SignalWake:
         self._r, self._w = socket.socketpair()
         self._r.setblocking(False)
         self._w.setblocking(False)
-        signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        try:
+            signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+            self._set = True
+        except ValueError:  # not the main thread (a test serving in a thread): no wake-ups
+            self._set = False
         self.fd = self._r.fileno()
 
     def drain(self) -> None:
@@ -87,6 +91,7 @@ class SignalWake:
             pass
 
     def close(self) -> None:
-        signal.set_wakeup_fd(-1)
+        if self._set:
+            signal.set_wakeup_fd(-1)
         self._r.close()
         self._w.close()

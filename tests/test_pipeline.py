@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -357,15 +359,23 @@ def test_shutdown_from_a_client_is_refused(sup):
 
 
 def test_decoding_continues_while_loads_are_in_flight(sup):
-    done = run(sup, first_prompts()["medical"], "memspec", trace=True, max_new_tokens=64)
-    assert isinstance(done, Done)
-    tr = done.stats.trace
-    issued = {(e.draft, e.slot): e.t for e in tr.loads if e.kind == "load"}
-    windows = [(issued[(e.draft, e.slot)], e.t) for e in tr.loads
-               if e.kind == "loaded" and (e.draft, e.slot) in issued]
-    assert windows, "no load completed during the request"
-    inside = [it for it in tr.iterations if any(a < it.t_start < b for a, b in windows)]
-    assert inside, "the decoder stopped while a draft was loading"
+    """Iterations go on while a draft loads. A request whose only load ends within its
+    prefill (a busy machine delays the predictor's rankings, and the loads they cause, past
+    a short request) shows nothing either way: the next prompt is tried."""
+    for domain, prompt in first_prompts().items():
+        done = run(sup, prompt, "memspec", trace=True, max_new_tokens=256)
+        assert isinstance(done, Done)
+        tr = done.stats.trace
+        issued = {(e.draft, e.slot): e.t for e in tr.loads if e.kind == "load"}
+        windows = [(issued[(e.draft, e.slot)], e.t) for e in tr.loads
+                   if e.kind == "loaded" and (e.draft, e.slot) in issued]
+        first = tr.iterations[0].t_start if tr.iterations else 0.0
+        during = [(a, b) for a, b in windows if b > first]  # ends after decoding began
+        if during:
+            inside = [it for it in tr.iterations if any(a < it.t_start < b for a, b in during)]
+            assert inside, f"the decoder stopped while a draft was loading ({domain})"
+            return
+    pytest.fail("no load was in flight while any prompt decoded")
 
 
 def test_a_request_sets_the_gate_and_the_bench_split_adds_up(sup, reference):
@@ -526,8 +536,10 @@ def test_generate_reuses_a_running_server_with_the_same_pool(tmp_path):
     pool = write_pool(tmp_path)
     (tmp_path / "other").mkdir()
     other = write_pool(tmp_path / "other")  # the same text in another file: another pool
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=str(tmp_path / "rt"))
-    (tmp_path / "rt").mkdir()
+    # a short private runtime folder: the default endpoint and every run folder's sockets
+    # live under it (a pytest tmp_path can be too deep for ipc socket paths)
+    rt = tempfile.mkdtemp(prefix="ms-", dir="/tmp")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=rt)
     up = subprocess.Popen([sys.executable, "-m", "memspec", "up", "--no-stdin",
                            "--pool", str(pool)], stderr=subprocess.PIPE, text=True, env=env)
 
@@ -557,3 +569,4 @@ def test_generate_reuses_a_running_server_with_the_same_pool(tmp_path):
             up.wait(60)
         except subprocess.TimeoutExpired:
             up.kill()
+        shutil.rmtree(rt, ignore_errors=True)

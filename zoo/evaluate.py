@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from memspec.common.config import PoolConfig, load_pool
+from memspec.common.draftfiles import draft_weights_file
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info
 from memspec.common.metrics import gmean
@@ -33,7 +34,7 @@ from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.inprocess import slot_capacity
 from memspec.procs.decoder.models import open_engine
 from memspec.procs.decoder.oracle.replay import oracle_dynamic, oracle_static, pooled, replay_static
-from memspec.procs.decoder.slots import BoundDraft, SlotBuffer, draft_weights_file, load_into_slot
+from memspec.procs.decoder.slots import BoundDraft, SlotBuffer, load_into_slot
 from memspec.zoo.engine_trajectories import engine_trajectories
 from memspec.zoo.prompts import load_prompts
 from memspec.zoo.tables import (

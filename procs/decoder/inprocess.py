@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from memspec.common.config import PoolConfig
+from memspec.common.draftfiles import draft_weights_file
 from memspec.common.errors import ConfigError, ModelError
 from memspec.common.manifest import read_manifest
 from memspec.common.safetensors_layout import read_layout
@@ -22,7 +23,7 @@ from memspec.procs.decoder.forward.threads import ThreadPlan
 from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.sched.acceptance import SamplingParams
 from memspec.procs.decoder.sched.costs import LOOKUP
-from memspec.procs.decoder.slots import SlotBuffer, draft_weights_file, load_into_slot
+from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 
 IN_PROCESS_POLICIES = ("target-only", "lookup-only", "general-static")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.config import PoolConfig
+from memspec.common.draftfiles import draft_weights_file
 from memspec.common.errors import MemspecError, ModelError, RequestError
 from memspec.common.limits import check_request, echo_id, rank_text
 from memspec.common.manifest import NAME as MANIFEST
@@ -66,7 +67,7 @@ from memspec.procs.decoder.sched.acceptance import SamplingParams
 from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.procs.decoder.sched.loop import Channels, Controller, Job, Overhead
 from memspec.procs.decoder.sched.policies import make_policy
-from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft, draft_weights_file
+from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, bind_draft
 from memspec.procs.decoder.stops import StopMatcher
 
 Emit = Callable[[Message], None]

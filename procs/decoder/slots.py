@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memspec.common.draftfiles import draft_weights_file
 from memspec.common.errors import ModelError
 from memspec.common.safetensors_layout import Layout, read_layout, views_into
 from memspec.procs.decoder.drafts.datastore import (
@@ -46,16 +47,6 @@ from memspec.procs.decoder.forward.runners import HFRunner, Runner, accelerate, 
 META_PREFIX = "memspec."  # tensors in a draft file that are ours, not the model's
 ID_MAP_KEY = "memspec.draft_to_target"  # draft vocab index -> target token id
 CHUNK = 4 << 20
-
-
-def draft_weights_file(model_dir: Path) -> Path:
-    path = Path(model_dir) / "model.safetensors"
-    if not path.is_file():
-        if any(Path(model_dir).glob("model-*-of-*.safetensors")):
-            raise ModelError(f"draft {model_dir} has sharded weights",
-                             "re-save it as one model.safetensors (drafts must fit one slot)")
-        raise ModelError(f"draft weights {path} not found", "run `memspec zoo drafts` or fix the path")
-    return path
 
 
 class SlotBuffer:

@@ -5,7 +5,9 @@ next to ``head.json`` (names, dims, training info, accuracy, the pool's fingerpr
 small enough to commit. Loading checks both files against the pool's drafts and, when the
 sidecar records one, the pool's fingerprint (sha256 of every draft's weights): a head trained
 for another pool, even one whose drafts share the names, or a corrupt file, fails with one
-line instead of ranking the wrong drafts.
+line instead of ranking the wrong drafts. The format and its checks are nphead.py's
+(torch-free), where the predictor process's numpy twin of this head also lives; this module
+is the trainable torch head, for training and offline scoring.
 
 Two input views: ``joint`` embeds ``prompt [SEP] recent`` once (the prompt has most of the
 pieces, so the mean-pooled vector follows it: on mixed answers the old head ranked like the
@@ -22,17 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open
 from torch import nn
 
 from memspec.common.errors import ModelError
-from memspec.procs.predictor import DEFAULT_HEAD
-
-FORMAT = "memspec-predictor-head/1"
-N_FLAGS = 2  # one-hot [prompt only, prompt + recent]: the two inputs look different
-RETRAIN = "retrain it: memspec predictor train"
-VIEWS = ("joint", "split")
+from memspec.procs.predictor.nphead import (  # noqa: F401  (re-exported)
+    FORMAT,
+    N_FLAGS,
+    RETRAIN,
+    VIEWS,
+    check_fingerprint,
+    default_head_path,
+    read_head_file,
+    read_info,
+    sidecar,
+)
 
 
 class RankHead(nn.Module):
@@ -100,10 +105,6 @@ def split_input(prompt_emb: torch.Tensor, recent_emb: torch.Tensor,
     return torch.cat([prompt_emb, recent_emb * keep.to(recent_emb.dtype)], dim=-1)
 
 
-def sidecar(path: Path) -> Path:
-    return Path(path).with_suffix(".json")
-
-
 def save_head(head: RankHead, path: Path, info: dict[str, Any] | None = None) -> Path:
     """Write ``path`` (safetensors) and its ``.json`` sidecar; returns the sidecar path."""
     path = Path(path)
@@ -135,71 +136,21 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], meta: dict[str, str],
     path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
-def read_info(path: Path) -> dict[str, Any]:
-    side = sidecar(path)
-    if not side.is_file():
-        raise ModelError(f"predictor head {path} has no {side.name} beside it", RETRAIN)
-    try:
-        doc = json.loads(side.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{side} is not valid JSON ({type(exc).__name__})", RETRAIN) from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ModelError(f"{side} is not a {FORMAT} file", RETRAIN)
-    return doc
-
-
-def check_fingerprint(path: Path, saved: object, fingerprint: Mapping[str, str]) -> None:
-    """A sidecar's pool fingerprint must be the pool's: same names are not same drafts."""
-    if not isinstance(saved, dict) or saved == dict(fingerprint):
-        return
-    differ = sorted(k for k in {*saved, *fingerprint} if saved.get(k) != fingerprint.get(k))
-    raise ModelError(f"predictor head {Path(path).name} was trained for another pool "
-                     f"(fingerprint differs on {', '.join(differ)})",
-                     RETRAIN + " --pool <this pool's file>")
-
-
 def load_head(path: Path, names: Sequence[str] | None = None,
               fingerprint: Mapping[str, str] | None = None) -> RankHead:
-    """Load and validate; with ``names`` the head must cover exactly those drafts (any order),
-    and its columns come back in ``names`` order; with ``fingerprint`` (the pool's) a head
-    whose sidecar records another is refused. A sidecar without one (heads trained before
-    fingerprints) loads, its ``fingerprint`` None for the caller to judge."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"predictor head not found at {path}",
-                         "train one: memspec predictor train")
-    doc = read_info(path)
+    """Load and validate (nphead.read_head_file); with ``names`` the head must cover exactly
+    those drafts (any order), and its columns come back in ``names`` order; with
+    ``fingerprint`` (the pool's) a head whose sidecar records another is refused. A sidecar
+    without one (heads trained before fingerprints) loads, its ``fingerprint`` None for the
+    caller to judge."""
+    file = read_head_file(path, names, fingerprint)
+    head = RankHead(file.names, embed_dim=file.embed_dim, hidden=file.hidden, views=file.views)
+    head.fingerprint = file.fingerprint
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        state = load_file(str(path))
-        saved_names = json.loads(meta.get("names", "null"))
-        embed_dim, hidden = int(meta["embed_dim"]), int(meta["hidden"])
-        views = meta.get("views", "joint")
-    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelError(f"predictor head {path} is corrupt ({type(exc).__name__})",
-                         RETRAIN) from None
-    if saved_names != doc.get("drafts"):
-        raise ModelError(f"{path.name} and {sidecar(path).name} disagree on the draft names",
-                         RETRAIN)
-    if names is not None and sorted(names) != sorted(saved_names):
-        raise ModelError(f"predictor head ranks drafts {saved_names}, the pool has {list(names)}",
-                         RETRAIN + " for this pool, or set pool.predictor_head")
-    if fingerprint is not None:
-        check_fingerprint(path, doc.get("pool_fingerprint"), fingerprint)
-    try:
-        head = RankHead(saved_names, embed_dim=embed_dim, hidden=hidden, views=views)
-    except ValueError:
-        raise ModelError(f"predictor head {path} has unknown views {views!r}", RETRAIN) from None
-    head.fingerprint = doc.get("pool_fingerprint")
-    try:
-        head.load_state_dict(state, strict=True)
+        head.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in file.state.items()},
+                             strict=True)
     except RuntimeError:
-        raise ModelError(f"predictor head {path} has unexpected tensors or shapes",
+        raise ModelError(f"predictor head {file.path} has unexpected tensors or shapes",
                          RETRAIN) from None
     head.eval()
     return head.reorder(names) if names is not None else head
-
-
-def default_head_path() -> Path:
-    return DEFAULT_HEAD

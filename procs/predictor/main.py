@@ -46,10 +46,28 @@ from memspec.procs.predictor import FALLBACK  # noqa: E402
 PROC = "predictor"
 HEARTBEAT_S = 0.5
 MAX_DRAIN = 256  # messages read per wake-up before answering; bounds one round's latency
-
+ENCODER_DTYPES = ("auto", "float32")  # encoder.ENCODER_DTYPES less bfloat16: numpy has none
+# the thread counts of the BLAS numpy may be built with (OpenBLAS, its OpenMP build, MKL)
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 LOG = logging.getLogger(f"memspec.{PROC}")  # not __name__: run as __main__
 log = LOG.info
+
+
+def cap_blas_threads(n: int) -> int:
+    """Cap the encoder's BLAS at ``n`` threads (0: leave its default), as the torch encoder
+    capped torch's: the predictor shares the cores with the decoder. BLAS libraries read
+    their thread count once, as they load, so this runs before numpy is imported (nothing
+    this module imports at the top imports numpy). Returns the count BLAS will use."""
+    if n > 0:
+        for var in BLAS_THREAD_VARS:
+            os.environ[var] = str(n)
+        return n
+    for var in BLAS_THREAD_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return os.cpu_count() or 1
 
 
 def newest_per_peer(items: list[tuple[bytes, Snapshot]]) -> list[tuple[bytes, Snapshot]]:
@@ -138,6 +156,8 @@ class Server:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        wake = child.SignalWake()  # a SIGTERM ends a wait at once, not at the next beat
+        poller.register(wake.fd, zmq.POLLIN)
         next_beat = time.monotonic()
         while not self.stop:
             now = time.monotonic()
@@ -150,6 +170,8 @@ class Server:
                 if exc.errno != zmq.EINTR:
                     raise
                 continue
+            if wake.fd in events:
+                wake.drain()
             if self.router in events:
                 snaps = self.drain()
                 if snaps and not self.stop:
@@ -171,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="head.safetensors (default: pool.predictor_head, else the pool's "
                          "own P.head.safetensors, else predictor/; none that fits the pool's "
                          "drafts: a similarity ranking)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto",
-                    help="encoder precision: auto (bfloat16 where the CPU has native bf16, "
-                         "else float32) | float32 | bfloat16")
+    ap.add_argument("--device", default="cpu", choices=("cpu",),
+                    help="the encoder runs in numpy, on the CPU")
+    ap.add_argument("--dtype", default="auto", choices=ENCODER_DTYPES,
+                    help="encoder precision: float32 (auto: the same; the numpy encoder has "
+                         "no bfloat16)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: leave the cores to the decoder)")
+                    help="BLAS threads (default 1: leave the cores to the decoder; 0: the "
+                         "BLAS library's default)")
     args = ap.parse_args(argv)
+    threads = cap_blas_threads(args.threads)  # before numpy is imported: BLAS reads it once
     child.start(PROC)
 
     ctx = zmq.Context()
@@ -197,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         pool = load_pool(args.pool, check=False)
-        # checked before torch is imported: the commonest setup mistake fails in a blink
+        # checked before the encoder loads: the commonest setup mistake fails in a blink
         named = args.head or pool.predictor_head  # else the pool's own, the committed one
         if named is not None and not Path(named).is_file():
             raise ModelError(f"predictor head not found at {named}",
@@ -207,15 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         except zmq.ZMQError as exc:
             raise MemspecError(f"cannot bind {args.endpoint} ({exc})",
                                "pick a free endpoint") from None
-        import torch  # only now: a missing head or a busy endpoint fails in a blink
-
-        from memspec.procs.predictor.encoder import encoder_dtype
+        # only now (numpy, tokenizers): a missing head or a busy endpoint fails in a blink
         from memspec.procs.predictor.ranker import Ranker, head_path_for
 
-        if args.threads > 0:
-            torch.set_num_threads(args.threads)
-        dtype = encoder_dtype(args.dtype, args.device)
-        ranker = Ranker.load(pool, args.head, device=args.device, dtype=dtype)
+        ranker = Ranker.load(pool, args.head)
         if ranker.encoder is not None:
             ranker.encoder.warm()
         if ranker.notice:
@@ -229,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                    args.head))
         send(control, Ready(proc=PROC, pid=os.getpid(), info=PredictorInfo(
             drafts=ranker.names, load_s=round(load_s, 3), head=head, device=args.device,
-            threads=torch.get_num_threads(), T=ranker.T)))
+            threads=threads, T=ranker.T)))
         log(f"ready in {load_s:.1f}s: ranking {', '.join(ranker.names)} "
-            f"(encoder {str(dtype).removeprefix('torch.')})")
+            f"(encoder float32, numpy, {threads} BLAS thread{'s' if threads != 1 else ''})")
         server.serve()
         return 0
     except MemspecError as exc:
@@ -247,4 +267,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    fast_exit(main())  # cleanup is done in main; skip the slow torch teardown
+    fast_exit(main())  # cleanup is done in main; skip the interpreter's slow teardown

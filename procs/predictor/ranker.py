@@ -1,7 +1,11 @@
 """Snapshot -> per-draft probabilities: encoder + head + the target tokenizer, no sockets.
 
 Kept apart from the process so the evaluation (offline scoring of trajectories) and tests
-rank exactly as the running predictor does.
+rank exactly as the running predictor does. Runs in numpy (npencoder.py, nphead.py) and
+imports no torch, nor any module that does: the process's start-up would pay ~2.3 s of CPU
+and ~200 MB for it. So the target's tokenizer is the decoder's light one where it fits
+(procs/decoder/tokenizer.py; models.py, with torch, only for the others) and the pool's
+fingerprint comes from common/draftfiles.py.
 
 Any pool ranks: a pool with no head trained for its drafts (none beside the pool file, and
 the committed head ranks other drafts) falls back to the cosine similarity between the
@@ -19,17 +23,26 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
 from memspec.common.config import DraftSpec, PoolConfig
+from memspec.common.draftfiles import pool_fingerprint
 from memspec.common.errors import ModelError
-from memspec.procs.decoder.models import load_serving_tokenizer
-from memspec.procs.decoder.oracle.tablefiles import pool_fingerprint
+from memspec.procs.decoder.tokenizer import serving_tokenizer
 from memspec.procs.predictor import pool_head_path
-from memspec.procs.predictor.encoder import Encoder, recent_text
-from memspec.procs.predictor.head import RankHead, default_head_path, load_head, split_input
+from memspec.procs.predictor.framing import recent_text
+from memspec.procs.predictor.npencoder import NumpyEncoder
+from memspec.procs.predictor.nphead import (
+    NumpyHead,
+    default_head_path,
+    load_numpy_head,
+    softmax,
+    split_input,
+)
 
+Encoder = NumpyEncoder  # what Ranker.load builds the encoder with (tests replace it)
 SIMILARITY_TEMPERATURE = 0.05  # cosine similarities of MiniLM sentences differ by ~0.1-0.3
 PROMPT_CACHE = 16  # split-view prompt embeddings kept: a request's snapshots share its prompt
 # what a draft named only by its domain is about, in words the encoder places well
@@ -52,6 +65,19 @@ def head_path_for(pool: PoolConfig, override: Path | None = None) -> Path:
     return own if own is not None and own.is_file() else default_head_path()
 
 
+def target_tokenizer(path: Path) -> Any:
+    """The target's tokenizer (recent ids are its ids), as models.load_serving_tokenizer
+    gives it (the light one, else transformers'), without importing torch where the light
+    tokenizer fits (the default pool's target: a generic tokenizers-backed class)."""
+    if (Path(path) / "config.json").is_file():
+        tokenizer = serving_tokenizer(Path(path))
+        if tokenizer is not None:
+            return tokenizer
+    from memspec.procs.decoder.models import load_serving_tokenizer  # imports torch
+
+    return load_serving_tokenizer(path)  # the full tokenizer, or what is wrong with the folder
+
+
 def train_hint(pool: PoolConfig) -> str:
     return "train one: memspec predictor train" + (f" --pool {pool.source}"
                                                    if pool.source else "")
@@ -64,45 +90,43 @@ def describe(draft: DraftSpec) -> str:
 
 @dataclass
 class Ranker:
-    encoder: Encoder | None  # None: nothing to rank, or no encoder (uniform ranking)
-    head: RankHead | None  # columns in ``names`` order; None: the fallback ranking
+    encoder: NumpyEncoder | None  # None: nothing to rank, or no encoder (uniform ranking)
+    head: NumpyHead | None  # columns in ``names`` order; None: the fallback ranking
     tokenizer: object  # the target's (recent ids are target LM ids)
     names: list[str]
     T: int
-    profiles: torch.Tensor | None = None  # [drafts, dim] description embeddings (fallback)
+    profiles: np.ndarray | None = None  # [drafts, dim] description embeddings (fallback)
     notice: str = ""  # how this ranker ranks, when it is not a trained head
     warning: str = ""  # a trained head ranks, but nothing says it was trained for this pool
-    prompt_cache: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
+    prompt_cache: OrderedDict[str, np.ndarray] = field(default_factory=OrderedDict)
 
     @classmethod
-    def load(cls, pool: PoolConfig, head: Path | None = None, device: str = "cpu",
-             dtype: torch.dtype = torch.float32) -> Ranker:
+    def load(cls, pool: PoolConfig, head: Path | None = None) -> Ranker:
         """Head first (cheap, most likely to be wrong), then tokenizer, then encoder. A head
         named explicitly must fit the pool; one found by default may not (fallback)."""
         names = [d.name for d in pool.drafts]
         if not names:  # a target-only pool: answer every snapshot with an empty ranking
-            return cls(None, None, load_serving_tokenizer(pool.target), [], pool.T)
+            return cls(None, None, target_tokenizer(pool.target), [], pool.T)
         path = head_path_for(pool, head)
         try:
-            rank_head = load_head(path, names, pool_fingerprint(pool)).to(device)
+            rank_head = load_numpy_head(path, names, pool_fingerprint(pool))
         except ModelError as exc:
             if head or pool.predictor_head:
                 raise
-            return cls.fallback(pool, exc.problem, device)
+            return cls.fallback(pool, exc.problem)
         warning = "" if rank_head.fingerprint is not None else (
             f"predictor head {path} records no pool fingerprint, so it may rank other drafts' "
             f"acceptance; {train_hint(pool)}")
-        tokenizer = load_serving_tokenizer(pool.target)
-        return cls(Encoder(device=device, dtype=dtype), rank_head, tokenizer, names, pool.T,
-                   warning=warning)
+        tokenizer = target_tokenizer(pool.target)
+        return cls(Encoder(), rank_head, tokenizer, names, pool.T, warning=warning)
 
     @classmethod
-    def fallback(cls, pool: PoolConfig, why: str, device: str = "cpu") -> Ranker:
+    def fallback(cls, pool: PoolConfig, why: str) -> Ranker:
         names = [d.name for d in pool.drafts]
-        tokenizer = load_serving_tokenizer(pool.target)
+        tokenizer = target_tokenizer(pool.target)
         train = train_hint(pool)
         try:
-            encoder = Encoder(device=device)
+            encoder = Encoder()
         except ModelError as exc:
             return cls(None, None, tokenizer, names, pool.T,
                        notice=f"no predictor head ({why}) and no encoder ({exc.problem}): "
@@ -131,29 +155,32 @@ class Ranker:
         recents = [recent_text(self.tokenizer, ids, self.T) for ids in recent_ids]
         if self.head is None:
             assert self.profiles is not None
-            emb = self.encoder.embed(prompts, recents)
-            probs = torch.softmax(emb @ self.profiles.T / SIMILARITY_TEMPERATURE, dim=-1)
+            emb = np.asarray(self.encoder.embed(prompts, recents))
+            probs = softmax(emb @ np.asarray(self.profiles).T / SIMILARITY_TEMPERATURE)
         else:
-            has_recent = torch.tensor([bool(r) for r in recents])
-            emb = self.head_input(prompts, recents).to(next(self.head.parameters()).device)
-            probs = self.head.probs(emb, has_recent.to(emb.device))
-        return probs.cpu().tolist(), time.perf_counter() - t0
+            emb = np.asarray(self.head_input(prompts, recents))
+            probs = self.head.probs(emb, [bool(r) for r in recents])
+        return np.asarray(probs).tolist(), time.perf_counter() - t0
 
-    def head_input(self, prompts: Sequence[str], recents: Sequence[str]) -> torch.Tensor:
+    def head_input(self, prompts: Sequence[str], recents: Sequence[str]) -> Any:
         """What the head reads: one ``prompt [SEP] recent`` embedding (joint), or the
         prompt's (cached: a request's snapshots share it) beside the recent text's (split;
-        only the recent text is encoded per snapshot, a shorter input than the joint one)."""
+        only the recent text is encoded per snapshot, a shorter input than the joint one).
+        An array of the encoder's own type (numpy here)."""
         assert self.encoder is not None and self.head is not None
         if self.head.views == "joint":
             return self.encoder.embed(prompts, recents)
-        prompt_emb = torch.stack([self._prompt_embedding(p) for p in prompts])
-        recent_emb = torch.zeros_like(prompt_emb)
+        cached = [self._prompt_embedding(p) for p in prompts]
+        prompt_emb = np.stack([np.asarray(e) for e in cached])
+        recent_emb = np.zeros_like(prompt_emb)
         rows = [i for i, r in enumerate(recents) if r]
         if rows:
-            recent_emb[rows] = self.encoder.embed([""] * len(rows), [recents[i] for i in rows])
-        return split_input(prompt_emb, recent_emb, [bool(r) for r in recents])
+            recent_emb[rows] = np.asarray(
+                self.encoder.embed([""] * len(rows), [recents[i] for i in rows]))
+        return _like(split_input(prompt_emb, recent_emb, [bool(r) for r in recents]),
+                     cached[0])
 
-    def _prompt_embedding(self, prompt: str) -> torch.Tensor:
+    def _prompt_embedding(self, prompt: str) -> Any:
         cache = self.prompt_cache
         if prompt in cache:
             cache.move_to_end(prompt)
@@ -163,3 +190,13 @@ class Ranker:
             while len(cache) > PROMPT_CACHE:
                 cache.popitem(last=False)
         return cache[prompt]
+
+
+def _like(out: np.ndarray, sample: object) -> Any:
+    """``out`` as the encoder's own array type: numpy in the process; a torch tensor where a
+    torch encoder stands in (tests compare with the trainer's inputs; torch is loaded then)."""
+    if isinstance(sample, np.ndarray):
+        return out
+    import torch
+
+    return torch.from_numpy(out)

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from memspec.common.config import PoolConfig, tomllib
-from memspec.common.files import read_jsonl, sha256_file
+from memspec.common.draftfiles import pool_fingerprint  # noqa: F401 - the tables' key
+from memspec.common.files import read_jsonl
 from memspec.common.paths import DEFAULT_POOL, default_target_dir, expand_path, memspec_home
 from memspec.common.tuned import knob
 from memspec.procs.decoder.forward.precision import resolve_dtype
-from memspec.procs.decoder.slots import draft_weights_file
 
 # 2: with the context lookup on, a head takes a looked-up token outside its vocabulary (it
 # embeds target ids); tables of version 1 let its own guess stand there, and are re-made
@@ -42,15 +42,6 @@ def tables_format() -> str:
     and are re-made."""
     rows, stop = knob("head.VOCAB"), knob("head.STOP")
     return FORMAT + (f"+head-rows-{rows}" if rows else "") + (f"+head-stop-{stop}" if stop else "")
-
-
-def pool_fingerprint(pool: PoolConfig) -> dict[str, str]:
-    """sha256 of every draft's weights file, by draft name (pool order); and the context
-    lookup's setting when it is on (it changes what a draft proposes)."""
-    fp = {d.name: sha256_file(draft_weights_file(d.path)) for d in pool.drafts}
-    if pool.lookup:
-        fp["(lookup)"] = str(pool.lookup)
-    return fp
 
 
 def traces_dir(dtype: str | None = None) -> Path:
