@@ -130,13 +130,15 @@ def run(pool: str | None, requests: int, max_new: int) -> dict[str, Any]:
                                 policy=policies[i % len(policies)])
                 time.sleep(3.0)
                 after = _server(rt, up.p.pid)
+                isa = rt.status().procs["decoder"].isa
         finally:
             up.stop()
     peer = llama_cpp(max_new)
     total = {w: round(sum(p["pss_mb"] for p in procs.values()), 1)
              for w, procs in (("at_ready", at_ready), ("after_requests", after))}
     return {"provenance": provenance(), "machine": machine_line(),
-            "machine_info": machine_info(), "pool": pool or "pool.toml (default)",
+            "machine_info": machine_info(), "isa": isa,
+            "pool": pool or "pool.toml (default)",
             "requests": requests, "max_new_tokens": max_new, "at_ready": at_ready,
             "after_requests": after, "total_pss_mb": total, "llama_cpp": peer}
 
@@ -166,7 +168,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     rows = dict(res["after_requests"])
     if res["llama_cpp"]:
         rows["llama.cpp"] = res["llama_cpp"]
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = plt.subplots(figsize=(8, 3.4))
     names = list(rows)
     left = [0.0] * len(names)
     for kind in KINDS:
@@ -175,7 +177,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         left = [a + b for a, b in zip(left, vals)]
     ax.set_xlabel("PSS (MB)")
     ax.invert_yaxis()
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     finish_figure(fig, path, f"memory per process ({res['machine']})")
 
 
