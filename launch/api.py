@@ -143,7 +143,7 @@ class _Local:
     """A supervisor in a thread of this process."""
 
     def __init__(self, pool: str | None, cold_start: bool, max_queue: int,
-                 start_timeout: float, standby: bool) -> None:
+                 start_timeout: float, standby: bool | str) -> None:
         self.bridge = Bridge()
         self.stopping = threading.Event()
         self.started = threading.Event()
@@ -249,12 +249,13 @@ class _Remote:
 class Runtime:
     """memspec's three processes, started here or reached at `endpoint`. Started here:
     `pool` (None: the default), `cold_start` (drafts' slots emptied before each request,
-    as the paper measures), `standby` (keep a prepared spare decoder while idle, so a
-    crashed decoder is replaced in a fraction of a cold start; False saves its memory)."""
+    as the paper measures), `standby` (a prepared spare decoder kept while idle, so a
+    crashed decoder is replaced in a fraction of a cold start: True always, False never,
+    "auto" only where the decoder's cold start took over RESTART_BUDGET_S)."""
 
     def __init__(self, endpoint: str | None = None, *, pool: str | None = None,
                  cold_start: bool = False, max_queue: int = MAX_QUEUE,
-                 start_timeout: float = START_TIMEOUT_S, standby: bool = True,
+                 start_timeout: float = START_TIMEOUT_S, standby: bool | str = "auto",
                  timeouts: Timeouts | None = None) -> None:
         if endpoint is not None and pool is not None:
             raise MemspecError("a Runtime takes an endpoint or a pool, not both",

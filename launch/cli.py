@@ -119,7 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     return serve(args.pool, args.endpoint, read_stdin=not args.no_stdin,
                  cold_start=args.cold_start, tcp=args.tcp, max_queue=args.max_queue,
                  http=args.http, api_key=api_key, log_level=args.log_level,
-                 standby=not args.no_standby)
+                 standby=False if args.no_standby else True if args.standby else "auto")
 
 
 def _timeouts(args: argparse.Namespace):  # noqa: ANN202
@@ -535,10 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one; more get a "
                         "'server busy' error (default 16)")
-    u.add_argument("--no-standby", action="store_true",
-                   help="keep no standby decoder (an idle interpreter with torch imported, "
-                        "started while the server is idle, so a crashed decoder is back in "
-                        "about a second instead of three)")
+    keep = u.add_mutually_exclusive_group()
+    keep.add_argument("--no-standby", action="store_true",
+                      help="keep no standby decoder (an idle interpreter with torch "
+                           "imported, ~200 MB, started while the server is idle, so a "
+                           "crashed decoder is back in about a second instead of three)")
+    keep.add_argument("--standby", action="store_true",
+                      help="always keep a standby decoder (default: only where the "
+                           "decoder's cold start took over 3 s)")
     u.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API, /health and /metrics "
                         "(e.g. 127.0.0.1:8000; a bare PORT is loopback)")

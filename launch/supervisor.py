@@ -99,6 +99,10 @@ MAX_QUEUE = 16  # requests waiting behind the running one
 READ_BATCH = 256  # messages read per socket per tick: a flood cannot starve the others
 SLOT_STATES = ("free", "loading", "resident")
 STANDBY_IDLE_S = 1.0  # a standby decoder starts once the server has been idle this long
+# standby "auto": keep one only where a cold decoder start (measured at this server's own
+# start) takes longer than this; below it the ~200 MB of an idle interpreter with torch
+# buys less than a second of a crash's recovery
+RESTART_BUDGET_S = 3.0
 STANDBY_MAX_FAILURES = 3  # standbys that died on their own before the supervisor stops trying
 Reply = Callable[[Message], None]
 
@@ -180,7 +184,7 @@ class Supervisor:
     def __init__(self, pool: str | None = None, client_endpoint: str | None = None,
                  tcp: bool = False, cold_start: bool = False, quiet_logs: bool = True,
                  run_dir: Path | None = None, max_queue: int = MAX_QUEUE,
-                 log_level: str | None = None, standby: bool = False,
+                 log_level: str | None = None, standby: bool | str = False,
                  backoff_scale: float = 1.0) -> None:
         self.pool = pool
         self.pool_id = pool_identity(pool)  # what a client compares before reusing us
@@ -189,7 +193,8 @@ class Supervisor:
         self.backoff_scale = backoff_scale
         # a standby decoder (procs/decoder/standby.py): a long-running server keeps one, so a
         # crashed decoder's successor has its imports and tokenizer done
-        self.standby_enabled = standby
+        self.standby_enabled = standby  # True, False or "auto" (RESTART_BUDGET_S)
+        self.cold_decoder_s = 0.0  # the decoder's first start: spawn -> Ready
         self.standby: subprocess.Popen | None = None
         self.standby_token = ""
         self.standby_ready = False  # the standby said it is prepared
@@ -331,6 +336,8 @@ class Supervisor:
         a request's decoding."""
         if not self.standby_enabled or self.closed:
             return
+        if self.standby_enabled == "auto" and self.cold_decoder_s <= RESTART_BUDGET_S:
+            return  # a cold restart is within the budget: no standby's memory
         sb = self.standby
         if sb is not None:
             if sb.poll() is not None:  # it died on its own: its log says why
@@ -388,6 +395,14 @@ class Supervisor:
                                        f"{self._last_log_line(p.name)}",
                                        "fix the problem it names and start again")
             self._poll_control(50)
+        dec = self.procs["decoder"]
+        self.cold_decoder_s = max(0.0, dec.ready_at - dec.started)
+        if self.standby_enabled == "auto":
+            LOG.info(f"the decoder started cold in {self.cold_decoder_s:.1f}s: " + (
+                f"keeping a standby decoder (over the {RESTART_BUDGET_S:.0f}s restart budget)"
+                if self.cold_decoder_s > RESTART_BUDGET_S else
+                f"no standby decoder (within the {RESTART_BUDGET_S:.0f}s restart budget; "
+                "--standby keeps one)"))
         return True
 
     def _last_log_line(self, name: str) -> str:

@@ -96,7 +96,7 @@ class StdinPrompts:
 def serve(pool: str | None, endpoint: str | None, read_stdin: bool = True,
           cold_start: bool = False, tcp: bool = False, max_queue: int = MAX_QUEUE,
           http: str | None = None, api_key: str | None = None,
-          log_level: str | None = None, standby: bool = True) -> int:
+          log_level: str | None = None, standby: bool | str = "auto") -> int:
     """Serve until SIGINT (exit code 130), SIGTERM or SIGHUP (0). The supervisor runs in
     this (the main) thread; `http` adds the HTTP front end in a thread of its own, which
     reaches the supervisor only through a Bridge (launch/bridge.py)."""

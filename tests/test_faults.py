@@ -631,6 +631,28 @@ def test_a_standby_decoder_takes_over_and_leaves_nothing_behind(pool):
     _gone_within(pids, 5)
 
 
+@pytest.mark.parametrize("budget", [0.0, 1000.0])
+def test_an_auto_standby_follows_the_restart_budget(pool, monkeypatch, budget):
+    """`memspec up`'s default: a standby decoder only where the decoder's own cold start
+    took longer than the restart budget (its ~200 MB buys less than that otherwise)."""
+    from memspec.launch import supervisor as sup_mod
+
+    monkeypatch.setattr(sup_mod, "RESTART_BUDGET_S", budget)
+    s = Supervisor(str(pool), standby="auto")
+    try:
+        s.start()
+        assert s.cold_decoder_s > 0
+        if budget == 0.0:
+            _tick_until(s, lambda: s.standby_ready, 120, "no standby over the budget")
+        else:
+            end = time.monotonic() + sup_mod.STANDBY_IDLE_S + 2.0
+            while time.monotonic() < end:
+                s.tick(50)
+            assert s.standby is None and s.status().procs["decoder"].standby_pid is None
+    finally:
+        s.shutdown()
+
+
 def _get(url: str, path: str) -> tuple[int, dict, bytes]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
