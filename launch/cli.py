@@ -169,8 +169,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             back = f"  last back in {p.recovery_s:.1f}s" if p.restarts else ""
             print(f"{name:<10} pid {p.pid}  state {p.state}  restarts {p.restarts}  "
                   f"rss {p.rss_mb:.0f} MB  pss {p.pss_mb:.0f} MB{kernels}{back}{loop}")
-        print(f"all processes: pss {sum(p.pss_mb for p in st.procs.values()):.0f} MB "
-              "(shared pages counted once)")
+        print(f"{', '.join(st.procs)}: pss {sum(p.pss_mb for p in st.procs.values()):.0f} MB "
+              "together (shared pages counted once; the supervisor's own not included)")
         for slot in st.slots:
             print(f"slot {slot.slot}: {slot.state:<8} {slot.draft or '-'} "
                   f"(generation {slot.generation})")
