@@ -176,6 +176,7 @@ class Server:
                 snaps = self.drain()
                 if snaps and not self.stop:
                     self.answer(snaps)
+                    child.trim_heap()  # the answer is out: the temporaries' pages go back
 
 
 def _control_error(control: zmq.Socket, message: str) -> None:
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
         server = Server(router, control, ranker)
         child.freeze_heap()
+        child.trim_heap()  # what loading the weights freed
         head = f"{FALLBACK}{ranker.notice}" if ranker.notice else str(head_path_for(pool,
                                                                                    args.head))
         send(control, Ready(proc=PROC, pid=os.getpid(), info=PredictorInfo(
