@@ -184,11 +184,16 @@ class DecoderProcess:
             pass  # the supervisor is gone; it re-syncs when it returns
 
     def run(self) -> None:
+        served = False  # a request ran since the heap was last trimmed
         while not self.stop:
             if self.service.busy:
                 self.service.step()
                 self.ctl.drain()  # what arrived during the interval's iterations
+                served = True
             else:
+                if served and not self.pending and not self.channels.inbox:
+                    child.trim_heap()  # idle: a request's freed temporaries go back (~1 ms)
+                    served = False
                 self.channels.heartbeat("idle")
                 self.ctl.drain(HEARTBEAT_S)  # blocks until any socket has something
             self.handle_requests()
