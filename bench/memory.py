@@ -14,7 +14,6 @@ loading the demo GGUF and answering the README's prompt, measured the same way.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import psutil
 from memspec.bench.floor import README_PROMPT, UpProcess
 from memspec.bench.provenance import provenance
 from memspec.common.machine import machine_info, machine_line
+from memspec.common.plotting import save_outputs
 
 KINDS = ("heap", "anonymous", "model files", "slots", "libraries", "other")
 LLAMA = """
@@ -160,9 +160,11 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict[str, Any], path: Path) -> None:
+def plot(res: dict[str, Any], path: Path) -> Path:
     """One stacked bar per process (and llama.cpp): its PSS by kind."""
     from memspec.common.plotting import finish_figure, pyplot
+
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     plt = pyplot()
     rows = dict(res["after_requests"])
@@ -178,15 +180,11 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("PSS (MB)")
     ax.invert_yaxis()
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    finish_figure(fig, path, f"memory per process ({res['machine']})")
+    return finish_figure(fig, path, f"memory per process ({res['machine']})")
 
 
 def main_bench_memory(args) -> int:
     res = run(args.pool, args.warm_requests, args.max_new_tokens)
     print(format_table(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.plots:
-        Path(args.plots).mkdir(parents=True, exist_ok=True)
-        plot(res, Path(args.plots) / "memory.png")
+    save_outputs(res, args, lambda r, folder: plot(r, folder / "memory.png"), indent=2)
     return 0

@@ -28,6 +28,7 @@ from memspec.bench.floor import README_PROMPT, UpProcess
 from memspec.bench.provenance import provenance
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
+from memspec.common.plotting import save_outputs
 
 MEMSPEC = [sys.executable, "-m", "memspec"]
 WAYS = ("fresh", "reused", "llama.cpp")
@@ -142,8 +143,10 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict[str, Any], path: Path) -> None:
+def plot(res: dict[str, Any], path: Path) -> Path:
     from memspec.common.plotting import finish_figure, pyplot
+
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -155,15 +158,11 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("seconds from the command's start")
     ax.invert_yaxis()
     ax.legend(loc="lower right")
-    finish_figure(fig, path, f"start-up ({res['isa']}, {res['max_new_tokens']} tokens)")
+    return finish_figure(fig, path, f"start-up ({res['isa']}, {res['max_new_tokens']} tokens)")
 
 
 def main_bench_startup(args) -> int:
     res = run(args.pool, args.repeats, args.max_new_tokens)
     print(format_table(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.plots:
-        Path(args.plots).mkdir(parents=True, exist_ok=True)
-        plot(res, Path(args.plots) / "startup.png")
+    save_outputs(res, args, lambda r, folder: plot(r, folder / "startup.png"), indent=2)
     return 0

@@ -20,7 +20,14 @@ from collections.abc import Mapping
 import torch
 
 from memspec.procs.decoder.forward.linear import GROUP, Int4Linear
-from memspec.procs.decoder.forward.q8blocks import TILE, check_parts, packable, tiled, untiled
+from memspec.procs.decoder.forward.q8blocks import (
+    TILE,
+    PackedBlocks,
+    check_parts,
+    packable,
+    tiled,
+    untiled,
+)
 
 PARTS = ("q4n", "q4d", "q4m")  # tensor-name suffixes of one packed matrix
 DTYPES = {"q4n": torch.uint8, "q4d": torch.float16, "q4m": torch.float16}
@@ -77,29 +84,15 @@ def check(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) 
                                             "q4m": scales}, DTYPES)
 
 
-class PackedInt4Linear(Int4Linear):
-    """An Int4Linear held as its packed arrays only (a prepared target: prepared.py): the C++
-    forward points its kernels at them (native.linear_spec; half the bytes of q as one byte
-    a weight), and the blocks as Int4Linear holds them are unpacked only if the PyTorch
-    forward asks for them."""
+class PackedInt4Linear(PackedBlocks, Int4Linear):
+    """An Int4Linear held as its packed arrays only (PackedBlocks; half the bytes of q as
+    one byte a weight)."""
 
-    def __init__(self, parts: Mapping[str, torch.Tensor], act_dtype: torch.dtype,
-                 bias: torch.Tensor | None = None) -> None:
-        self.parts = dict(parts)
-        self.act_dtype = act_dtype
-        self.bias = None if bias is None else bias.to(act_dtype)
-        self._packed = None
+    UNPACKED = ("q", "d", "m")
 
-    def __getattr__(self, name: str):
-        if name in ("q", "d", "m"):  # the PyTorch forward's blocks, made once when first used
-            n, k = shape_of(self.parts)
-            g = k // GROUP
-            self.q = codes(self.parts).contiguous()
-            self.d = untiled(self.parts["q4d"], n, g)
-            self.m = untiled(self.parts["q4m"], n, g)
-            return getattr(self, name)
-        raise AttributeError(name)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts.values())
+    def _unpack(self) -> None:
+        n, k = shape_of(self.parts)
+        g = k // GROUP
+        self.q = codes(self.parts).contiguous()
+        self.d = untiled(self.parts["q4d"], n, g)
+        self.m = untiled(self.parts["q4m"], n, g)

@@ -108,27 +108,42 @@ def check_parts(name: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, 
     return None
 
 
-class PackedInt8Linear(Int8Linear):
-    """An Int8Linear held as its packed arrays only (a prepared target: prepared.py): the C++
-    forward points its kernels at them (native.linear_spec), and the blocks as
-    Int8Linear holds them are unpacked only if the PyTorch forward asks for them."""
+class PackedBlocks:
+    """A block-format Linear held as its packed arrays only (a prepared target:
+    prepared.py): the C++ forward points its kernels at them (native.linear_spec), and the
+    fields the Linear's PyTorch forward reads (``UNPACKED``) are made by ``_unpack`` only
+    if that forward asks for them. Mixed in before Int8Linear / Int4Linear."""
+
+    UNPACKED: tuple[str, ...] = ()
 
     def __init__(self, parts: Mapping[str, torch.Tensor], act_dtype: torch.dtype,
                  bias: torch.Tensor | None = None) -> None:
         self.parts = dict(parts)
         self.act_dtype = act_dtype
         self.bias = None if bias is None else bias.to(act_dtype)
-        self._dense = None
+        self._packed = self._dense = None  # the block Linears' PyTorch-path caches
+
+    def _unpack(self) -> None:
+        raise NotImplementedError
 
     def __getattr__(self, name: str):
-        if name in ("q", "d"):  # the PyTorch forward's blocks, made once when first used
-            n, k = shape_of(self.parts)
-            self.q = codes(self.parts).contiguous()
-            self.d = untiled(self.parts["q8d"], n, k // GROUP)
+        if name in type(self).UNPACKED:  # made once, when first used
+            self._unpack()
             return getattr(self, name)
         raise AttributeError(name)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+
+class PackedInt8Linear(PackedBlocks, Int8Linear):
+    """An Int8Linear held as its packed arrays only (PackedBlocks)."""
+
+    UNPACKED = ("q", "d")
+
+    def _unpack(self) -> None:
+        n, k = shape_of(self.parts)
+        self.q = codes(self.parts).contiguous()
+        self.d = untiled(self.parts["q8d"], n, k // GROUP)
 
