@@ -88,7 +88,7 @@ class LlamaCpp:
     """The target's GGUF in llama.cpp, plain and with prompt lookup; each call starts from
     an empty cache."""
 
-    def __init__(self, n_threads: int, gamma: int) -> None:
+    def __init__(self, n_threads: int, gamma: int, gguf: Path | None = None) -> None:
         try:
             import llama_cpp as lc
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -97,7 +97,8 @@ class LlamaCpp:
                               "pip install 'memspec[bench]'") from None
         from memspec.zoo.target import find_gguf
 
-        self.lc, self.gguf, self.threads, self.gamma = lc, find_gguf(), n_threads, gamma
+        self.lc, self.threads, self.gamma = lc, n_threads, gamma
+        self.gguf = Path(gguf) if gguf is not None else find_gguf()
         kw = dict(model_path=str(self.gguf), n_threads=n_threads, n_threads_batch=n_threads,
                   n_ctx=N_CTX, n_batch=N_CTX, verbose=False, seed=0)
         self.plain = lc.Llama(**kw)

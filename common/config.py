@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,13 @@ else:  # Python 3.10 (JetPack 6, Ubuntu 22.04): the same parser, as a package
     import tomli as tomllib
 
 from memspec.common.errors import ConfigError, RequestError
-from memspec.common.paths import DEFAULT_POOL, TARGET_DIRNAME, default_target_dir, expand_path
+from memspec.common.paths import (
+    DEFAULT_POOL,
+    TARGET_DIRNAME,
+    converted_gguf_folder,
+    default_target_dir,
+    expand_path,
+)
 from memspec.common.tuned import knob
 
 POLICIES = (
@@ -225,9 +231,23 @@ def load_pool(path: str | Path | None = None, check: bool = True) -> PoolConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML ({exc})", "fix the syntax at that line") from None
     pool = parse_pool(data, p.resolve().parent, source=p.resolve())
+    if pool.target.suffix.lower() == ".gguf":  # a GGUF target: the folder made of it
+        pool = replace(pool, target=gguf_target(pool.target))
     if check:
         check_paths(pool)
     return pool
+
+
+def gguf_target(gguf: Path) -> Path:
+    """A pool's GGUF target as its converted folder; the front doors (`memspec generate`,
+    `memspec up`) convert it before the processes start, so here it only needs finding."""
+    if not gguf.is_file():
+        raise ConfigError(f"target GGUF {gguf} not found", "fix pool.target")
+    folder = converted_gguf_folder(gguf.resolve())
+    if folder is None:
+        raise ConfigError(f"target GGUF {gguf} is not converted yet",
+                          f"run `memspec zoo target --gguf {gguf}` once")
+    return folder
 
 
 def _tokenizer_identity(model_dir: Path) -> Any:

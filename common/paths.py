@@ -68,3 +68,48 @@ def pool_identity(pool: str | Path | None) -> str:
     except OSError:
         pass
     return h.hexdigest()[:16]
+
+
+# ---- GGUF targets: a file's stat -> the folder `memspec zoo target --gguf` made of it ------
+GGUF_INDEX = "targets/index.json"
+
+
+def gguf_stat_key(gguf: Path) -> str:
+    """A GGUF as the index knows it: a file changed in place gets a new key (and is hashed
+    and converted again), an unchanged one is found without reading its gigabytes."""
+    st = gguf.stat()
+    return f"{gguf}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def _gguf_index() -> dict:
+    import json
+
+    try:
+        index = json.loads((memspec_home() / GGUF_INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def converted_gguf_folder(gguf: Path) -> Path | None:
+    """The converted folder of a GGUF (resolved path), or None where it has none yet."""
+    folder = _gguf_index().get(gguf_stat_key(gguf))
+    if isinstance(folder, str) and (Path(folder) / "memspec_convert.json").is_file():
+        return Path(folder)
+    return None
+
+
+def record_gguf_folder(gguf: Path, folder: Path) -> None:
+    """Remember a conversion (atomically; a read-only home only forgets it)."""
+    import json
+
+    index = _gguf_index()
+    index[gguf_stat_key(gguf)] = str(folder)
+    path = memspec_home() / GGUF_INDEX
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(index, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)

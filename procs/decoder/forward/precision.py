@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from memspec.procs.decoder.forward.checkpoint import lean_arch, read_config
+from memspec.procs.decoder.forward.ggml import float_gguf_dtype
 from memspec.procs.decoder.forward.linear import INT4_GROUP
 
 
@@ -27,6 +28,9 @@ def resolve_dtype(requested: str, target_dir: Path, device: str | torch.device =
     arch = lean_arch(read_config(target_dir))
     if arch is None:
         return "float32"
+    own = float_gguf_dtype(target_dir)
+    if own is not None:
+        return own
     dims = (arch.hidden, arch.intermediate, arch.heads * arch.head_dim)
     if hasattr(torch, "_weight_int4pack_mm_for_cpu") and all(d % INT4_GROUP == 0 for d in dims):
         return "int4"

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from memspec.procs.decoder.forward.q8blocks import PackedInt8Linear
 FORMAT = "memspec-prepared/2"
 CACHED_FORMATS = ("int4", "int8")  # the formats that cost a quantisation
 _CODE = [Path(__file__).resolve().parent / n
-         for n in ("lean.py", "linear.py", "prepared.py", "q4blocks.py", "q8blocks.py")]
+         for n in ("ggml.py", "lean.py", "linear.py", "prepared.py", "q4blocks.py", "q8blocks.py")]
 LOG = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 _PACKED_PART = re.compile(r"^l\d+\.\w+\.(q4[ndm]|q8[wdcs])$")  # a layer's packed blocks
@@ -63,17 +63,17 @@ def cache_path(home: Path, model_dir: Path, fmt: str) -> Path:
 
 
 def lean_target(model_dir: Path, arch: Arch, fmt: str, act_dtype: torch.dtype,
-                load_weights: Callable[[], Mapping[str, torch.Tensor]], home: Path) -> LeanLM:
+                build: Callable[[], LeanLM], home: Path) -> LeanLM:
     """The fused lean model of the target in `fmt`: from the cache when it holds this key,
-    else built from `load_weights()` and cached (a read-only home only skips the cache)."""
+    else `build()` and cached (a read-only home only skips the cache)."""
     if fmt not in CACHED_FORMATS:
-        return LeanLM.from_weights(arch, load_weights(), fmt, act_dtype, fuse=True)
+        return build()
     key = cache_key(model_dir, fmt, act_dtype)
     path = cache_path(home, model_dir, fmt)
     lean = _read(path, key, arch, act_dtype)
     if lean is not None:
         return lean
-    lean = LeanLM.from_weights(arch, load_weights(), fmt, act_dtype, fuse=True)
+    lean = build()
     try:
         _write(path, key, lean)
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be written costs only time
