@@ -219,7 +219,11 @@ def llama_cpp_run(pool: PoolConfig, rt: LocalRuntime, prompts: list[str], max_ne
     if not peers.available():
         _log("llama-cpp-python is not installed (pip install 'memspec[bench]'): no peer anchor")
         return None
-    llm = peers.LlamaCpp(threads, pool.gamma)
+    why = peers.unavailable(pool.target)
+    if why is not None:
+        _log(f"{why}: no peer anchor")
+        return None
+    llm = peers.LlamaCpp(threads, pool.gamma, gguf=peers.source_gguf(pool.target))
     eos = set(rt.engine.eos_ids)
     same = llama_cpp_costs(llm, ctx, pool.gamma)
     rates, step_ms, outputs, ours = [], [], [], []
@@ -263,9 +267,9 @@ def llama_cpp_e2e(rt: LocalRuntime, prompts: list[str], max_new: int, threads: i
     last token, prefill included; llama-cpp-python's Python sampling is part of what its user
     gets, which is why its plain rate here is below the per-token C API rate above.
     (`memspec bench` runs the three-process memspec beside the same peers: bench/peers.py.)"""
-    if not peers.available():
+    if peers.unavailable(rt.pool.target) is not None:
         return None
-    llm = peers.LlamaCpp(threads, gamma)
+    llm = peers.LlamaCpp(threads, gamma, gguf=peers.source_gguf(rt.pool.target))
     names = {"llama.cpp": False, "llama.cpp+lookup": True}
     rates: dict[str, list[float]] = {k: [] for k in
                                      (*names, "ours target-only", "ours lookup-only")}
@@ -305,7 +309,12 @@ def run(pool_path: str | None, n_prompts: int, max_new: int,
     torch.manual_seed(0)
     pool = load_pool(pool_path)
     if target:
-        pool = dataclasses.replace(pool, target=Path(target).expanduser().resolve())
+        path = Path(target).expanduser().resolve()
+        if path.suffix.lower() == ".gguf":  # a GGUF of the user's: its converted folder
+            from memspec.zoo.target import converted_gguf
+
+            path = converted_gguf(path)
+        pool = dataclasses.replace(pool, target=path)
         check_paths(pool)
     chosen = resolve_dtype(pool.dtype, pool.target, "cpu")
     tried = [chosen] + [d for d in (dtypes or DTYPES) if d != chosen]

@@ -16,6 +16,7 @@ is (`memspec zoo target --gguf`), and measured side by side in one run:
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -66,7 +67,21 @@ def requantised(kind: str) -> Path:
     params.allow_requantize = True  # the only source is the Q4_1 file
     params.nthread = THREADS
     tmp = out.with_name(f".{out.name}.tmp")
-    rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    _log(f"quantising {src.name} to {kind} with llama.cpp (its log: {out}.log)")
+    with open(f"{out}.log", "w") as log:  # its per-tensor lines go to the log, not the screen
+        saved = [os.dup(1), os.dup(2)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(),
+                                         ctypes.byref(params))
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
     if rc != 0:
         raise ConfigError(f"llama.cpp could not quantise to {kind} (code {rc})",
                           "check the llama-cpp-python version")
@@ -135,7 +150,7 @@ def measure(kind: str, n_tokens: int, max_new: int, repeats: int) -> dict[str, A
         x = torch.tensor([chunk])
         with torch.inference_mode():
             ref = ref_model(x).logits[0].float()
-            mine = ours.forward(x, 0, ours.new_cache(CHUNK + 8)).float()
+            mine = ours.forward(x[0], 0, ours.new_cache(CHUNK + 8)).float()
         for name, got in (("memspec", mine), ("llama.cpp", peer.logits(chunk))):
             kl, same, rows = _kld(ref, got)
             acc[name][0] += kl

@@ -60,20 +60,31 @@ def available() -> bool:
     return True
 
 
-def unavailable(target: Path) -> str | None:
-    """Why llama.cpp cannot run beside this target (None: it can). Its GGUF is the demo
-    target's, so only that target (converted from it) has a peer on the same weights."""
-    from memspec.common.paths import default_target_dir
-    from memspec.zoo.target import find_gguf
+def source_gguf(target: Path) -> Path | None:
+    """The GGUF a target folder was converted from (its `memspec zoo target` marker names
+    it), where that file is still there: llama.cpp's side of a same-weights comparison."""
+    try:
+        src = json.loads((Path(target) / "memspec_convert.json").read_text())["source"]
+        path = Path(src["file"]) if "/" in src["file"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if path is None:  # a marker of the first format named the wheel's file only
+        from memspec.zoo.target import find_gguf
 
+        try:
+            return find_gguf()
+        except MemspecError:
+            return None
+    return path if path.is_file() else None
+
+
+def unavailable(target: Path) -> str | None:
+    """Why llama.cpp cannot run beside this target (None: it can): it runs the GGUF the
+    target folder was converted from, so only such a target has a peer on the same weights."""
     if not available():
         return "llama-cpp-python is not installed (pip install 'memspec[bench]')"
-    if Path(target).resolve() != default_target_dir().resolve():
-        return f"llama.cpp runs only the demo target's GGUF, not {target}"
-    try:
-        find_gguf()
-    except MemspecError as exc:
-        return str(exc)
+    if source_gguf(target) is None:
+        return f"{target} was not converted from a GGUF that is still there"
     return None
 
 

@@ -480,7 +480,8 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "dtypes": _opt("--dtypes", default=None,
                    help="target precisions to compare (default int4,int8,bfloat16,float32; "
                         "the pool's choice always first)"),
-    "target": _opt("--target", default=None, help="target model folder (default: the pool's)"),
+    "target": _opt("--target", default=None,
+                   help="target model folder or GGUF file (default: the pool's)"),
     "prompts_per_domain": _opt("--prompts-per-domain", type=int, default=40,
                                help="test prompts per domain in the simulator"),
     "mixed": _opt("--mixed", type=int, default=60, help="mixed prompts in the simulator"),

@@ -194,3 +194,16 @@ def test_q4k_sub_blocks_are_int4_blocks_up_to_fp16_scales() -> None:
         rows, -1, 32).reshape(rows, cols)
     assert q.max() <= 15 and ((ours - ref).abs() <= scale * 2.0**-10).all()
     assert (ours - ref).abs().max() > 0  # the rounding is real, and bounded
+
+
+def test_q5_0_is_an_int8_block_exactly() -> None:
+    import gguf
+    import numpy as np
+
+    from memspec.procs.decoder.forward import ggml
+
+    x = np.random.default_rng(2).standard_normal((16, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q5_0)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0))
+    q, d = ggml.q5_0_parts(torch.from_numpy(raw), 128)
+    assert torch.equal((q.view(16, -1, 32).float() * d[..., None]).view(16, 128), ref)

@@ -11,9 +11,9 @@ On disk (a target folder's ``model.safetensors``): each quantised tensor is a ui
 ``memspec.ggml`` maps those names to ``[type name, columns]``. Float tensors (F32, F16,
 BF16) are stored as themselves and have no entry.
 
-Per type (engine_linear): Q4_0, Q4_1 and Q8_0 are decoded here (torch) and map exactly
-onto the engine's blocks, Q4_K onto int4 blocks with fp16-rounded sub-block scales; the
-wider types (Q5_0, Q5_1, Q5_K, Q6_K) are dequantised by gguf-py and held as int8 blocks.
+Per type (engine_linear): Q4_0, Q4_1, Q5_0 and Q8_0 are decoded here (torch) and map
+exactly onto the engine's int4 / int8 blocks, Q4_K onto int4 blocks with fp16-rounded
+sub-block scales; Q5_1, Q5_K and Q6_K are dequantised by gguf-py and held in fp16.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from memspec.common.errors import ModelError
 from memspec.procs.decoder.forward.lean import Arch, LeanLM
 from memspec.procs.decoder.forward.linear import (
     GROUP,
+    DenseLinear,
     Int4Linear,
     Int8Linear,
     Linear,
@@ -35,8 +36,7 @@ from memspec.procs.decoder.forward.linear import (
 )
 
 META_KEY = "memspec.ggml"
-FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # run as int4 blocks (Q4_K: each 32-weight sub-block)
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}  # per 32 weights
 Q4K_BYTES, QK_K = 144, 256  # a Q4_K super-block: 256 weights in 8 sub-blocks of 32
 
 
@@ -109,6 +109,17 @@ def int8_parts(raw: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor
     return q, _halves(b, 0)
 
 
+def q5_0_parts(raw: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 as int8 blocks, exactly: w = d (q - 16) with q in [0, 31] is the Q8_0 block of
+    scale d and values q - 16 (a requantisation to Q8_0's own scale would round them)."""
+    b = _blocks(raw, "Q5_0", cols)
+    rows = raw.shape[0]
+    high = b[..., 2:6].contiguous().view(torch.int32)  # bit j: weight j's fifth bit
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, blocks, 32]
+    q = _nibbles(b[..., 6:]).to(torch.int32) | (bits << 4)
+    return (q - 16).to(torch.int8).reshape(rows, cols), _halves(b, 0)
+
+
 def dequantize(raw: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
     """One tensor as fp32 [rows, cols]."""
     rows = raw.shape[0]
@@ -178,16 +189,23 @@ def dequantized(tensors: Mapping[str, torch.Tensor], types: Mapping[str, tuple[s
 
 def engine_linear(raw: torch.Tensor, kind: str, cols: int, fmt: str, act_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> Linear:
-    """One block tensor in the engine format nearest the file's: under ``int4`` the 4-bit
-    types as int4 blocks (Q4_0 / Q4_1 exactly) and every wider type as int8 (Q8_0 exactly,
-    the 5- and 6-bit types requantised to 8 bits, never down to 4, so the file's own error
-    is what the model keeps); under ``int8`` all as int8."""
+    """One block tensor in the engine format nearest the file's, so the model keeps the
+    file's own error and adds none that matters. Under ``int4``: the 4-bit types as int4
+    blocks (Q4_0 / Q4_1 exactly, Q4_K to fp16 scales), Q8_0 and Q5_0 as int8 blocks
+    (exactly: Q5_0's d (q - 16) is an int8 block of scale d), and Q5_1, Q5_K and Q6_K as
+    fp16 values. Requantising those to int8 rounded their 5- and 6-bit grids again: on
+    SmolLM2-135M that raised the KL divergence from the file's fp32 forward 1.45x above
+    llama.cpp's for Q5_1 (`memspec bench gguf`). Under ``int8`` all are int8 blocks."""
     if fmt == "int4" and kind in ("Q4_0", "Q4_1"):
         return Int4Linear.from_blocks(*int4_parts(raw, kind, cols), act_dtype, bias)
     if fmt == "int4" and kind == "Q4_K":
         return Int4Linear.from_blocks(*q4k_parts(raw, cols), act_dtype, bias)
     if kind == "Q8_0":
         return Int8Linear.from_blocks(*int8_parts(raw, cols), act_dtype, bias)
+    if kind == "Q5_0":
+        return Int8Linear.from_blocks(*q5_0_parts(raw, cols), act_dtype, bias)
+    if fmt == "int4":  # Q5_1, Q5_K, Q6_K: their values in fp16 (the 16-bit kernel)
+        return DenseLinear(dequantize(raw, kind, cols).half().contiguous(), bias)
     return Int8Linear(dequantize(raw, kind, cols), act_dtype, bias)
 
 

@@ -58,7 +58,10 @@ class DenseLinear(Linear):
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return padded(lambda v: F.linear(v, self.weight, self.bias), x)
+        w, b = self.weight, self.bias
+        if w.dtype != x.dtype:  # 16-bit weights beside fp32 rows (ggml.py's wide types)
+            w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
+        return padded(lambda v: F.linear(v, w, b), x)
 
     @property
     def nbytes(self) -> int:
