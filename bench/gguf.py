@@ -181,7 +181,9 @@ def measure(kind: str, n_tokens: int, max_new: int, repeats: int) -> dict[str, A
             "folder_mb": round(sum(f.stat().st_size for f in folder.iterdir()
                                    if f.is_file()) / 2**20, 1),
             "dtype": dtype, "fidelity": fid,
-            "kld_ratio": fid["memspec"]["kld"] / max(fid["llama.cpp"]["kld"], 1e-12),
+            # (None where both are below 1e-6: the F16 file, no rounding on either side)
+            "kld_ratio": fid["memspec"]["kld"] / fid["llama.cpp"]["kld"]
+            if max(fid["memspec"]["kld"], fid["llama.cpp"]["kld"]) >= 1e-6 else None,
             "tokens_per_s": speed,
             "speed_ratio": speed["memspec"] / speed["llama.cpp"],
             "first_16_tokens_agree": same_tokens}
@@ -207,6 +209,10 @@ def run(types: list[str], n_tokens: int, max_new: int, repeats: int) -> dict[str
     return res
 
 
+def _ratio(x: float | None) -> str:
+    return f"{x:6.2f}" if x is not None else f"{'-':>6}"
+
+
 def format_table(res: dict[str, Any]) -> str:
     lines = [f"brought GGUFs, {res['machine']} ({res['isa']}), {res['threads']} threads, "
              f"KLD over {res['types'][0]['fidelity']['memspec']['tokens'] if res['types'] else 0}"
@@ -218,7 +224,7 @@ def format_table(res: dict[str, Any]) -> str:
         f, s = r["fidelity"], r["tokens_per_s"]
         lines.append(f"{r['type']:8} {r['file_mb']:6.1f} {r['dtype']:6} "
                      f"{f['memspec']['kld']:10.5f} {f['llama.cpp']['kld']:10.5f} "
-                     f"{r['kld_ratio']:6.2f} {f['memspec']['same_top1']:10.3f} "
+                     f"{_ratio(r['kld_ratio'])} {f['memspec']['same_top1']:10.3f} "
                      f"{f['llama.cpp']['same_top1']:9.3f} {s['memspec']:10.1f} "
                      f"{s['llama.cpp']:9.1f} {r['speed_ratio']:6.2f}")
     return "\n".join(lines)

@@ -36,12 +36,18 @@ def process_info(pid: int) -> dict:
     return out
 
 
-def slots_for_budget(budget_mb: float, slot_bytes: int, n_drafts: int) -> int:
-    """K = how many slots of the largest draft fit in the budget (at most one per draft)."""
-    need_mb = slot_bytes / 2**20
-    k = int(budget_mb // need_mb) if need_mb > 0 else n_drafts
-    if k < 1:
+def slots_for_budget(budget_mb: float, slot_bytes: int, n_drafts: int,
+                     kv_bytes: int = 0) -> int:
+    """K = how many slots of the largest draft fit in the budget beside the target's KV
+    cache at the pool's whole context (`kv_bytes`): one budget covers what the decoder
+    holds beside the target's weights (at most one slot per draft)."""
+    need_mb, kv_mb = slot_bytes / 2**20, kv_bytes / 2**20
+    k = int((budget_mb - kv_mb) // need_mb) if need_mb > 0 else n_drafts
+    if k < 1 or budget_mb < kv_mb:
+        beside = f" beside the KV cache at max_context ({kv_mb:.1f} MB)" if kv_bytes else ""
         raise ConfigError(
-            f"memory_budget_mb = {budget_mb:g} is too small for one draft slot ({need_mb:.1f} MB)",
-            f"raise memory_budget_mb to at least {need_mb:.1f} or use smaller drafts")
+            f"memory_budget_mb = {budget_mb:g} is too small for one draft slot "
+            f"({need_mb:.1f} MB){beside}",
+            f"raise memory_budget_mb to at least {need_mb + kv_mb:.1f}"
+            + (", lower max_context" if kv_bytes else "") + " or use smaller drafts")
     return min(k, n_drafts)

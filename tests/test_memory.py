@@ -42,3 +42,19 @@ def test_pages_are_split_by_kind():
     m = measure(psutil.Process().pid)
     assert m["pss_mb"] > 0 and m["peak_rss_mb"] >= m["rss_mb"] * 0.9
     assert abs(sum(m["pss_by_kind_mb"].values()) - m["pss_mb"]) < 0.05 * m["pss_mb"] + 2
+
+
+def test_one_budget_covers_the_kv_cache_and_the_slots() -> None:
+    """memory_budget_mb: slots fit beside the KV cache at the whole context; a budget
+    below both is one line naming the numbers."""
+    import pytest
+
+    from memspec.common.errors import ConfigError
+    from memspec.common.memory import slots_for_budget
+
+    mb = 2**20
+    assert slots_for_budget(100, 4 * mb, 5, kv_bytes=90 * mb) == 2
+    assert slots_for_budget(100, 4 * mb, 5) == 5
+    with pytest.raises(ConfigError, match=r"= 60 is too small for one draft slot \(4.0 MB\) "
+                                          r"beside the KV cache at max_context \(90.0 MB\)"):
+        slots_for_budget(60, 4 * mb, 5, kv_bytes=90 * mb)

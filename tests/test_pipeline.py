@@ -39,7 +39,7 @@ from memspec.common.messages import (
     Tokens,
     encode,
 )
-from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT
+from memspec.common.paths import DEFAULT_POOL, PACKAGE_ROOT, default_target_dir
 from memspec.common.sockets import configure, send
 from memspec.launch.supervisor import Supervisor
 from memspec.procs.decoder.sched.costs import LOOKUP
@@ -430,14 +430,19 @@ def test_memory_budget_too_small_is_a_clear_error_at_start(tmp_path):
 
 def test_memory_budget_derives_k(tmp_path):
     _ready_pool()
-    text = write_pool(tmp_path, memory_budget_mb=20).read_text()
+    text = write_pool(tmp_path, memory_budget_mb=110).read_text()
     (tmp_path / "pool.toml").write_text("\n".join(ln for ln in text.splitlines()
                                                   if not ln.startswith("K =")))
+    cfg = json.loads((default_target_dir() / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_mb = (2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads)
+             * cfg["hidden_size"] // heads * 4 * 2048) / 2**20  # fp32, max_context 2048
     s = Supervisor(str(tmp_path / "pool.toml"))
     try:
         s.start()
         slot_mb = s.procs["decoder"].info.slot_bytes / 2**20
-        assert min(5, int(20 // slot_mb)) == s.procs["decoder"].info.K
+        # one budget: the KV cache at the whole context first, then as many slots as fit
+        assert min(5, int((110 - kv_mb) // slot_mb)) == s.procs["decoder"].info.K
     finally:
         s.shutdown()
 

@@ -55,6 +55,7 @@ from memspec.common.procexit import fast_exit
 from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv, send
 from memspec.procs.decoder import standby
+from memspec.procs.decoder.forward.lean import kv_cache_bytes
 from memspec.procs.decoder.forward.native import extension
 from memspec.procs.decoder.forward.threads import decoder_threads, make_plan
 from memspec.procs.decoder.models import open_engine
@@ -270,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
     capacity = max((f.layout.data_size for f in files.values()), default=0)
     k = pool.K
     if pool.memory_budget_mb is not None:  # too small for one draft: error at start
-        budget_k = slots_for_budget(pool.memory_budget_mb, capacity, len(pool.drafts))
+        budget_k = slots_for_budget(pool.memory_budget_mb, capacity, len(pool.drafts),
+                                    kv_cache_bytes(engine.target, pool.max_context))
         k = budget_k if pool.K_from_budget else k
     k = min(k, len(files))  # quarantined drafts need no slot
     transport = args.transport or choose_transport(device)

@@ -117,6 +117,18 @@ def alloc_cache(arch: Arch, capacity: int, dtype: torch.dtype, device: torch.dev
     return KVCache(_zeros(kshape, dtype, device), _zeros(shape, dtype, device), k_blocked, feat)
 
 
+def kv_cache_bytes(runner: object, capacity: int) -> int:
+    """What a runner's KV cache of `capacity` positions holds when every position is
+    written (alloc_cache's shapes; 0 for a runner without a lean architecture)."""
+    arch = getattr(runner, "arch", None)
+    if not isinstance(arch, Arch):
+        return 0
+    dtype = getattr(runner, "cache_dtype", None) or getattr(runner, "act_dtype", torch.float32)
+    per = 2 * arch.layers * arch.kv_heads * arch.head_dim * torch.tensor([], dtype=dtype
+                                                                         ).element_size()
+    return per * (-(-capacity // 16) * 16)
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros that cost memory only where written, on a CPU: an anonymous mapping's pages are
     zeroed by the kernel on first touch, in 4 KiB pages (no huge-page advice, which would
