@@ -49,6 +49,13 @@ if [[ "${1:-}" == "--dev" ]]; then
     echo "[setup] $("$PY" -m memspec.zoo.aarch64root || true)"
   fi
   "$PY" -m memspec.procs.decoder.forward.native --all || echo "[setup] some kernel paths not built (see above)"
+  # llama.cpp's own quantiser makes the real-weight GGUF test files (tests/test_gguf_target.py)
+  # and is the peer of the benchmarks; PyPI has it as source only (a few minutes to build
+  # the first time). Where it cannot be built, those tests skip, printing why.
+  if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
+    echo "[setup] building llama-cpp-python (llama.cpp's quantiser for the GGUF tests; minutes, once)"
+    pipi "llama-cpp-python>=0.3" || echo "[setup] llama-cpp-python not built: the real-GGUF tests will skip"
+  fi
   # GPTQ / AWQ checkpoints written by GPTQModel itself, with its own forward on them, for
   # tests/test_quantized_reference.py: a side venv under $MEMSPEC_HOME/quantref (GPTQModel
   # pinned, from the package index; ~4 min on 2 cores the first time, seconds after). If

@@ -207,3 +207,52 @@ def test_q5_0_is_an_int8_block_exactly() -> None:
     ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0))
     q, d = ggml.q5_0_parts(torch.from_numpy(raw), 128)
     assert torch.equal((q.view(16, -1, 32).float() * d[..., None]).view(16, 128), ref)
+
+
+# --- the demo's real weights, requantised by llama.cpp's own quantiser --------------------
+# Q4_K_M (Q4_K, Q5_0, Q6_K, Q8_0 tensors: this model's 576-wide rows fall back from the
+# K-quants), Q5_K_M (Q5_K, Q5_1, Q6_K, Q8_0) and Q4_0: every type the engine reads, on real
+# weights. The files are made with llama-cpp-python where it is installed.
+REAL = ("Q4_K_M", "Q5_K_M", "Q4_0")
+
+
+@pytest.fixture(scope="module")
+def real_folders() -> dict[str, Path]:
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install 'memspec[bench]'): "
+                    "no llama.cpp quantiser to make the real-weight files")
+    from memspec.bench.gguf import requantised
+
+    return {k: target.converted_gguf(requantised(k), progress=False) for k in REAL}
+
+
+def test_real_k_quant_files_equal_transformers_reader(real_folders) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from memspec.bench.gguf import requantised
+
+    f = requantised("Q4_K_M")
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name,
+                                               dtype=torch.float32).state_dict()
+    ours = load_state_dict(real_folders["Q4_K_M"])
+    assert all(torch.equal(ours[k], ref[k]) for k in ours)
+    assert set(target.read_marker(real_folders["Q4_K_M"])["block_types"]) == {
+        "Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+
+
+@pytest.mark.parametrize("kind", REAL)
+def test_real_files_lookup_is_token_identical(kind: str, real_folders, tmp_path: Path) -> None:
+    from memspec.procs.decoder.engine import SpecEngine
+    from memspec.procs.decoder.models import build_target, encode_prompt, load_tokenizer
+    from memspec.procs.decoder.sched.costs import LOOKUP
+
+    folder = real_folders[kind]
+    tok = load_tokenizer(folder)
+    engine = SpecEngine(build_target(folder, "int4", prepared=tmp_path), (2,), gamma=4,
+                        lookup=2)
+    for prompt in ("Write a Python function that returns the factorial of n.",
+                   "List three facts about the moon, then repeat them."):
+        ids = encode_prompt(tok, prompt)
+        plain, _ = engine.generate(ids, 48)
+        looked, _ = engine.generate(ids, 48, select=lambda _s: LOOKUP)
+        assert plain == looked, (kind, prompt)
