@@ -256,3 +256,16 @@ def test_real_files_lookup_is_token_identical(kind: str, real_folders, tmp_path:
         plain, _ = engine.generate(ids, 48)
         looked, _ = engine.generate(ids, 48, select=lambda _s: LOOKUP)
         assert plain == looked, (kind, prompt)
+
+
+def test_each_brought_file_gets_its_own_pool(tmp_path: Path, monkeypatch) -> None:
+    """Folders named as llama.cpp names files (dots inside) get one pool file each."""
+    made = {}
+    for name in ("m.Q4_K_M-aaa", "m.Q8_0-bbb"):
+        folder = tmp_path / name
+        folder.mkdir()
+        monkeypatch.setattr(target, "converted_gguf", lambda _g, _p=True, f=folder: f)
+        made[name] = target.pool_for_target(tmp_path / "x.gguf")
+    assert len(set(made.values())) == 2
+    assert all(p.name == f"{n}.toml" and f'"{tmp_path / n}"' in p.read_text()
+               for n, p in made.items())

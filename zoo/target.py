@@ -351,7 +351,7 @@ def pool_for_target(gguf: Path, progress: bool = True) -> Path:
     step), so the first run of a user's own model already speculates. Written beside its
     converted folder; `memspec zoo stores / drafts --pool` build more drafts for it later."""
     folder = converted_gguf(gguf, progress)
-    pool = folder.with_suffix(".toml")
+    pool = folder.parent / f"{folder.name}.toml"  # (names hold dots: x.Q4_K_M-<sha>)
     text = ("# written by `memspec generate --target`: a brought GGUF, the context lookup "
             "as its draft\n[pool]\n"
             f"target = {json.dumps(str(folder))}\npolicy = \"lookup-only\"\n"

@@ -13,7 +13,7 @@ BF16) are stored as themselves and have no entry.
 
 Per type (engine_linear): Q4_0, Q4_1, Q5_0 and Q8_0 are decoded here (torch) and map
 exactly onto the engine's int4 / int8 blocks, Q4_K onto int4 blocks with fp16-rounded
-sub-block scales; Q5_1, Q5_K and Q6_K are dequantised by gguf-py and held in fp16.
+sub-block scales; Q6_K is requantised to int8 and Q5_1 / Q5_K held in fp16.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from memspec.procs.decoder.forward.linear import (
 
 META_KEY = "memspec.ggml"
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}  # per 32 weights
+FP16_TYPES = ("Q5_1", "Q5_K")  # held in fp16 under int4 (engine_linear says why)
 Q4K_BYTES, QK_K = 144, 256  # a Q4_K super-block: 256 weights in 8 sub-blocks of 32
 
 
@@ -190,12 +191,14 @@ def dequantized(tensors: Mapping[str, torch.Tensor], types: Mapping[str, tuple[s
 def engine_linear(raw: torch.Tensor, kind: str, cols: int, fmt: str, act_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> Linear:
     """One block tensor in the engine format nearest the file's, so the model keeps the
-    file's own error and adds none that matters. Under ``int4``: the 4-bit types as int4
-    blocks (Q4_0 / Q4_1 exactly, Q4_K to fp16 scales), Q8_0 and Q5_0 as int8 blocks
-    (exactly: Q5_0's d (q - 16) is an int8 block of scale d), and Q5_1, Q5_K and Q6_K as
-    fp16 values. Requantising those to int8 rounded their 5- and 6-bit grids again: on
-    SmolLM2-135M that raised the KL divergence from the file's fp32 forward 1.45x above
-    llama.cpp's for Q5_1 (`memspec bench gguf`). Under ``int8`` all are int8 blocks."""
+    file's own error and adds little. Under ``int4``: the 4-bit types as int4 blocks
+    (Q4_0 / Q4_1 exactly, Q4_K to fp16 scales), Q8_0 and Q5_0 as int8 blocks exactly
+    (Q5_0's d (q - 16) is an int8 block of scale d), Q6_K requantised to int8 blocks, and
+    Q5_1 / Q5_K as fp16 values. Measured on SmolLM2-135M (`memspec bench gguf`, KL
+    divergence from the file's own fp32 forward, against llama.cpp's on the file): Q5_1
+    requantised to int8 was 1.45x llama.cpp's (int8 blocks have no offset, so its grid is
+    rounded again), in fp16 0.22x; Q6_K in int8 0.71x and 1.3x llama.cpp's speed, in fp16
+    0.54x and 1.2x. Under ``int8`` all are int8 blocks."""
     if fmt == "int4" and kind in ("Q4_0", "Q4_1"):
         return Int4Linear.from_blocks(*int4_parts(raw, kind, cols), act_dtype, bias)
     if fmt == "int4" and kind == "Q4_K":
@@ -204,7 +207,7 @@ def engine_linear(raw: torch.Tensor, kind: str, cols: int, fmt: str, act_dtype: 
         return Int8Linear.from_blocks(*int8_parts(raw, cols), act_dtype, bias)
     if kind == "Q5_0":
         return Int8Linear.from_blocks(*q5_0_parts(raw, cols), act_dtype, bias)
-    if fmt == "int4":  # Q5_1, Q5_K, Q6_K: their values in fp16 (the 16-bit kernel)
+    if fmt == "int4" and kind in FP16_TYPES:  # their values, through the 16-bit kernel
         return DenseLinear(dequantize(raw, kind, cols).half().contiguous(), bias)
     return Int8Linear(dequantize(raw, kind, cols), act_dtype, bias)
 
