@@ -137,6 +137,13 @@ def test_unsupported_type_is_one_line_naming_tensor_and_list(tmp_path: Path) -> 
     assert "\n" not in text and not (tmp_path / "out").exists()
 
 
+def test_a_file_that_is_no_gguf_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("hello")
+    with pytest.raises(ModelError, match="is not a GGUF file"):
+        target.convert_target(tmp_path / "out", gguf=bad, progress=False)
+
+
 def test_truncated_file_is_one_line(files, tmp_path: Path) -> None:
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(files["llama"].read_bytes()[: files["llama"].stat().st_size // 2])

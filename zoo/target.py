@@ -300,6 +300,14 @@ def _open_gguf(path: Path) -> Any:
     import gguf
 
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelError(f"cannot read {path} ({exc.strerror})", "check the path") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it does not start with 'GGUF')",
+                         "pass a .gguf file, as llama.cpp writes them")
+    try:
         return gguf.GGUFReader(str(path))
     except (ValueError, OSError, KeyError, IndexError) as exc:
         raise ModelError(f"{path} is not a readable GGUF file ({str(exc)[:100]})",
