@@ -246,8 +246,7 @@ def plot(res: dict[str, Any], path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     a.set_yscale("log")
-    path.mkdir(parents=True, exist_ok=True) if path.suffix == "" else path.parent.mkdir(
-        parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     return finish_figure(fig, path, f"brought GGUFs ({res['isa']}, {res['threads']} threads)")
 
 

@@ -221,7 +221,6 @@ def _convert_into(
 ) -> dict[str, Any]:
     """Config, tokenizer and the GGUF's own blocks (gguf_convert.py) into ``dest``; every
     block tensor's decoding checked against gguf-py's."""
-    import gguf
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
@@ -266,7 +265,6 @@ def _convert_into(
     if worst > 0.0:
         raise ModelError(f"dequantised weights differ from gguf-py's by {worst:.2e}",
                          "report this as a bug")
-    del gguf  # imported above only so a missing gguf-py fails before any work
 
     files = {
         p.relative_to(dest).as_posix(): p.stat().st_size

@@ -125,12 +125,9 @@ def dequantize(raw: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
     """One tensor as fp32 [rows, cols]."""
     rows = raw.shape[0]
     if kind in ("Q4_0", "Q4_1"):
-        q, d, m = int4_parts(raw, kind, cols)
-        g = q.view(rows, cols // GROUP, GROUP).float()
-        return (g * d[..., None] + m[..., None]).view(rows, cols)
+        return Int4Linear.from_blocks(*int4_parts(raw, kind, cols), torch.float32).dequantize()
     if kind == "Q8_0":
-        q, d = int8_parts(raw, cols)
-        return (q.view(rows, cols // GROUP, GROUP).float() * d[..., None]).view(rows, cols)
+        return Int8Linear.from_blocks(*int8_parts(raw, cols), torch.float32).dequantize()
     import gguf
     import numpy as np
 

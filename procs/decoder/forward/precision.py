@@ -5,7 +5,9 @@ target step / 5-token verify as a bare matmul pass): bf16 13.2 / 14.5, int8 5.9 
 int4 3.9 / 8.4. A batch-1 step is bound by weight bytes, so on a CPU the smallest format
 with a native kernel wins both the step and the verify: int4 (group-32, the layout the
 GGUF Q4_1 weights came in), else int8. GPUs decode in bf16 (fp16 where bf16 is missing).
-Anything the lean forward does not cover runs the eager HF path in fp32.
+Anything the lean forward does not cover runs the eager HF path in fp32. A target converted
+from an F16 / BF16 / F32 GGUF runs in the file's own precision (ggml.float_gguf_dtype), as
+llama.cpp runs it; a quantised GGUF's blocks go to their nearest engine formats (ggml.py).
 """
 
 from __future__ import annotations
