@@ -36,6 +36,9 @@ MAX_STOPS = 4  # as the OpenAI API
 MAX_STOP_CHARS = 256
 MAX_NEW_TOKENS = 1 << 20  # the target's context bounds it further (checked by the engine)
 MAX_THREADS = 1024  # decoder threads a request may ask for (the cores bound them further)
+MAX_SCHEMA_CHARS = 1 << 16  # a response format's JSON Schema, as JSON text
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+RESPONSE_FORMATS = ("", "json_object", "json_schema")
 # The text the predictor ranks from: it reads the head and the tail of the prompt (what its
 # encoder's 256 word pieces can hold, at 16 characters a piece), joined by one space.
 RANK_TEXT_CHARS = 4096
@@ -164,6 +167,26 @@ def check_request(req: Submit) -> None:
     if req.threads is not None and not 1 <= req.threads <= MAX_THREADS:
         raise LimitError("threads", f"threads {req.threads} is outside 1 to {MAX_THREADS}",
                          "ask for 1 or more decoder threads (None: every core)")
+    check_output_options(req)
+
+
+def check_output_options(req: Submit) -> None:
+    """The response format and log-probabilities a request asks for."""
+    if req.response_format not in RESPONSE_FORMATS:
+        raise LimitError("response_format", f"unknown response format "
+                                            f"{shown(req.response_format)}",
+                         "use json_object, json_schema or \"\" (free text)")
+    if (req.response_format == "json_schema") != bool(req.json_schema):
+        raise LimitError("json_schema", "a json_schema response format needs a schema, and "
+                                        "only it takes one",
+                         "send the JSON Schema with response_format json_schema")
+    if len(req.json_schema) > MAX_SCHEMA_CHARS:
+        raise LimitError("json_schema", f"JSON Schema of {len(req.json_schema)} characters is "
+                                        f"over the limit of {MAX_SCHEMA_CHARS}",
+                         "send a smaller schema")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise LimitError("logprobs", f"top logprobs {req.logprobs} is outside 0 to "
+                                     f"{MAX_TOP_LOGPROBS}", "ask for 0 to 20 alternatives")
 
 
 def check_gate(req: Submit) -> None:

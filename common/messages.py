@@ -225,6 +225,14 @@ class Submit(Message):
     # helpers rest, procs/decoder/forward/threads.py); how the bench measures the old one-thread
     # pipeline beside today's, and for a user who shares the machine with other work
     threads: int | None = None
+    # the output's format: "" (free text), "json_object" (any JSON object) or "json_schema"
+    # (`json_schema`, a JSON Schema as JSON text): every emitted token is the target's
+    # choice among those the grammar allows (procs/decoder/sched/constraint.py)
+    response_format: str = ""
+    json_schema: str = ""
+    # each token's log-probability under the target and this many alternatives (OpenAI's
+    # `top_logprobs`, 0-20; None: none)
+    logprobs: int | None = None
 
 
 class Queued(Message):
@@ -243,10 +251,35 @@ class Abort(Message):
     req_id: str
 
 
+class TopLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A likely token at a position: its text, id and log-probability under the target."""
+
+    token: str
+    id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """An emitted token's log-probability and the most likely tokens at its position."""
+
+    token: str
+    id: int
+    logprob: float
+    top: list[TopLogprob] = []
+
+
+def logprobs_json(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """`memspec generate --json`'s `logprobs`: one object per token."""
+    return [{"token": t.token, "id": t.id, "logprob": t.logprob,
+             "top": [{"token": a.token, "id": a.id, "logprob": a.logprob} for a in t.top]}
+            for t in entries]
+
+
 class Tokens(Message):
     req_id: str
     ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] = []  # one per id, where the request asked for them
 
 
 class Done(Message):
@@ -255,6 +288,9 @@ class Done(Message):
     token_ids: list[int]
     stats: Summary
     finish_reason: str = ""  # "stop" (end of sequence or a stop string) | "length"
+    # one per token this decoder emitted, where asked for (a resumed request's tokens from
+    # before a decoder crash have none)
+    logprobs: list[TokenLogprob] = []
 
 
 ErrorKind = Literal["", "request", "busy", "unavailable"]

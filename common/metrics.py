@@ -132,6 +132,8 @@ class Summary(msgspec.Struct, forbid_unknown_fields=True):
     resumed: int = 0  # decoder crashes this request survived (resumed on the restarted one)
     resume_wait_s: float = 0.0  # its stream's pauses for them: crash noticed -> tokens again
     resumed_tokens: int = 0  # tokens decoded before the last crash, carried as context
+    grammar_s: float = 0.0  # a constrained request's time in its grammar (masks, checks)
+    forced_tokens: int = 0  # tokens the grammar forced, proposed without a draft
 
 
 OUTCOMES = ("done", "failed", "cancelled", "busy", "invalid")
@@ -331,6 +333,11 @@ class RunStats:
     prefill_loads: tuple[str, ...] = ()  # the loads in flight as the prefill began (they
     # slow it)
     points: int = 0  # scheduling points (decisions) the request's decode loop made
+    t_grammar: float = 0.0  # in the request's output grammar (procs/decoder/sched/constraint.py)
+    forced: int = 0  # tokens the grammar forced, proposed without a draft
+    # per generated token, where asked for: (token, logprob, [(token, logprob), ...])
+    token_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(
+        default_factory=list)
 
     def report(self) -> Summary:
         """The metrics, typed."""
@@ -383,6 +390,8 @@ class RunStats:
             bytes_loaded=self.bytes_loaded,
             drafts_used=dict(Counter(r.draft for r in drafted if r.draft is not None)),
             accepted_counts=_counts(r.accepted for r in drafted),
+            grammar_s=self.t_grammar,
+            forced_tokens=self.forced,
         )
 
     def summary(self) -> dict[str, Any]:

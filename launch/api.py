@@ -11,8 +11,10 @@ that ticks it is the only one that touches it; calls from any thread go through
 `Runtime("tcp://127.0.0.1:5555")` connects to a running `memspec up` instead, over its
 ZeroMQ endpoint. Either way a prompt is a string (one user turn, as `memspec generate`) or
 a chat (a list of {"role", "content"} dicts rendered by the target's template), options
-are `max_new_tokens`, `policy`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`
-and `gate` (the speculation gate on or off for this request; None: the pool's), with
+are `max_new_tokens`, `policy`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
+`json_schema` (a dict, or True for any JSON object: the output follows it), `logprobs`
+(each token's log-probability and this many alternatives, in `Result.logprobs`) and `gate`
+(the speculation gate on or off for this request; None: the pool's), with
 `threads`, `trace` and `ucb_c` for measurements (the benchmarks run through this API), and
 an error is a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
 """
@@ -20,6 +22,7 @@ an error is a `MemspecError` with a one-line message. Leaving a `stream` early c
 from __future__ import annotations
 
 import atexit
+import json
 import queue
 import secrets
 import threading
@@ -36,6 +39,7 @@ from memspec.common.messages import (
     Message,
     Status,
     Submit,
+    TokenLogprob,
     Tokens,
     chat_text,
 )
@@ -54,6 +58,12 @@ class Result:
     token_ids: list[int]
     finish_reason: str  # "stop" (end of sequence or a stop string) | "length"
     stats: Summary  # as `memspec generate --json` prints it (`as_json(stats)` for a dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token, where asked for
+
+    @classmethod
+    def of(cls, done: Done) -> Result:
+        return cls(done.text, done.token_ids, done.finish_reason, done.stats,
+                   done.logprobs or None)
 
     @property
     def policy(self) -> str:
@@ -64,7 +74,9 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
             stop: str | list[str] | None = None, top_k: int = 0, min_p: float = 0.0,
             gate: bool | None = None, threads: int | None = None,
-            trace: bool = False, ucb_c: float | None = None) -> Submit:
+            trace: bool = False, ucb_c: float | None = None,
+            json_schema: dict[str, Any] | str | bool | None = None,
+            logprobs: int | None = None) -> Submit:
     """The request, checked here against the limits every front door shares
     (common/limits.py): a bad one raises before anything is sent, local or remote."""
     if isinstance(prompt, str):
@@ -91,12 +103,29 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
     if not isinstance(policy, str):
         raise RequestError(f"policy {policy!r} is not a string", "pass a policy's name")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
+    fmt, schema = response_format(json_schema)
     req = Submit(req_id=secrets.token_hex(8), prompt=text, max_new_tokens=max_new_tokens,
                  policy=policy, temperature=temperature, top_p=top_p, seed=seed,
                  messages=turns, stop=stops, top_k=top_k, min_p=min_p, gate=gate,
-                 threads=threads, trace=bool(trace), ucb_c=ucb_c)
+                 threads=threads, trace=bool(trace), ucb_c=ucb_c,
+                 response_format=fmt, json_schema=schema, logprobs=logprobs)
     check_request(req)
     return req
+
+
+def response_format(json_schema: dict[str, Any] | str | bool | None) -> tuple[str, str]:
+    """Submit's (response_format, json_schema) for a schema given as a dict or JSON text,
+    True (any JSON object) or None / False (free text)."""
+    if json_schema is None or json_schema is False:
+        return "", ""
+    if json_schema is True:
+        return "json_object", ""
+    if isinstance(json_schema, dict):
+        return "json_schema", json.dumps(json_schema)
+    if isinstance(json_schema, str):
+        return "json_schema", json_schema
+    raise RequestError(f"json_schema of type {type(json_schema).__name__}",
+                       "pass a dict, JSON text, or True for any JSON object")
 
 
 def _raise(err: Error) -> None:
@@ -122,7 +151,7 @@ class Stream:
             if isinstance(msg, Tokens) and msg.text:
                 return msg.text
             if isinstance(msg, Done):
-                self.result = Result(msg.text, msg.token_ids, msg.finish_reason, msg.stats)
+                self.result = Result.of(msg)
                 raise StopIteration
             if isinstance(msg, Error):
                 self.result = None
@@ -302,7 +331,7 @@ class Runtime:
         _, replies = self._replies(prompt, opts)
         for msg in replies:
             if isinstance(msg, Done):
-                return Result(msg.text, msg.token_ids, msg.finish_reason, msg.stats)
+                return Result.of(msg)
             if isinstance(msg, Error):
                 _raise(msg)
         raise MemspecError("the request ended without a result")

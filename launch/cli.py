@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memspec.common.errors import ConfigError, MemspecError
+from memspec.common.errors import ConfigError, MemspecError, RequestError
 from memspec.common.metrics import as_json
 from memspec.launch.terminal import CONSOLE, Interrupted, check_utf8
 
@@ -70,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                  max_new_tokens=args.max_new_tokens or 0,
                                  temperature=args.temperature, top_p=args.top_p,
                                  seed=args.seed, top_k=args.top_k, min_p=args.min_p,
-                                 threads=args.threads)
+                                 threads=args.threads, **_output_options(args))
     if out is None:
         out = _generate_here(args)
     if args.json:
@@ -98,13 +98,15 @@ def _generate_here(args: argparse.Namespace) -> dict:
     # checked here without torch: a fresh run's command never imports it (seconds on a small CPU)
     check_sampling(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)
     max_new = args.max_new_tokens or pool.max_new_tokens
+    output = _output_options(args)
     check_request(Submit(req_id="generate", prompt=args.prompt, max_new_tokens=max_new,
-                         policy=policy, threads=args.threads))  # every front door's limits
-    request = {"policy": policy, "max_new_tokens": max_new, "temperature": args.temperature,
+                         policy=policy, threads=args.threads, **output))  # every front
+    request = {"policy": policy, "max_new_tokens": max_new,  # door's limits
+               "temperature": args.temperature,
                "top_p": args.top_p, "seed": args.seed, "top_k": args.top_k,
-               "min_p": args.min_p, "threads": args.threads}
+               "min_p": args.min_p, "threads": args.threads, **output}
     if args.in_process:
-        return _generate_in_process(pool, args, policy, max_new)
+        return _generate_in_process(pool, args, policy, max_new, output)
     from memspec.common import logs
     from memspec.launch.up import generate
 
@@ -112,7 +114,8 @@ def _generate_here(args: argparse.Namespace) -> dict:
     return generate(args.pool, args.prompt, stream=not args.json, fresh=True, **request)
 
 
-def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int) -> dict:
+def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: int,
+                         output: dict) -> dict:
     from memspec.procs.decoder.detok import StreamDecoder
     from memspec.procs.decoder.forward.threads import make_plan
     from memspec.procs.decoder.inprocess import build_local, run_request
@@ -127,7 +130,8 @@ def _generate_in_process(pool, args: argparse.Namespace, policy: str, max_new: i
         def stream(ids: list[int]) -> None:
             CONSOLE.text(detok.push(ids))
     params = SamplingParams(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)
-    out = run_request(rt, args.prompt, policy, max_new, params, stream, threads=plan)
+    out = run_request(rt, args.prompt, policy, max_new, params, stream, threads=plan,
+                      **output)
     if not args.json:
         CONSOLE.text(detok.flush())
     return out
@@ -168,20 +172,20 @@ def _timeouts(args: argparse.Namespace):  # noqa: ANN202
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from memspec.common.config import check_sampling
-    from memspec.launch.client import submit
+    from memspec.launch.client import done_json, submit
 
     check_utf8(args.prompt, "the prompt")
     check_sampling(args.temperature, args.top_p, args.seed, args.top_k, args.min_p)  # first
     _check_max_new(args.max_new_tokens)
     kw = {"max_new_tokens": args.max_new_tokens or 0, "policy": args.policy or "",
           "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-          "top_k": args.top_k, "min_p": args.min_p, "threads": args.threads}
+          "top_k": args.top_k, "min_p": args.min_p, "threads": args.threads,
+          **_output_options(args)}
     done = submit(args.endpoint, args.prompt,
                   None if args.json else lambda tok: CONSOLE.text(tok.text),
                   _timeouts(args), **kw)
     if args.json:
-        print(json.dumps({"text": done.text, "token_ids": done.token_ids,
-                          "stats": as_json(done.stats)}))
+        print(json.dumps(done_json(done)))
     else:
         CONSOLE.end_text()
     return 0
@@ -245,7 +249,6 @@ def _checkout_only(command: str, what: str) -> None:
 
 
 def _check_max_new(value: int | None) -> None:
-    from memspec.common.errors import RequestError
 
     if value is not None and value < 1:
         raise RequestError(f"--max-new-tokens {value} is below 1", "ask for at least 1 token")
@@ -264,7 +267,40 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="at most this many decoder threads (default: every core while the "
                         "predictor and loader rest)")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="a JSON Schema file: the output is JSON that follows it")
+    p.add_argument("--json-object", action="store_true",
+                   help="the output is a JSON object (any)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="report each token's log-probability and N alternatives (0-20; "
+                        "with --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _output_options(args: argparse.Namespace) -> dict:
+    """Submit's response_format, json_schema and logprobs from the flags (a schema file
+    read here: a missing or non-JSON file is one line)."""
+    fmt, schema = "", ""
+    if args.json_schema and args.json_object:
+        raise RequestError("--json-schema and --json-object both given", "pass one")
+    if args.json_object:
+        fmt = "json_object"
+    elif args.json_schema:
+        path = Path(args.json_schema)
+        try:
+            schema = path.read_text(encoding="utf-8")
+            parsed = json.loads(schema)
+        except OSError as exc:
+            raise RequestError(f"cannot read the JSON Schema {path} ({exc.strerror})",
+                               "pass a readable .json file") from None
+        except ValueError as exc:
+            raise RequestError(f"the JSON Schema {path} is not JSON ({exc})",
+                               "pass a file holding one JSON object") from None
+        if not isinstance(parsed, dict):
+            raise RequestError(f"the JSON Schema {path} is not a JSON object",
+                               "pass a file holding one JSON object")
+        fmt = "json_schema"
+    return {"response_format": fmt, "json_schema": schema, "logprobs": args.logprobs}
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:

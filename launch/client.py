@@ -14,6 +14,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -29,7 +30,9 @@ from memspec.common.messages import (
     StatusRequest,
     Submit,
     Tokens,
+    logprobs_json,
 )
+from memspec.common.metrics import as_json
 from memspec.common.sockets import configure, send
 from memspec.launch.endpoint import check_endpoint, default_endpoint, ipc_path
 
@@ -175,6 +178,16 @@ def submit(endpoint: str | None, prompt: str, on_tokens: Callable[[Tokens], None
     if isinstance(result[0], Error):
         raise MemspecError(f"request failed: {result[0].message}")
     return result[0]
+
+
+def done_json(done: Done) -> dict[str, Any]:
+    """`memspec generate --json`'s object: text, token ids, stats (and logprobs, where the
+    request asked for them)."""
+    out: dict[str, Any] = {"text": done.text, "token_ids": done.token_ids,
+                           "stats": as_json(done.stats)}
+    if done.logprobs:
+        out["logprobs"] = logprobs_json(done.logprobs)
+    return out
 
 
 def status(endpoint: str | None, timeouts: Timeouts = Timeouts()) -> Status:

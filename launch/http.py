@@ -202,10 +202,13 @@ async def _stream(relay: Relay, first: Any) -> AsyncIterator[bytes]:
         if call.chat:
             yield _sse(chunk(call, text="", first=True))
         item = first
+        sent = 0  # characters streamed (the completions API's `text_offset`)
         while True:
             if isinstance(item, Tokens):
-                if item.text:
-                    yield _sse(chunk(call, text=item.text))
+                if item.text or item.logprobs:
+                    yield _sse(chunk(call, text=item.text, logprobs=item.logprobs,
+                                     offset=sent))
+                    sent += len(item.text)
             elif isinstance(item, Done):
                 yield _sse(chunk(call, done=item))
                 if call.include_usage:

@@ -4,10 +4,13 @@ Requests decode into typed msgspec structs, so a wrong type, a value out of rang
 unknown field is an `ApiError` (400) naming the field, never a half-read request. The
 fields are the OpenAI API's that memspec honours (`max_tokens`, `temperature`, `top_p`,
 `seed`, `stop`, `stream`, `stream_options.include_usage`), the sampling extensions other
-OpenAI-compatible servers (vLLM) take (`top_k`, `min_p`), those it accepts at their neutral
-value only (`n` = 1, no penalties, no logprobs, no tools: anything else is a 400 that says
-so), fields that change nothing memspec does and are ignored (IGNORED: `metadata`, `store`,
-`parallel_tool_calls`, ...; the server logs each once), and one extension, `policy`.
+OpenAI-compatible servers (vLLM) take (`top_k`, `min_p`), `logprobs` / `top_logprobs` (the
+target's own distribution at each emitted token) and `response_format` (`json_object`, or
+`json_schema`: the output follows the schema, procs/decoder/sched/constraint.py), those it
+accepts at their neutral value only (`n` = 1, no penalties, no tools: anything else is a 400
+that says so), fields that change nothing memspec does and are ignored (IGNORED:
+`metadata`, `store`, `parallel_tool_calls`, ...; the server logs each once), and one
+extension, `policy`.
 Differences from OpenAI, on purpose:
 
 - `temperature` defaults to 0 (greedy, as `memspec generate`), not 1;
@@ -29,14 +32,22 @@ import msgspec
 from msgspec import Meta
 
 from memspec.common.errors import RequestError
-from memspec.common.limits import MAX_NEW_TOKENS, LimitError, check_request, rank_text
-from memspec.common.messages import ChatTurn, Done, Submit, chat_text
+from memspec.common.limits import (
+    MAX_NEW_TOKENS,
+    MAX_TOP_LOGPROBS,
+    LimitError,
+    check_request,
+    rank_text,
+)
+from memspec.common.messages import ChatTurn, Done, Submit, TokenLogprob, chat_text
 from memspec.common.metrics import as_json
 
 MAX_BODY_BYTES = 1 << 20  # a request body over 1 MiB is refused (413)
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name; other roles: common/limits.py
 # a Submit field a LimitError names -> the request body's field
-PARAMS = {"max_new_tokens": "max_tokens"}
+PARAMS = {"max_new_tokens": "max_tokens", "json_schema": "response_format",
+          "logprobs": "top_logprobs"}
+LEGACY_MAX_LOGPROBS = 5  # /v1/completions' `logprobs`, as OpenAI limits it
 
 # OpenAI fields clients and agent frameworks send that change nothing memspec computes (no
 # storage, no tools to call in parallel, routing and caching hints): accepted, ignored
@@ -113,19 +124,32 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     verbosity: Any = None
 
 
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
-    logprobs: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=LEGACY_MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None  # (vLLM takes it here too)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -193,16 +217,34 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _format(rf: ResponseFormat | None) -> tuple[str, str]:
+    """Submit's (response_format, json_schema) for the body's `response_format`."""
+    if rf is None or rf.type == "text":
+        return "", ""
+    if rf.type == "json_object":
+        return "json_object", ""
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema is None:
+            raise ApiError(400, "`response_format` json_schema needs `json_schema.schema`",
+                           param="response_format")
+        return "json_schema", msgspec.json.encode(rf.json_schema.schema).decode()
+    raise _unsupported("response_format", f"type '{rf.type[:40]}' is not one of text, "
+                                          "json_object, json_schema")
+
+
 def _submit(prefix: str, r: _Common, prompt: str, max_tokens: int | None,
-            messages: list[ChatTurn]) -> Submit:
+            messages: list[ChatTurn], rf: ResponseFormat | None = None,
+            logprobs: int | None = None) -> Submit:
     """The Submit, checked against the request limits every front door shares (a 400 naming
     the body's field), so a refused body is never queued."""
+    fmt, schema = _format(rf)
     sub = Submit(req_id=f"{prefix}-{secrets.token_hex(12)}", prompt=prompt,
                  max_new_tokens=max_tokens or 0, policy=r.policy or "",
                  temperature=0.0 if r.temperature is None else r.temperature,
                  top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
                  messages=messages, stop=_stops(r.stop),
-                 top_k=max(r.top_k or 0, 0), min_p=r.min_p or 0.0)
+                 top_k=max(r.top_k or 0, 0), min_p=r.min_p or 0.0,
+                 response_format=fmt, json_schema=schema, logprobs=logprobs)
     try:
         check_request(sub)
     except LimitError as exc:
@@ -216,12 +258,10 @@ def _submit(prefix: str, r: _Common, prompt: str, max_tokens: int | None,
 def parse_chat(body: bytes) -> Call:
     r: ChatRequest = _decode(body, ChatRequest)
     _check_common(r)
-    if r.logprobs or r.top_logprobs:
-        raise _unsupported("logprobs", "is not supported; omit it")
+    if r.top_logprobs is not None and not r.logprobs:
+        raise ApiError(400, "`top_logprobs` needs `logprobs` true", param="top_logprobs")
     if r.tools or r.tool_choice not in (None, "none"):
         raise _unsupported("tools", "are not supported: the target has no tool calling")
-    if r.response_format not in (None, {"type": "text"}):
-        raise _unsupported("response_format", "other than text is not supported")
     turns = [ChatTurn(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m, i))
              for i, m in enumerate(r.messages)]
     prompt = rank_text(chat_text(turns))  # what the predictor reads of the chat
@@ -229,14 +269,14 @@ def parse_chat(body: bytes) -> Call:
         raise ApiError(400, "`max_tokens` and `max_completion_tokens` differ; send one",
                        param="max_completion_tokens")
     return Call(True, r, _submit("chatcmpl", r, prompt,
-                                 r.max_completion_tokens or r.max_tokens, turns))
+                                 r.max_completion_tokens or r.max_tokens, turns,
+                                 r.response_format,
+                                 (r.top_logprobs or 0) if r.logprobs else None))
 
 
 def parse_completion(body: bytes) -> Call:
     r: CompletionRequest = _decode(body, CompletionRequest)
     _check_common(r)
-    if r.logprobs is not None:
-        raise _unsupported("logprobs", "is not supported; omit it")
     if r.echo:
         raise _unsupported("echo", "is not supported; omit it")
     if r.best_of not in (None, 1):
@@ -244,7 +284,8 @@ def parse_completion(body: bytes) -> Call:
     if r.suffix:
         raise _unsupported("suffix", "is not supported; omit it")
     prompt = r.prompt if isinstance(r.prompt, str) else r.prompt[0]
-    return Call(False, r, _submit("cmpl", r, prompt, r.max_tokens, []))
+    return Call(False, r, _submit("cmpl", r, prompt, r.max_tokens, [], r.response_format,
+                                  r.logprobs))
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -260,10 +301,34 @@ def extension(done: Done) -> dict[str, Any]:
             "stats": as_json(done.stats)}
 
 
+def _entry(t: TokenLogprob) -> dict[str, Any]:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+            "top_logprobs": [{"token": a.token, "logprob": a.logprob,
+                              "bytes": list(a.token.encode())} for a in t.top]}
+
+
+def logprobs_object(call: Call, entries: list[TokenLogprob], offset: int = 0
+                    ) -> dict[str, Any] | None:
+    """A choice's `logprobs`: the chat API's `content` list, or the completions API's
+    parallel lists (`text_offset` counted from `offset`, the characters before them)."""
+    if call.submit.logprobs is None:
+        return None
+    if call.chat:
+        return {"content": [_entry(t) for t in entries], "refusal": None}
+    offsets = []
+    for t in entries:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in entries],
+            "token_logprobs": [t.logprob for t in entries],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in entries],
+            "text_offset": offsets}
+
+
 def response(call: Call, done: Done) -> dict[str, Any]:
     """The whole reply of a non-streamed request."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason or "stop",
-                              "logprobs": None}
+                              "logprobs": logprobs_object(call, done.logprobs)}
     if call.chat:
         choice["message"] = {"role": "assistant", "content": done.text}
     else:
@@ -274,8 +339,11 @@ def response(call: Call, done: Done) -> dict[str, Any]:
 
 
 def chunk(call: Call, text: str | None = None, done: Done | None = None,
-          first: bool = False) -> dict[str, Any]:
-    """One streamed event: the role (first), a piece of text, or the end (`done`)."""
+          first: bool = False, logprobs: list[TokenLogprob] | None = None, offset: int = 0
+          ) -> dict[str, Any]:
+    """One streamed event: the role (first), a piece of text (with its tokens'
+    `logprobs`), or the end (`done`)."""
+    lp = logprobs_object(call, logprobs, offset) if logprobs else None
     finish = (done.finish_reason or "stop") if done is not None else None
     if call.chat:
         delta: dict[str, Any] = {}
@@ -284,9 +352,9 @@ def chunk(call: Call, text: str | None = None, done: Done | None = None,
         if text is not None:
             delta["content"] = text
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
-                                  "logprobs": None}
+                                  "logprobs": lp}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
     out = {"id": call.id, "object": "chat.completion.chunk" if call.chat else "text_completion",
            "created": call.created, "model": call.model, "choices": [choice]}
     if done is not None:

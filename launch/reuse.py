@@ -13,9 +13,8 @@ from typing import Any
 
 from memspec.common.errors import MemspecError
 from memspec.common.messages import Message, Tokens
-from memspec.common.metrics import as_json
 from memspec.common.paths import pool_identity
-from memspec.launch.client import Timeouts, status, submit
+from memspec.launch.client import Timeouts, done_json, status, submit
 from memspec.launch.endpoint import default_endpoint, ipc_listening, ipc_path
 from memspec.launch.terminal import CONSOLE
 
@@ -57,5 +56,4 @@ def generate_on_server(pool: str | None, prompt: str, stream: bool, **kw: Any
         if isinstance(msg, Tokens) and stream:
             CONSOLE.text(msg.text)
 
-    done = submit(ep, prompt, show, **kw)
-    return {"text": done.text, "token_ids": done.token_ids, "stats": as_json(done.stats)}
+    return done_json(submit(ep, prompt, show, **kw))

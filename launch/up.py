@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from memspec.common.errors import MemspecError
 from memspec.common.limits import check_request
 from memspec.common.messages import Done, Error, Message, Submit, Tokens
-from memspec.common.metrics import as_json
 from memspec.launch.bridge import Bridge, serve_forever
+from memspec.launch.client import done_json
 from memspec.launch.endpoint import default_endpoint
 from memspec.launch.supervisor import MAX_QUEUE, Supervisor
 from memspec.launch.terminal import CONSOLE, Interrupted, StopSignals, check_utf8
@@ -200,4 +200,4 @@ def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = Fal
         raise Interrupted(stop.signum or signal.SIGINT)
     if isinstance(done, Error):
         raise MemspecError(f"request failed: {done.message}")
-    return {"text": done.text, "token_ids": done.token_ids, "stats": as_json(done.stats)}
+    return done_json(done)

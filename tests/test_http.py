@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import zmq
@@ -292,7 +293,7 @@ def _malformed(model: str, rng: random.Random) -> Iterator[tuple[str, str, bytes
                    ("n", 2), ("n", "1"), ("logit_bias", {"1": 5}), ("tools", [{}]),
                    ("presence_penalty", 1), ("policy", "fastest"),
                    ("stream_options", {"include_usage": True}),
-                   ("response_format", {"type": "json_object"})]
+                   ("response_format", {"type": "xml"}), ("top_logprobs", 3)]
     unknown = [{"frobnicate": 1}, {"messages": [{"role": "user", "content": "x", "extra": 1}]},
                {"stream": True, "stream_options": {"include_usage": True, "x": 1}},
                {"functions": []}, {"Model": model}]
@@ -508,6 +509,52 @@ def test_runtime_on_a_running_server(server):
         _wait_until(lambda: _running(server) == 0, 2, "a closed stream kept running")
         assert _metrics(server)["memspec_requests_total{outcome=cancelled}"] == cancelled + 1
         assert rt.status().totals.requests["done"] >= 1
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "country": {"type": "string", "maxLength": 24}},
+        "required": ["city", "country"], "additionalProperties": False}
+CITY_PROMPT = "Give a city and its country as JSON."
+
+
+def test_json_schema_and_logprobs_through_the_openai_client_and_the_python_api(server):
+    """The official client's `response_format` and `logprobs`, streamed and not, and the
+    same request through `Runtime`: valid JSON, one log-probability per token, the same
+    tokens and numbers every way."""
+    client = server.client()
+    kw = {"model": server.model, "max_tokens": 96, "logprobs": True, "top_logprobs": 2,
+          "messages": [{"role": "user", "content": CITY_PROMPT}],
+          "response_format": {"type": "json_schema", "json_schema": {
+              "name": "city", "schema": CITY, "strict": True}}}
+    r = client.chat.completions.create(**kw)
+    text, ids = r.choices[0].message.content, r.model_extra["memspec"]["token_ids"]
+    jsonschema.validate(json.loads(text), CITY)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == len(ids) and all(len(t.top_logprobs) == 2 for t in lp)
+    assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in lp)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [
+        (t.token, round(t.logprob, 4)) for t in lp]
+    c = client.completions.create(model=server.model, prompt=CITY_PROMPT, max_tokens=96,
+                                  logprobs=1, extra_body={"response_format": {
+                                      "type": "json_object"}})
+    json.loads(c.choices[0].text)
+    legacy = c.choices[0].logprobs
+    assert len(legacy.tokens) == len(c.model_extra["memspec"]["token_ids"])
+    assert len(legacy.text_offset) == len(legacy.tokens) and legacy.text_offset[0] == 0
+    with Runtime(server.endpoint) as rt:
+        res = rt.generate([{"role": "user", "content": CITY_PROMPT}], max_new_tokens=96,
+                          json_schema=CITY, logprobs=2)
+        assert res.token_ids == ids and res.text == text
+        assert [round(t.logprob, 4) for t in res.logprobs] == [round(t.logprob, 4) for t in lp]
+    bad = {**kw, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**bad)
+    assert "schema" in str(e.value)
 
 
 # ---- request limits through every front door (common/limits.py) -----------------------------

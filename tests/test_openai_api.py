@@ -190,7 +190,7 @@ def test_sampling_extensions_and_ignored_openai_fields():
         "service_tier"]
     for body, param in ((_body(messages=chat, n=2), "n"),
                         (_body(messages=chat, repetition_penalty=1.2), "repetition_penalty"),
-                        (_body(messages=chat, logprobs=True), "logprobs")):
+                        (_body(messages=chat, top_logprobs=2), "top_logprobs")):
         with pytest.raises(ApiError) as e:
             parse_chat(body)
         assert e.value.status == 400 and e.value.param == param
@@ -199,3 +199,49 @@ def test_sampling_extensions_and_ignored_openai_fields():
         with pytest.raises(ApiError) as e:
             parse_chat(body)
         assert e.value.status == 400
+
+
+def test_logprobs_and_response_format_reach_the_submit():
+    chat = [{"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    call = parse_chat(_body(messages=chat, logprobs=True, top_logprobs=3,
+                            response_format={"type": "json_schema", "json_schema": {
+                                "name": "x", "schema": schema, "strict": True}}))
+    sub = call.submit
+    assert (sub.logprobs, sub.response_format) == (3, "json_schema")
+    assert json.loads(sub.json_schema) == schema
+    assert parse_chat(_body(messages=chat, logprobs=True)).submit.logprobs == 0
+    assert parse_chat(_body(messages=chat)).submit.logprobs is None
+    assert parse_chat(_body(messages=chat, response_format={"type": "json_object"})
+                      ).submit.response_format == "json_object"
+    assert parse_chat(_body(messages=chat, response_format={"type": "text"})
+                      ).submit.response_format == ""
+    assert parse_completion(_body(prompt="x", logprobs=2)).submit.logprobs == 2
+    for body in (_body(messages=chat, response_format={"type": "xml"}),
+                 _body(messages=chat, response_format={"type": "json_schema"}),
+                 _body(messages=chat, logprobs=True, top_logprobs=21),
+                 _body(prompt="x", logprobs=6)):
+        with pytest.raises(ApiError) as e:
+            (parse_completion if b'"prompt"' in body else parse_chat)(body)
+        assert e.value.status == 400
+
+
+def test_logprobs_objects_follow_each_api():
+    from memspec.common.messages import TokenLogprob, TopLogprob
+    from memspec.launch.openai_api import logprobs_object
+
+    entries = [TokenLogprob("He", 1, -0.5, [TopLogprob("He", 1, -0.5), TopLogprob("I", 2, -1.5)]),
+               TokenLogprob("llo", 3, -0.1, [TopLogprob("llo", 3, -0.1), TopLogprob("y", 4, -3.0)])]
+    chat = parse_chat(_body(messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                            top_logprobs=2))
+    obj = logprobs_object(chat, entries)
+    assert obj["content"][1] == {"token": "llo", "logprob": -0.1, "bytes": [108, 108, 111],
+                                 "top_logprobs": [
+                                     {"token": "llo", "logprob": -0.1, "bytes": [108, 108, 111]},
+                                     {"token": "y", "logprob": -3.0, "bytes": [121]}]}
+    legacy = logprobs_object(parse_completion(_body(prompt="x", logprobs=2)), entries, 5)
+    assert legacy == {"tokens": ["He", "llo"], "token_logprobs": [-0.5, -0.1],
+                      "top_logprobs": [{"He": -0.5, "I": -1.5}, {"llo": -0.1, "y": -3.0}],
+                      "text_offset": [5, 7]}
+    assert logprobs_object(parse_chat(_body(messages=[{"role": "user", "content": "hi"}])),
+                           entries) is None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memspec.common.messages import TokenLogprob, TopLogprob
+
 REPLACEMENT = "\ufffd"
 WINDOW = 6  # tokens of context before the new ones (merges and leading spaces settle)
 
@@ -43,3 +45,15 @@ class StreamDecoder:
         after = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return after[len(before):] if after.startswith(before) else ""
+
+
+def logprob_entries(tokenizer: Any, rows: list[tuple[int, float, list[tuple[int, float]]]]
+                    ) -> list[TokenLogprob]:
+    """The engine's (token, logprob, alternatives) rows with each token's own text, as the
+    OpenAI API reports them (a token that ends inside a character shows U+FFFD, as vLLM's)."""
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    return [TokenLogprob(token=text(t), id=t, logprob=lp,
+                         top=[TopLogprob(token=text(a), id=a, logprob=alp) for a, alp in top])
+            for t, lp, top in rows]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from memspec.common.errors import ModelError, RequestError
+from memspec.common.limits import MAX_TOP_LOGPROBS
 from memspec.common.metrics import IterationRecord, RunStats
 from memspec.common.tuned import knob
 from memspec.procs.decoder.drafts.datastore import (
@@ -47,11 +48,15 @@ from memspec.procs.decoder.sched.acceptance import (
     speculative_accept,
     warp,
 )
+from memspec.procs.decoder.sched.constraint import Constraint
 from memspec.procs.decoder.sched.costs import LOOKUP
 from memspec.procs.decoder.sched.gate import Line
 from memspec.procs.decoder.slots import BoundDraft
 
 TokenCallback = Callable[[list[int]], None]
+# one emitted token's log-probability under the target and the most likely alternatives:
+# (token, logprob, [(token, logprob), ...]) (OpenAI's `logprobs` / `top_logprobs`)
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 Between = Callable[[], bool]  # called between prefill chunks; False: the rest in one piece
 DEFAULT_MAX_CONTEXT = 2048
 # Prefill piece while a caller waits on something (the first ranking): the smallest piece
@@ -165,26 +170,33 @@ class SpecEngine:
 
     def start(self, prompt_ids: list[int], max_new_tokens: int,
               params: SamplingParams | None = None,
-              on_tokens: TokenCallback | None = None, between: Between | None = None
+              on_tokens: TokenCallback | None = None, between: Between | None = None,
+              constraint: Constraint | None = None, logprobs: int | None = None
               ) -> Session:
         """Open a request (prefill). ``between`` lets the caller act during a long prefill
         (the decoder issues the initial loads once the first ranking lands); it is called
         only where chunks give bit-identical caches (``exact_chunks`` runners), so output
-        never depends on when a ranking arrived."""
+        never depends on when a ranking arrived. ``constraint``: the output grammar;
+        ``logprobs``: record each emitted token's log-probability and this many
+        alternatives (None: none)."""
         return Session(self, prompt_ids, max_new_tokens, params or SamplingParams(), on_tokens,
-                       between)
+                       between, constraint, logprobs)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  params: SamplingParams | None = None,
                  select: Callable[[Session], str | None] | None = None,
                  on_tokens: TokenCallback | None = None,
-                 tick: Callable[[], None] | None = None) -> tuple[list[int], RunStats]:
+                 tick: Callable[[], None] | None = None,
+                 constraint: Constraint | None = None, logprobs: int | None = None
+                 ) -> tuple[list[int], RunStats]:
         """Run to completion; ``select`` names the draft for each iteration (None: target
         only); ``tick`` runs before the prefill and every iteration (the thread plan)."""
         t0 = time.perf_counter()
         if tick is not None:
             tick()
-        s = self.start(prompt_ids, max_new_tokens, params, on_tokens)
+        s = self.start(prompt_ids, max_new_tokens, params, on_tokens,
+                       constraint=constraint, logprobs=logprobs)
+        s.force_ahead = select is not None  # (no selector: the target-only baseline)
         while not s.done:
             if tick is not None:
                 tick()
@@ -212,7 +224,8 @@ class Session:
 
     def __init__(self, engine: SpecEngine, prompt_ids: list[int], max_new_tokens: int,
                  params: SamplingParams, on_tokens: TokenCallback | None,
-                 between: Between | None = None) -> None:
+                 between: Between | None = None, constraint: Constraint | None = None,
+                 logprobs: int | None = None) -> None:
         if not prompt_ids:
             raise RequestError("empty prompt", "send at least one token")
         if max_new_tokens < 1:
@@ -225,6 +238,15 @@ class Session:
         if any(not 0 <= t < engine.vocab for t in prompt_ids):
             raise RequestError("prompt has token ids outside the target's vocabulary",
                                f"use ids in [0, {engine.vocab})")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs {logprobs} is out of range",
+                               f"ask for 0 to {MAX_TOP_LOGPROBS}")
+        # the output grammar: every emitted token is the target's choice among the tokens
+        # it allows; drafts propose only legal tokens, the tokens it forces are proposed
+        # without a draft (while `force_ahead`: a target-only baseline sets it False)
+        self.constraint = constraint
+        self.force_ahead = True
+        self.logprobs = logprobs
         self.engine = engine
         self.params = params
         self.max_new_tokens = max_new_tokens
@@ -274,6 +296,11 @@ class Session:
                 self.engine.target.forward(self._tok[a:b], a, self._tcache, last_only=True)
 
     @property
+    def token_logprobs(self) -> list[TokenLogprob]:
+        """One per generated token, where asked for (``logprobs``)."""
+        return self.stats.token_logprobs
+
+    @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
@@ -281,7 +308,11 @@ class Session:
         if self._dev.type == "cuda":
             torch.cuda.synchronize(self._dev)
 
-    def _commit(self, new: list[int]) -> int:
+    def _commit(self, new: list[int], rows: torch.Tensor | None = None,
+                checked: bool = False) -> int:
+        """Append emitted tokens (up to the budget and the end of sequence). ``rows``: the
+        target's logits each was chosen from (log-probabilities, where asked for);
+        ``checked``: the grammar has already advanced past them."""
         room = self.max_new_tokens - len(self.generated)
         out: list[int] = []
         for tok in new[:room]:
@@ -289,6 +320,12 @@ class Session:
             if tok in self.engine.eos_ids:
                 self.done = True
                 break
+        if self.constraint is not None:
+            if out and not checked:
+                self.constraint.commit(out)
+            self.stats.t_grammar = self.constraint.seconds
+        if out and self.logprobs is not None and rows is not None:
+            self._record_logprobs(out, rows[:len(out)])
         if out:
             L = len(self.tokens)
             if self._tok_host is not None:
@@ -304,10 +341,50 @@ class Session:
             self.on_tokens(out)
         return len(out)
 
+    def _record_logprobs(self, tokens: list[int], rows: torch.Tensor) -> None:
+        """Each token's log-probability under the target's own distribution (temperature
+        1, before any filter or grammar: what it thinks, as OpenAI and vLLM report it) and
+        the `logprobs` most likely tokens."""
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+        if self.logprobs:
+            vals, ids = torch.topk(lp, self.logprobs, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        self.token_logprobs.extend(zip(tokens, chosen, tops))
+
     def _pick(self, logits: torch.Tensor) -> int:
+        c = self.constraint
+        if self.params.greedy and c is not None:
+            return c.pick_greedy(logits.float().cpu().numpy())
         if self.params.greedy:
             return host_argmax(logits) if host_rows(logits) else int(logits.argmax().item())
+        if c is not None:
+            logits = c.restrict(logits.float().cpu())
         return sample(warp(logits.cpu(), self.params), self.gen)
+
+    def _accept_constrained(self, props: list[int], logits: torch.Tensor) -> tuple[int, int]:
+        """Greedy acceptance under the grammar: row i's choice is the target's best token
+        among those legal after the accepted props[:i] (the grammar advances as it goes)."""
+        c = self.constraint
+        assert c is not None
+        rows = logits.float().cpu().numpy()
+        first = rows.argmax(-1)
+        eos = self.engine.eos_ids
+        n = 0
+        while True:
+            tok = c.pick_greedy(rows[n], int(first[n]))
+            c.commit([tok])
+            if n < len(props) and tok == props[n] and tok not in eos:
+                n += 1
+                continue
+            return n, tok
+
+    def _legal(self, props: list[int]) -> list[int]:
+        """The proposals up to the first the grammar forbids (it could never be accepted)."""
+        if self.constraint is None or not props:
+            return props
+        return props[:self.constraint.legal_prefix(props)]
 
     @torch.inference_mode()
     def step(self, draft: str | None, desired: bool = True) -> IterationRecord:
@@ -317,8 +394,14 @@ class Session:
         if draft is not None and draft != LOOKUP and draft not in self.engine.drafts:
             raise KeyError(f"draft '{draft}' is not resident")
         t0 = time.perf_counter()
-        if draft is None:
-            rec = self._target_step(t0)
+        c = self.constraint
+        forced = c.forced()[:self.engine.gamma] \
+            if c is not None and self.force_ahead and self.params.greedy else []
+        if forced:  # the grammar's own proposal: a verify, no draft (booked as the lookup's)
+            rec = self._lookup_step(t0, forced=forced)
+            draft = LOOKUP
+        elif draft is None or (c is not None and not self.params.greedy):
+            rec = self._target_step(t0)  # (sampling under a grammar: target steps only)
         elif draft == LOOKUP:
             rec = self._lookup_step(t0)
         elif self.engine.drafts[draft].kind == DATASTORE_KIND:
@@ -360,29 +443,34 @@ class Session:
         logits = self.engine.target.forward(self._tok[L - 1:L], L - 1, self._tcache)
         tok = self._pick(logits[-1])
         self._sync()
-        emitted = self._commit([tok])
+        emitted = self._commit([tok], logits[-1:])
         t1 = time.perf_counter()  # after the commit (streaming), as a speculative step's
         return IterationRecord(None, 0, 0, emitted, t0, t_verify=t1 - t0, context=L)
 
-    def _lookup_step(self, t0: float, name: str = LOOKUP, store: Datastore | None = None
-                     ) -> IterationRecord:
+    def _lookup_step(self, t0: float, name: str = LOOKUP, store: Datastore | None = None,
+                     forced: list[int] | None = None) -> IterationRecord:
         """A draft with no model: the context lookup (what followed the context's suffix
         before), then a resident datastore's continuation (what followed it in the domain's
         text), one proposal after another up to gamma while either finds one; none (or
-        sampling) is a plain target step. Nothing runs but the verify."""
+        sampling) is a plain target step. Nothing runs but the verify. ``forced``: the
+        grammar's forced tokens as the proposal instead."""
         ng, L = self._ngrams, len(self.tokens)
-        props: list[int] = []
+        props: list[int] = list(forced or [])
         led = False
         exact = self.propose  # (a datastore's table follows this very chain)
         depth = self._depth if store is None and exact is None else None  # (a datastore's
         match = 0  # chain: its own)
-        if self.params.greedy and (ng is not None or store is not None):
+        if props:
+            depth = None
+            self.stats.forced += len(props)
+        elif self.params.greedy and (ng is not None or store is not None):
             tail = self.tokens[-tail_width(ng, store):]
             match = ng.match(tail) if ng is not None else 0
             k = exact(name, L - self.prompt_len) if exact is not None else \
                 depth.choose(L, match) if depth else self.engine.gamma
             if k > 0:
                 props, led = led_chain(ng, store, tail, min(k, self.engine.gamma))
+                props = self._legal(props)
         if not props:
             rec = self._target_step(t0)
             rec.draft = name
@@ -395,12 +483,14 @@ class Session:
             verify = torch.cat([self._tok[L - 1:L],
                                 torch.tensor(props, dtype=torch.long, device=self._dev)])
         logits = self.engine.target.forward(verify, L - 1, self._tcache)
-        if host_rows(logits):
+        if self.constraint is not None:
+            n, nxt = self._accept_constrained(props, logits)
+        elif host_rows(logits):
             n, nxt = greedy_accept_host(props, logits)
         else:
             n_t, nxt_t = greedy_accept(verify[1:], logits)
             n, nxt = int(n_t), int(nxt_t)
-        emitted = self._commit(props[:n] + [nxt])
+        emitted = self._commit(props[:n] + [nxt], logits, checked=self.constraint is not None)
         self._sync()
         t1 = time.perf_counter()
         if depth is not None:
@@ -434,6 +524,8 @@ class Session:
         stop = self._head_stop if head else 0.0
         limit = g if self.propose is None else \
             max(1, min(g, self.propose(name, L - self.prompt_len)))
+        grammar = self.constraint
+        legal: list[int] = []  # (under a grammar: the proposals so far, as ints)
         for i in range(limit):
             row = draft.logits[-1] if to_target is not None else draft.logits[-1, :eng.vocab]
             t_id: torch.Tensor | None = None  # the proposal as a target id
@@ -460,15 +552,27 @@ class Session:
                 qs.append(self._to_target_space(q_sub, to_target))
             if t_id is None:
                 t_id = d_idx if to_target is None else to_target[d_idx]
+            if grammar is not None:  # a token the grammar forbids ends the proposal
+                legal.append(int(t_id))
+                if grammar.legal_prefix(legal) < len(legal):
+                    break
             props.append(t_id)
             if i < limit - 1:
                 draft.next(d_idx, t_id, L + i)
+        if not props:  # (its first proposal was illegal: a target step, after its catch-up)
+            rec = self._target_step(t0)
+            rec.draft, rec.t_catchup = name, t_catch - t0
+            rec.t_verify -= rec.t_catchup
+            return rec
         prop = torch.cat(props)
         self._sync()
         t_draft_end = time.perf_counter()
         verify = torch.cat([self._tok[L - 1:L], prop])
         logits = eng.target.forward(verify, L - 1, self._tcache)
-        if self.params.greedy and host_rows(logits):
+        if grammar is not None:
+            proposals = prop.tolist()
+            n, nxt = self._accept_constrained(proposals, logits)
+        elif self.params.greedy and host_rows(logits):
             proposals = prop.tolist()
             n, nxt = greedy_accept_host(proposals, logits)
         elif self.params.greedy:
@@ -478,7 +582,7 @@ class Session:
             p = warp(logits, self.params).cpu()
             proposals = prop.tolist()
             n, nxt = speculative_accept(prop.cpu(), torch.stack(qs).cpu(), p, self.gen)
-        emitted = self._commit(proposals[:n] + [nxt])
+        emitted = self._commit(proposals[:n] + [nxt], logits, checked=grammar is not None)
         # a head keeps only positions it saw with the target's features (re-run the accepted
         # ones next time, as EAGLE does); a model draft keeps its accepted proposals
         dc.length = L if head else min(L + min(n, limit - 1), len(self.tokens) - 1)

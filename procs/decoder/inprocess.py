@@ -17,11 +17,14 @@ from memspec.common.config import PoolConfig
 from memspec.common.draftfiles import draft_weights_file
 from memspec.common.errors import ConfigError, ModelError
 from memspec.common.manifest import read_manifest
+from memspec.common.messages import logprobs_json
 from memspec.common.safetensors_layout import read_layout
+from memspec.procs.decoder.detok import logprob_entries
 from memspec.procs.decoder.engine import SpecEngine, TokenCallback
 from memspec.procs.decoder.forward.threads import ThreadPlan
 from memspec.procs.decoder.models import encode_prompt, open_engine
 from memspec.procs.decoder.sched.acceptance import SamplingParams
+from memspec.procs.decoder.sched.constraint import GrammarTokenizer
 from memspec.procs.decoder.sched.costs import LOOKUP
 from memspec.procs.decoder.slots import SlotBuffer, load_into_slot
 
@@ -36,6 +39,7 @@ class LocalRuntime:
     slots: list[SlotBuffer] = field(default_factory=list)
     dtype: str = "float32"
     load_s: dict[str, float] = field(default_factory=dict)
+    grammar: GrammarTokenizer | None = None  # built at the first constrained request
 
     def ensure_resident(self, name: str) -> SlotBuffer:
         """Load a draft into a free (or the least recently filled) slot, in-process."""
@@ -89,9 +93,16 @@ def build_local(pool: PoolConfig, device: str = "cpu", with_drafts: bool = True,
 def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,
                 params: SamplingParams | None = None,
                 on_tokens: TokenCallback | None = None,
-                threads: ThreadPlan | None = None) -> dict[str, Any]:
+                threads: ThreadPlan | None = None, response_format: str = "",
+                json_schema: str = "", logprobs: int | None = None) -> dict[str, Any]:
     """Serve one prompt with an in-process policy; returns the `generate --json` object.
-    With a thread plan the forwards' threads follow the free CPU, as in the decoder."""
+    With a thread plan the forwards' threads follow the free CPU, as in the decoder;
+    `response_format` / `json_schema` / `logprobs` as Submit's."""
+    constraint = None
+    if response_format:
+        if rt.grammar is None:
+            rt.grammar = GrammarTokenizer.of(rt.tokenizer, rt.engine.vocab, rt.engine.eos_ids)
+        constraint = rt.grammar.compile(response_format, json_schema)
     if policy not in IN_PROCESS_POLICIES:
         raise ConfigError(f"policy '{policy}' needs the multi-process runtime",
                           f"use one of: {', '.join(IN_PROCESS_POLICIES)}")
@@ -115,13 +126,14 @@ def run_request(rt: LocalRuntime, prompt: str, policy: str, max_new_tokens: int,
     with torch.inference_mode():
         token_ids, stats = rt.engine.generate(
             ids, max_new_tokens, params, select, on_tokens,
-            tick=None if threads is None else lambda: threads(False))
+            tick=None if threads is None else lambda: threads(False),
+            constraint=constraint, logprobs=logprobs)
     stats.t_e2e = time.perf_counter() - t0
     stats.loads, stats.bytes_loaded = loads, bytes_loaded
     summary = stats.summary()
     summary["policy"] = policy
-    return {
-        "text": rt.tokenizer.decode(token_ids, skip_special_tokens=True),
-        "token_ids": token_ids,
-        "stats": summary,
-    }
+    out = {"text": rt.tokenizer.decode(token_ids, skip_special_tokens=True),
+           "token_ids": token_ids, "stats": summary}
+    if logprobs is not None:
+        out["logprobs"] = logprobs_json(logprob_entries(rt.tokenizer, stats.token_logprobs))
+    return out

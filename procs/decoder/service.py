@@ -39,13 +39,14 @@ from memspec.common.messages import (
     Load,
     Message,
     Submit,
+    TokenLogprob,
     Tokens,
     chat_text,
 )
 from memspec.common.metrics import IterationRecord, RunStats, Summary
 from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
-from memspec.procs.decoder.detok import StreamDecoder
+from memspec.procs.decoder.detok import StreamDecoder, logprob_entries
 from memspec.procs.decoder.drafts.head import is_head, scored_rows
 from memspec.procs.decoder.engine import Session, SpecEngine
 from memspec.procs.decoder.forward.threads import ThreadPlan
@@ -64,6 +65,7 @@ from memspec.procs.decoder.oracle.oracle import (
 )
 from memspec.procs.decoder.oracle.tablefiles import runtime_key, traced_sets
 from memspec.procs.decoder.sched.acceptance import SamplingParams
+from memspec.procs.decoder.sched.constraint import Constraint, GrammarTokenizer
 from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.procs.decoder.sched.loop import Channels, Controller, Job, Overhead
 from memspec.procs.decoder.sched.policies import make_policy
@@ -343,6 +345,20 @@ class DecoderService:
         if self.gate_costs is not None and self.gate_costs.verify is not None:
             engine.depth_costs = (self.gate_costs.target, self.gate_costs.verify)
         self.crash_on = os.environ.get(CRASH_ON_ENV, "")
+        self._grammar: GrammarTokenizer | None = None  # built at the first constrained request
+
+    def _constraint(self, req: Submit, prior: list[int]) -> Constraint | None:
+        """The request's output grammar, advanced past a resumed request's earlier tokens."""
+        if not req.response_format:
+            return None
+        if self._grammar is None:
+            t0 = time.perf_counter()
+            self._grammar = GrammarTokenizer.of(self.tokenizer, self.engine.vocab,
+                                                self.engine.eos_ids)
+            log(f"grammar vocabulary built ({time.perf_counter() - t0:.2f}s)")
+        constraint = self._grammar.compile(req.response_format, req.json_schema)
+        constraint.commit(prior)
+        return constraint
 
     def _oracle_index(self) -> OracleIndex:
         t0 = time.perf_counter()
@@ -414,6 +430,7 @@ class DecoderService:
             self._check_resume(prior, max_new)
             if policy_name in ORACLE_POLICIES:  # its plan is for the prompt alone: the
                 policy_name = "target-only"  # same greedy tokens, without the plan
+        constraint = self._constraint(req, prior)
         out = _Output(self.tokenizer, req.stop)
         out.prime(prior, req.resume_chars)
         if prior and (len(prior) >= max_new or prior[-1] in self.engine.eos_ids or out.hit):
@@ -463,7 +480,8 @@ class DecoderService:
                 ids, text = out.push(new)
                 text = out.take_owed(text)
                 if ids or text:
-                    emit(Tokens(req_id=req.req_id, ids=ids, text=text))
+                    emit(Tokens(req_id=req.req_id, ids=ids, text=text,
+                                logprobs=self._logprobs(out, len(ids))))
                     out.sent_at = time.perf_counter()
             else:
                 out.pending.extend(new)
@@ -471,8 +489,10 @@ class DecoderService:
         def prefill(between: Callable[[], bool] | None) -> SessionExecutor:
             """The target prefills while the initial loads run (the loop calls this); a
             request the engine refuses (too long, bad ids) raises its RequestError here."""
-            session = self.engine.start(ids, max_new, params, stream, between)
+            session = self.engine.start(ids, max_new, params, stream, between,
+                                        constraint=constraint, logprobs=req.logprobs)
             session.propose = propose
+            session.force_ahead = policy_name != "target-only"  # (the baseline: no proposals)
             out.executor = SessionExecutor(session, prior)
             self.current = _Current(req, emit, session, out, prompt_len)
             return out.executor
@@ -493,7 +513,8 @@ class DecoderService:
             ids, text = out.push(out.pending)
             out.pending = []
             if ids or text:
-                cur.emit(Tokens(req_id=cur.req.req_id, ids=ids, text=text))
+                cur.emit(Tokens(req_id=cur.req.req_id, ids=ids, text=text,
+                                logprobs=self._logprobs(out, len(ids))))
                 out.sent_at = t0
             if summary is None:  # streaming is scheduling-point work (a Done is after e2e)
                 cur.session.stats.t_sched += time.perf_counter() - t0
@@ -526,7 +547,17 @@ class DecoderService:
         summary.resumed_tokens = len(out.prior)
         summary.generated_tokens += len(out.prior)
         emit(Done(req_id=req.req_id, text=text, token_ids=ids, stats=summary,
-                  finish_reason="stop" if ended else "length"))
+                  finish_reason="stop" if ended else "length",
+                  logprobs=self._logprobs(out, out.kept, end=True)))
+
+    def _logprobs(self, out: _Output, n: int, end: bool = False) -> list[TokenLogprob]:
+        """The log-probabilities of the `n` tokens just reported (`end`: of every token
+        reported), where the request asked for them."""
+        session = out.executor.session if out.executor is not None else None
+        if not n or session is None or session.logprobs is None:
+            return []
+        first = 0 if end else out.kept - n
+        return logprob_entries(self.tokenizer, session.token_logprobs[first:first + n])
 
     def _check_resume(self, prior: list[int], max_new: int) -> None:
         if len(prior) > max_new:
