@@ -430,6 +430,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_gguf(args)
+    if args.what == "json":
+        from memspec.bench.structured import main_bench_json
+
+        args.max_new_tokens = args.max_new_tokens or 256  # (an answer ends before)
+        return main_bench_json(args)
     if args.what == "startup":
         from memspec.bench.startup import main_bench_startup
 
@@ -468,7 +473,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     raise MemspecError(f"unknown benchmark '{args.what}'",
                        "use eval, engine, pipeline, messages, gpu, soak, http, floor, faults, "
-                       "gate, tune, horizon, heads or contention")
+                       "gate, tune, horizon, heads, contention, json or startup")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -497,7 +502,7 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "plots": _opt("--plots", default=None, help="folder for PNG plots"),
     "max_new_tokens": _opt("--max-new-tokens", type=int, default=None,
                            help="new tokens a request (default 128; 64 for engine, pipeline, "
-                                "soak, http, faults)"),
+                                "soak, http, faults; 256 for json)"),
     "prompts": _opt("--prompts", type=int, default=3, help="prompts"),
     "per_domain": _opt("--per-domain", type=int, default=4,
                        help="dev prompts per domain (beside the README's prompt where it runs)"),
@@ -546,8 +551,8 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
                       "lookup, prefill_chunk, lookup_gate, ...); the rest kept from tuned.json"),
     "no_warm": _opt("--no-warm", action="store_true", help="fresh processes only"),
     "loads": _opt("--loads", default=None,
-                  help="comma-separated loads (default all: quiet, busy1, busy2, busy1-nice10, "
-                       "membw, startstop)"),
+                  help="comma-separated loads (contention's default: all of quiet, busy1, "
+                       "busy2, busy1-nice10, membw, startstop; json's: quiet,busy1)"),
     "idle_s": _opt("--idle-s", type=float, default=30.0,
                    help="seconds the memspec server sits idle while its CPU is read"),
     "context": _opt("--context", type=int, default=256, help="context tokens for timings"),
@@ -570,6 +575,8 @@ BENCH_ACTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
             ("pool", "json", "context", "target", "random_weights")),
     "gguf": ("a brought GGUF per quant type: KLD and speed beside llama.cpp on the file",
              (*_OUT, "max_new_tokens", "repeats", "types", "tokens")),
+    "json": ("JSON-schema requests: memspec, constrained target-only and llama.cpp's grammar",
+             ("pool", *_OUT, "max_new_tokens", "per_domain", "loads")),
     "startup": ("the first answer: fresh generate, a reused server and llama.cpp's load",
                 ("pool", *_OUT, "max_new_tokens", "repeats")),
     "memory": ("every process's memory by kind, beside llama.cpp on the same GGUF",

@@ -86,11 +86,19 @@ def rt():
 
 
 def _run(rt, prompt: str, select, constraint: Constraint | None = None,
-         logprobs: int | None = None, max_new: int = MAX_NEW):
+         logprobs: int | None = None, max_new: int = MAX_NEW, heads: bool = False):
+    """`heads`: the model draft runs where the lookup would run in its place (on a CPU
+    under a grammar it always would): the head's own proposals meet the grammar, as on
+    a GPU."""
     ids = encode_prompt(rt.tokenizer, prompt)
     with torch.inference_mode():
-        return rt.engine.generate(ids, max_new, None, select, constraint=constraint,
-                                  logprobs=logprobs)
+        s = rt.engine.start(ids, max_new, None, constraint=constraint, logprobs=logprobs)
+        s.force_ahead = select is not None
+        if heads:
+            s._lookup_first = 0
+        while not s.done:
+            s.step(select(s) if select else None)
+    return s.generated, s.stats
 
 
 def test_every_policy_emits_constrained_target_onlys_tokens_and_the_json_validates(rt):
@@ -98,15 +106,19 @@ def test_every_policy_emits_constrained_target_onlys_tokens_and_the_json_validat
     forced = 0
     for prompt, schema in SCHEMAS:
         runs = {}
-        for name, select in (("target-only", None), ("lookup", lambda s: LOOKUP),
-                             ("general", lambda s: general)):
+        for name, select, heads in (("target-only", None, False),
+                                    ("lookup", lambda s: LOOKUP, False),
+                                    ("general", lambda s: general, False),
+                                    ("general-drafting", lambda s: general, True)):
             tokens, stats = _run(rt, prompt, select,
-                                 rt.grammar.compile("json_schema", json.dumps(schema)))
+                                 rt.grammar.compile("json_schema", json.dumps(schema)),
+                                 heads=heads)
             runs[name] = tokens
             if name == "target-only":
                 assert stats.forced == 0  # the baseline proposes nothing
             forced += stats.forced
-        assert runs["lookup"] == runs["target-only"] == runs["general"], prompt
+        assert runs["lookup"] == runs["target-only"] == runs["general"] \
+            == runs["general-drafting"], prompt
         text = rt.tokenizer.decode(runs["target-only"], skip_special_tokens=True)
         assert runs["target-only"][-1] in rt.engine.eos_ids, (prompt, text)  # it ended
         jsonschema.validate(json.loads(text), schema)
@@ -138,8 +150,9 @@ def test_no_verify_holds_a_token_the_grammar_forbids(rt, monkeypatch):
         return forward(tokens, pos, cache, **kw)
 
     monkeypatch.setattr(target, "forward", spy)
-    _run(rt, prompt, lambda s: rt.pool.general, c)
+    _, stats = _run(rt, prompt, lambda s: rt.pool.general, c, heads=True)
     assert seen and all(n == len(p) for p, n in seen)
+    assert stats.report().drafts_used.get(rt.pool.general, 0) > 0  # the head drafted
 
 
 def test_logprobs_are_the_same_with_and_without_speculation(rt):
@@ -151,7 +164,7 @@ def test_logprobs_are_the_same_with_and_without_speculation(rt):
         assert lp <= 0 and top[0][0] == t and abs(top[0][1] - lp) < 1e-6
         assert top[0][1] >= top[1][1] >= top[2][1]
     for select in (lambda s: LOOKUP, lambda s: rt.pool.general):
-        tokens, st = _run(rt, prompt, select, logprobs=3, max_new=48)
+        tokens, st = _run(rt, prompt, select, logprobs=3, max_new=48, heads=True)
         assert tokens == base
         got = st.token_logprobs
         assert len(got) == len(ref)
