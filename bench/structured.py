@@ -35,8 +35,8 @@ OURS = ("memspec", "lookup-only", "target-only", "memspec-free")
 PEER = "llama.cpp"
 SETTLE_S = 0.3  # unmeasured, before each run
 
-S = {"type": "string", "maxLength": 300}
-SHORT = {"type": "string", "maxLength": 80}
+def _str(n: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": n}
 
 
 def _obj(props: dict[str, Any]) -> dict[str, Any]:
@@ -44,18 +44,21 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
             "additionalProperties": False}
 
 
-# one schema per domain, what a user of that domain would ask a model to fill in
+def _list(item: dict[str, Any], n: int) -> dict[str, Any]:
+    return {"type": "array", "items": item, "maxItems": n}
+
+
+# one schema per domain, what a user of that domain would ask a model to fill in; each
+# one's longest answer (~750 characters) fits the default 384 new tokens, so an answer
+# that is not valid JSON is the grammar's fault, never the budget's
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "code": _obj({"function_name": SHORT, "code": {"type": "string", "maxLength": 800},
-                  "explanation": S}),
-    "math": _obj({"steps": {"type": "array", "items": S, "maxItems": 5},
-                  "final_answer": SHORT}),
-    "general": _obj({"summary": {"type": "string", "maxLength": 400},
-                     "key_points": {"type": "array", "items": S, "maxItems": 3}}),
-    "law": _obj({"summary": {"type": "string", "maxLength": 400}, "protects": SHORT,
-                 "obligations": {"type": "array", "items": S, "maxItems": 3}}),
-    "medical": _obj({"feature": SHORT, "description": S,
-                     "causes": {"type": "array", "items": SHORT, "maxItems": 4},
+    "code": _obj({"function_name": _str(40), "code": _str(500), "explanation": _str(200)}),
+    "math": _obj({"steps": _list(_str(120), 4), "final_answer": _str(40)}),
+    "general": _obj({"summary": _str(300), "key_points": _list(_str(120), 3)}),
+    "law": _obj({"summary": _str(300), "protects": _str(80),
+                 "obligations": _list(_str(120), 3)}),
+    "medical": _obj({"feature": _str(80), "description": _str(300),
+                     "causes": _list(_str(40), 4),
                      "severity": {"enum": ["mild", "moderate", "severe"]}}),
 }
 # ratios: (numerator, denominator); the bound is memspec over constrained target-only
