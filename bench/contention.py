@@ -50,6 +50,10 @@ NICE_SPIN = "import os\nos.nice(10)\nwhile True: pass"
 # decoder streams memory
 MEMBW = ("import numpy as np\na = np.ones(1 << 25)\nb = np.empty_like(a)\n"
          "while True:\n    np.copyto(b, a)")
+# each load program's first line: Linux kills it with the bench (PR_SET_PDEATHSIG), so an
+# interrupted or killed bench leaves no spin loop eating a core behind it
+DIE_WITH_BENCH = ("import ctypes, signal\ntry:\n    ctypes.CDLL(None).prctl(1, signal.SIGKILL, "
+                  "0, 0, 0)\nexcept (OSError, AttributeError):\n    pass\n")
 LOADS: dict[str, list[str]] = {"quiet": [], "busy1": [SPIN], "busy2": [SPIN, SPIN],
                                "busy1-nice10": [NICE_SPIN], "membw": [MEMBW],
                                "startstop": [SPIN]}
@@ -90,7 +94,7 @@ class Load:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.procs = [subprocess.Popen([sys.executable, "-c", code],
+        self.procs = [subprocess.Popen([sys.executable, "-c", DIE_WITH_BENCH + code],
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL) for code in LOADS[name]]
         if name == "startstop":
