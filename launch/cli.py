@@ -433,7 +433,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "json":
         from memspec.bench.structured import main_bench_json
 
-        args.max_new_tokens = args.max_new_tokens or 384  # (an answer ends before)
+        args.max_new_tokens = args.max_new_tokens or 512  # (an answer ends before)
         return main_bench_json(args)
     if args.what == "startup":
         from memspec.bench.startup import main_bench_startup
@@ -502,7 +502,7 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "plots": _opt("--plots", default=None, help="folder for PNG plots"),
     "max_new_tokens": _opt("--max-new-tokens", type=int, default=None,
                            help="new tokens a request (default 128; 64 for engine, pipeline, "
-                                "soak, http, faults; 384 for json)"),
+                                "soak, http, faults; 512 for json)"),
     "prompts": _opt("--prompts", type=int, default=3, help="prompts"),
     "per_domain": _opt("--per-domain", type=int, default=4,
                        help="dev prompts per domain (beside the README's prompt where it runs)"),

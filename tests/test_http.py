@@ -529,6 +529,8 @@ def test_json_schema_and_logprobs_through_the_openai_client_and_the_python_api(s
     r = client.chat.completions.create(**kw)
     text, ids = r.choices[0].message.content, r.model_extra["memspec"]["token_ids"]
     jsonschema.validate(json.loads(text), CITY)
+    # on a CPU a drafting policy runs as lookup-only under a grammar, and says so
+    assert r.model_extra["memspec"]["policy"] == "lookup-only"
     lp = r.choices[0].logprobs.content
     assert len(lp) == len(ids) and all(len(t.top_logprobs) == 2 for t in lp)
     assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in lp)

@@ -230,7 +230,8 @@ class Session:
             raise RequestError("empty prompt", "send at least one token")
         if max_new_tokens < 1:
             raise RequestError(f"max_new_tokens {max_new_tokens} < 1", "ask for at least 1")
-        need = len(prompt_ids) + max_new_tokens + engine.gamma + 1
+        # (under a grammar a verify holds up to gamma forced tokens and gamma more)
+        need = len(prompt_ids) + max_new_tokens + engine.gamma * (1 + bool(constraint)) + 1
         if need > engine.max_len:
             raise RequestError(
                 f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the "
@@ -473,9 +474,9 @@ class Session:
         if props:  # the grammar's tokens, then what the context lookup finds after them
             depth = None
             self.stats.forced += len(props)
-            room = self.engine.gamma - len(props)
-            if ng is not None and room > 0:
-                more, _ = led_chain(ng, None, self.tokens[-ng.n_max:] + props, room)
+            if ng is not None:  # (up to gamma of them: forced tokens cost no draft step)
+                more, _ = led_chain(ng, None, self.tokens[-ng.n_max:] + props,
+                                    self.engine.gamma)
                 props += self._legal_after(props, more)
         elif self.params.greedy and (ng is not None or store is not None):
             tail = self.tokens[-tail_width(ng, store):]

@@ -441,6 +441,12 @@ class DecoderService:
         max_new -= len(prior)
         # every snapshot carries the predictor's text: cut once to what it reads
         ranked = rank_text(req.prompt or chat_text(req.messages))
+        if constraint is not None and self.engine.lookup_first and params.greedy \
+                and policy_name != "target-only":
+            # under a grammar on a CPU the lookup runs in every model draft's place
+            # (engine.Session._lookup_matches): rankings and loads would be spent for
+            # nothing, so a drafting policy is served, and reported, as lookup-only
+            policy_name = "lookup-only"
         plan = propose = None
         costs = None  # (only oracle-dynamic has beliefs about costs: no other request pays
         if policy_name == "oracle-dynamic":  # for fitting them, ~1 ms with full windows)
