@@ -14,6 +14,7 @@ most the first RANK_HEAD_CHARS and the last RANK_TAIL_CHARS characters of the pr
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from memspec.common.config import POLICIES, check_sampling
 from memspec.common.errors import RequestError
+from memspec.common.toolcalls import CHOICES, FUNCTION
 
 if TYPE_CHECKING:
     from memspec.common.messages import ChatTurn, Submit
@@ -37,6 +39,7 @@ MAX_STOP_CHARS = 256
 MAX_NEW_TOKENS = 1 << 20  # the target's context bounds it further (checked by the engine)
 MAX_THREADS = 1024  # decoder threads a request may ask for (the cores bound them further)
 MAX_SCHEMA_CHARS = 1 << 16  # a response format's JSON Schema, as JSON text
+MAX_TOOLS_CHARS = 1 << 17  # the tools a request offers, as JSON text
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 RESPONSE_FORMATS = ("", "json_object", "json_schema")
 # The text the predictor ranks from: it reads the head and the tail of the prompt (what its
@@ -170,6 +173,19 @@ def check_request(req: Submit) -> None:
     check_output_options(req)
 
 
+def check_turn_calls(text: str, role: str, i: int) -> None:
+    """An earlier assistant turn's calls: JSON text of a list, on an assistant turn."""
+    field = f"messages[{i}].tool_calls"
+    if role != "assistant":
+        raise LimitError(field, f"{field} on a {shown(role)} turn", "only an assistant calls tools")
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        calls = None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise LimitError(field, f"{field} is not a list of calls", "send OpenAI's tool_calls")
+
+
 def check_output_options(req: Submit) -> None:
     """The response format and log-probabilities a request asks for."""
     if req.response_format not in RESPONSE_FORMATS:
@@ -184,6 +200,20 @@ def check_output_options(req: Submit) -> None:
         raise LimitError("json_schema", f"JSON Schema of {len(req.json_schema)} characters is "
                                         f"over the limit of {MAX_SCHEMA_CHARS}",
                          "send a smaller schema")
+    if len(req.tools) > MAX_TOOLS_CHARS:
+        raise LimitError("tools", f"tools of {len(req.tools)} characters are over the limit "
+                                  f"of {MAX_TOOLS_CHARS}", "offer fewer or smaller tools")
+    if req.tool_choice and not req.tools:
+        raise LimitError("tool_choice", "tool_choice without tools", "send tools, or omit it")
+    if req.tool_choice not in ("", *CHOICES) and not req.tool_choice.startswith(FUNCTION):
+        raise LimitError("tool_choice", f"unknown tool_choice {shown(req.tool_choice)}",
+                         "use auto, none, required or a function's name")
+    for i, t in enumerate(req.messages):
+        if t.tool_calls:
+            check_turn_calls(t.tool_calls, t.role, i)
+    if req.tools and req.response_format:
+        raise LimitError("response_format", "tools and a response format together",
+                         "send one of them")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise LimitError("logprobs", f"top logprobs {req.logprobs} is outside 0 to "
                                      f"{MAX_TOP_LOGPROBS}", "ask for 0 to 20 alternatives")

@@ -182,6 +182,8 @@ class ChatTurn(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
     role: str
     content: str
+    # an assistant turn's calls, as JSON text of OpenAI's `tool_calls` list (common/toolcalls.py)
+    tool_calls: str = ""
 
 
 def chat_text(turns: list[ChatTurn]) -> str:
@@ -233,6 +235,10 @@ class Submit(Message):
     # each token's log-probability under the target and this many alternatives (OpenAI's
     # `top_logprobs`, 0-20; None: none)
     logprobs: int | None = None
+    # tools the model may call (JSON text of OpenAI's `tools` list) and whether it must:
+    # "" or "auto", "none", "required", or "function:NAME" (common/toolcalls.py)
+    tools: str = ""
+    tool_choice: str = ""
 
 
 class Queued(Message):
@@ -275,6 +281,14 @@ def logprobs_json(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
             for t in entries]
 
 
+class ToolCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A call the reply made: an id, the tool's name and its arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class Tokens(Message):
     req_id: str
     ids: list[int]
@@ -291,6 +305,8 @@ class Done(Message):
     # one per token this decoder emitted, where asked for (a resumed request's tokens from
     # before a decoder crash have none)
     logprobs: list[TokenLogprob] = []
+    # with tools: the calls read back from the reply (then `text` is what is left of it)
+    tool_calls: list[ToolCall] = []
 
 
 ErrorKind = Literal["", "request", "busy", "unavailable"]

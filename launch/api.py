@@ -13,7 +13,9 @@ ZeroMQ endpoint. Either way a prompt is a string (one user turn, as `memspec gen
 a chat (a list of {"role", "content"} dicts rendered by the target's template), options
 are `max_new_tokens`, `policy`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
 `json_schema` (a dict, or True for any JSON object: the output follows it), `logprobs`
-(each token's log-probability and this many alternatives, in `Result.logprobs`) and `gate`
+(each token's log-probability and this many alternatives, in `Result.logprobs`), `tools`
+and `tool_choice` (OpenAI's tool list; "auto", "none", "required" or a tool's name: the
+calls in `Result.tool_calls`, where the target's template takes tools) and `gate`
 (the speculation gate on or off for this request; None: the pool's), with
 `threads`, `trace` and `ucb_c` for measurements (the benchmarks run through this API), and
 an error is a `MemspecError` with a one-line message. Leaving a `stream` early cancels its request.
@@ -41,6 +43,7 @@ from memspec.common.messages import (
     Submit,
     TokenLogprob,
     Tokens,
+    ToolCall,
     chat_text,
 )
 from memspec.common.metrics import Summary
@@ -59,11 +62,12 @@ class Result:
     finish_reason: str  # "stop" (end of sequence or a stop string) | "length"
     stats: Summary  # as `memspec generate --json` prints it (`as_json(stats)` for a dict)
     logprobs: list[TokenLogprob] | None = None  # one per token, where asked for
+    tool_calls: list[ToolCall] | None = None  # with tools: the calls the reply made
 
     @classmethod
     def of(cls, done: Done) -> Result:
         return cls(done.text, done.token_ids, done.finish_reason, done.stats,
-                   done.logprobs or None)
+                   done.logprobs or None, done.tool_calls or None)
 
     @property
     def policy(self) -> str:
@@ -76,7 +80,8 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
             gate: bool | None = None, threads: int | None = None,
             trace: bool = False, ucb_c: float | None = None,
             json_schema: dict[str, Any] | str | bool | None = None,
-            logprobs: int | None = None) -> Submit:
+            logprobs: int | None = None, tools: list[dict[str, Any]] | None = None,
+            tool_choice: str | None = None) -> Submit:
     """The request, checked here against the limits every front door shares
     (common/limits.py): a bad one raises before anything is sent, local or remote."""
     if isinstance(prompt, str):
@@ -88,7 +93,9 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
                     or not isinstance(m.get("content"), str):
                 raise RequestError(f"chat message {i} is not a {{'role': str, 'content': str}} "
                                    "dict", "pass a string or such dicts")
-            turns.append(ChatTurn(role=m["role"], content=m["content"]))
+            calls = m.get("tool_calls") or ""  # (an assistant turn's earlier calls)
+            turns.append(ChatTurn(role=m["role"], content=m["content"], tool_calls=calls
+                                  if isinstance(calls, str) else json.dumps(calls)))
         if not turns:
             raise RequestError("empty chat", "pass at least one message")
         text = rank_text(chat_text(turns))  # what the predictor reads of the chat
@@ -108,7 +115,10 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
                  policy=policy, temperature=temperature, top_p=top_p, seed=seed,
                  messages=turns, stop=stops, top_k=top_k, min_p=min_p, gate=gate,
                  threads=threads, trace=bool(trace), ucb_c=ucb_c,
-                 response_format=fmt, json_schema=schema, logprobs=logprobs)
+                 response_format=fmt, json_schema=schema, logprobs=logprobs,
+                 tools=json.dumps(tools) if tools else "",
+                 tool_choice="" if tool_choice in (None, "auto") else tool_choice
+                 if tool_choice in ("none", "required") else f"function:{tool_choice}")
     check_request(req)
     return req
 

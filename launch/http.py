@@ -203,13 +203,21 @@ async def _stream(relay: Relay, first: Any) -> AsyncIterator[bytes]:
             yield _sse(chunk(call, text="", first=True))
         item = first
         sent = 0  # characters streamed (the completions API's `text_offset`)
+        # with tools the reply is held to its end: a call's text must not stream as content
+        held = call.submit.tool_choice != "none" and bool(call.submit.tools)
+        logprobs: list = []
         while True:
-            if isinstance(item, Tokens):
+            if isinstance(item, Tokens) and held:
+                logprobs += item.logprobs
+            elif isinstance(item, Tokens):
                 if item.text or item.logprobs:
                     yield _sse(chunk(call, text=item.text, logprobs=item.logprobs,
                                      offset=sent))
                     sent += len(item.text)
             elif isinstance(item, Done):
+                if held and (item.text or item.tool_calls or logprobs):
+                    yield _sse(chunk(call, text=item.text or None, logprobs=logprobs,
+                                     calls=item if item.tool_calls else None))
                 yield _sse(chunk(call, done=item))
                 if call.include_usage:
                     yield _sse(usage_chunk(call, item))

@@ -6,9 +6,11 @@ fields are the OpenAI API's that memspec honours (`max_tokens`, `temperature`, `
 `seed`, `stop`, `stream`, `stream_options.include_usage`), the sampling extensions other
 OpenAI-compatible servers (vLLM) take (`top_k`, `min_p`), `logprobs` / `top_logprobs` (the
 target's own distribution at each emitted token) and `response_format` (`json_object`, or
-`json_schema`: the output follows the schema, procs/decoder/sched/constraint.py), those it
-accepts at their neutral value only (`n` = 1, no penalties, no tools: anything else is a 400
-that says so), fields that change nothing memspec does and are ignored (IGNORED:
+`json_schema`: the output follows the schema, procs/decoder/sched/constraint.py), `tools`
+and `tool_choice` (rendered by the target's template, calls read back in the Hermes format:
+common/toolcalls.py; `required` and a named function enforced by the same grammar), those
+it accepts at their neutral value only (`n` = 1, no penalties: anything else is a 400 that
+says so), fields that change nothing memspec does and are ignored (IGNORED:
 `metadata`, `store`, `parallel_tool_calls`, ...; the server logs each once), and one
 extension, `policy`.
 Differences from OpenAI, on purpose:
@@ -84,11 +86,45 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str = ""
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # of a `tool` turn (served where the template renders one)
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's earlier calls
+    refusal: str | None = None  # (an assistant turn as OpenAI's client echoes it back)
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    function: NamedFunction
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -141,8 +177,8 @@ class ChatRequest(_Common, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -179,6 +215,8 @@ def _check_common(r: _Common) -> None:
 
 
 def _text(m: ChatMessage, i: int) -> str:
+    if m.content is None and m.tool_calls:  # (an assistant turn that only called tools)
+        return ""
     if m.content is None:
         raise ApiError(400, f"message {i} has no content", param=f"messages[{i}].content")
     if isinstance(m.content, str):
@@ -232,9 +270,39 @@ def _format(rf: ResponseFormat | None) -> tuple[str, str]:
                                           "json_object, json_schema")
 
 
+def _tools(r: ChatRequest) -> tuple[str, str]:
+    """Submit's (tools, tool_choice): the tools as JSON text, the choice as
+    common/toolcalls.py names it."""
+    choice = r.tool_choice
+    if not r.tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "`tool_choice` needs `tools`", param="tool_choice")
+        return "", ""
+    if any(t.type != "function" for t in r.tools):
+        raise _unsupported("tools", "other than type function are not supported")
+    if isinstance(choice, NamedToolChoice):
+        name = f"function:{choice.function.name}"
+    elif choice in (None, "auto"):
+        name = ""
+    elif choice in ("none", "required"):
+        name = choice
+    else:
+        raise ApiError(400, f"`tool_choice` '{str(choice)[:40]}' is not none, auto, required "
+                            "or a named function", param="tool_choice")
+    return msgspec.json.encode(r.tools).decode(), name
+
+
+def _turn(m: ChatMessage, i: int) -> ChatTurn:
+    calls = "" if not m.tool_calls else msgspec.json.encode(
+        [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                   "arguments": c.function.arguments}}
+         for c in m.tool_calls]).decode()
+    return ChatTurn(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m, i), tool_calls=calls)
+
+
 def _submit(prefix: str, r: _Common, prompt: str, max_tokens: int | None,
             messages: list[ChatTurn], rf: ResponseFormat | None = None,
-            logprobs: int | None = None) -> Submit:
+            logprobs: int | None = None, tools: tuple[str, str] = ("", "")) -> Submit:
     """The Submit, checked against the request limits every front door shares (a 400 naming
     the body's field), so a refused body is never queued."""
     fmt, schema = _format(rf)
@@ -244,7 +312,8 @@ def _submit(prefix: str, r: _Common, prompt: str, max_tokens: int | None,
                  top_p=1.0 if r.top_p is None else r.top_p, seed=r.seed,
                  messages=messages, stop=_stops(r.stop),
                  top_k=max(r.top_k or 0, 0), min_p=r.min_p or 0.0,
-                 response_format=fmt, json_schema=schema, logprobs=logprobs)
+                 response_format=fmt, json_schema=schema, logprobs=logprobs,
+                 tools=tools[0], tool_choice=tools[1])
     try:
         check_request(sub)
     except LimitError as exc:
@@ -260,10 +329,8 @@ def parse_chat(body: bytes) -> Call:
     _check_common(r)
     if r.top_logprobs is not None and not r.logprobs:
         raise ApiError(400, "`top_logprobs` needs `logprobs` true", param="top_logprobs")
-    if r.tools or r.tool_choice not in (None, "none"):
-        raise _unsupported("tools", "are not supported: the target has no tool calling")
-    turns = [ChatTurn(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m, i))
-             for i, m in enumerate(r.messages)]
+    tools = _tools(r)
+    turns = [_turn(m, i) for i, m in enumerate(r.messages)]
     prompt = rank_text(chat_text(turns))  # what the predictor reads of the chat
     if r.max_tokens and r.max_completion_tokens and r.max_tokens != r.max_completion_tokens:
         raise ApiError(400, "`max_tokens` and `max_completion_tokens` differ; send one",
@@ -271,7 +338,7 @@ def parse_chat(body: bytes) -> Call:
     return Call(True, r, _submit("chatcmpl", r, prompt,
                                  r.max_completion_tokens or r.max_tokens, turns,
                                  r.response_format,
-                                 (r.top_logprobs or 0) if r.logprobs else None))
+                                 (r.top_logprobs or 0) if r.logprobs else None, tools))
 
 
 def parse_completion(body: bytes) -> Call:
@@ -331,6 +398,9 @@ def response(call: Call, done: Done) -> dict[str, Any]:
                               "logprobs": logprobs_object(call, done.logprobs)}
     if call.chat:
         choice["message"] = {"role": "assistant", "content": done.text}
+        if done.tool_calls:
+            choice["message"].update(content=done.text or None,
+                                     tool_calls=tool_calls_json(done))
     else:
         choice["text"] = done.text
     return {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
@@ -338,11 +408,18 @@ def response(call: Call, done: Done) -> dict[str, Any]:
             "usage": usage(done), "memspec": extension(done)}
 
 
+def tool_calls_json(done: Done, index: bool = False) -> list[dict[str, Any]]:
+    """A reply's calls as OpenAI writes them (`index`: a streamed delta's)."""
+    return [{**({"index": i} if index else {}), "id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(done.tool_calls)]
+
+
 def chunk(call: Call, text: str | None = None, done: Done | None = None,
-          first: bool = False, logprobs: list[TokenLogprob] | None = None, offset: int = 0
-          ) -> dict[str, Any]:
+          first: bool = False, logprobs: list[TokenLogprob] | None = None, offset: int = 0,
+          calls: Done | None = None) -> dict[str, Any]:
     """One streamed event: the role (first), a piece of text (with its tokens'
-    `logprobs`), or the end (`done`)."""
+    `logprobs`), a reply's tool calls (`calls`: its Done), or the end (`done`)."""
     lp = logprobs_object(call, logprobs, offset) if logprobs else None
     finish = (done.finish_reason or "stop") if done is not None else None
     if call.chat:
@@ -351,6 +428,8 @@ def chunk(call: Call, text: str | None = None, done: Done | None = None,
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if calls is not None:
+            delta["tool_calls"] = tool_calls_json(calls, index=True)
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
                                   "logprobs": lp}
     else:

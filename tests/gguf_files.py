@@ -45,8 +45,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny(path: Path, arch: str = "llama", tied: bool = False, seed: int = 0,
-               types: dict[str, str] | None = None) -> dict[str, np.ndarray]:
-    """Write the file; return its float weights by GGUF name (before quantisation)."""
+               types: dict[str, str] | None = None, template: str | None = None
+               ) -> dict[str, np.ndarray]:
+    """Write the file; return its float weights by GGUF name (before quantisation).
+    `template`: its chat template (default the demo's)."""
     import gguf
 
     types = {**TYPES, **(types or {})}
@@ -74,7 +76,7 @@ def write_tiny(path: Path, arch: str = "llama", tied: bool = False, seed: int = 
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(2)
-    w.add_chat_template(tok["template"])
+    w.add_chat_template(template or tok["template"])
 
     floats: dict[str, np.ndarray] = {}
 

@@ -557,6 +557,11 @@ def test_json_schema_and_logprobs_through_the_openai_client_and_the_python_api(s
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**bad)
     assert "schema" in str(e.value)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:  # the demo's template renders no tools
+        client.chat.completions.create(model=server.model, messages=kw["messages"],
+                                       tools=[tool])
+    assert "takes no tools" in str(e.value)
 
 
 # ---- request limits through every front door (common/limits.py) -----------------------------

@@ -252,14 +252,17 @@ def check_template_roles(tokenizer, turns: Sequence[ChatTurn]) -> None:
                          f"use {', '.join(CHAT_ROLES)}")
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """A chat rendered by the target's own template, ready for the assistant's reply. A
-    one-user-turn chat gives exactly `encode_prompt`'s ids (what `memspec generate` runs)."""
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """A chat rendered by the target's own template, ready for the assistant's reply (with
+    `tools`: the template's own rendering of them). A one-user-turn chat gives exactly
+    `encode_prompt`'s ids (what `memspec generate` runs)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("the target's tokenizer has no chat template",
                            "send a plain prompt instead of chat messages")
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **extra)
     except Exception as exc:  # a template's own checks (roles, order) raise anything
         first = (str(exc).splitlines() or [""])[0][:200]
         raise RequestError(f"the target's chat template rejects these messages ({first})",

@@ -17,6 +17,7 @@ strings pick up at the cut) and the text the client has not yet received is sent
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from memspec.common.limits import check_request, echo_id, rank_text
 from memspec.common.manifest import NAME as MANIFEST
 from memspec.common.manifest import WeightsEntry, read_manifest, verify, weights_entry
 from memspec.common.messages import (
+    ChatTurn,
     Done,
     Error,
     ErrorKind,
@@ -41,11 +43,20 @@ from memspec.common.messages import (
     Submit,
     TokenLogprob,
     Tokens,
+    ToolCall,
     chat_text,
 )
 from memspec.common.metrics import IterationRecord, RunStats, Summary
 from memspec.common.paths import memspec_home
 from memspec.common.safetensors_layout import Layout, read_layout
+from memspec.common.toolcalls import (
+    CLOSE,
+    OPEN,
+    call_schema,
+    check_template,
+    parse_calls,
+    parse_tools,
+)
 from memspec.procs.decoder.detok import StreamDecoder, logprob_entries
 from memspec.procs.decoder.drafts.head import is_head, scored_rows
 from memspec.procs.decoder.engine import Session, SpecEngine
@@ -309,6 +320,23 @@ class _Current:
     prompt_len: int  # the prompt's tokens (a resumed request's session holds more)
 
 
+def _turn(m: ChatTurn) -> dict:
+    """A chat turn as the template reads it (an assistant turn's calls with their
+    arguments as objects, as Hermes templates render them)."""
+    turn: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = json.loads(m.tool_calls)
+        for c in calls:
+            fn = c.get("function", {}) if isinstance(c, dict) else {}
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass
+        turn["tool_calls"] = calls
+    return turn
+
+
 def _request_text(req: Submit) -> str:
     return req.prompt + "".join(m.content for m in req.messages)
 
@@ -347,18 +375,31 @@ class DecoderService:
         self.crash_on = os.environ.get(CRASH_ON_ENV, "")
         self._grammar: GrammarTokenizer | None = None  # built at the first constrained request
 
-    def _constraint(self, req: Submit, prior: list[int]) -> Constraint | None:
-        """The request's output grammar, advanced past a resumed request's earlier tokens."""
-        if not req.response_format:
+    def _constraint(self, req: Submit, prior: list[int], tools: list[dict] | None
+                    ) -> Constraint | None:
+        """The request's output grammar (a response format, or a tool call the tool_choice
+        demands), advanced past a resumed request's earlier tokens."""
+        must_call = tools is not None and req.tool_choice not in ("", "auto")
+        if not req.response_format and not must_call:
             return None
         if self._grammar is None:
             t0 = time.perf_counter()
             self._grammar = GrammarTokenizer.of(self.tokenizer, self.engine.vocab,
                                                 self.engine.eos_ids)
             log(f"grammar vocabulary built ({time.perf_counter() - t0:.2f}s)")
-        constraint = self._grammar.compile(req.response_format, req.json_schema)
+        constraint = self._grammar.compile_tool_call(
+            call_schema(tools, req.tool_choice), OPEN, CLOSE) if must_call \
+            else self._grammar.compile(req.response_format, req.json_schema)
         constraint.commit(prior)
         return constraint
+
+    def _tools(self, req: Submit) -> list[dict] | None:
+        """The tools to render, where the request offers them and may call them; the
+        target's template must take them and write calls the server reads back."""
+        if not req.tools or req.tool_choice == "none":
+            return None
+        check_template(getattr(self.tokenizer, "chat_template", None))
+        return parse_tools(req.tools)
 
     def _oracle_index(self) -> OracleIndex:
         t0 = time.perf_counter()
@@ -421,16 +462,17 @@ class DecoderService:
         check_template_roles(self.tokenizer, req.messages)
         policy_name = req.policy or self.pool.policy
         params = SamplingParams(req.temperature, req.top_p, req.seed, req.top_k, req.min_p)
-        ids = (encode_chat(self.tokenizer, [{"role": m.role, "content": m.content}
-                                            for m in req.messages])
-               if req.messages else encode_prompt(self.tokenizer, req.prompt))
+        tools = self._tools(req)
+        turns = req.messages or ([ChatTurn(role="user", content=req.prompt)] if tools else [])
+        ids = (encode_chat(self.tokenizer, [_turn(m) for m in turns], tools)
+               if turns else encode_prompt(self.tokenizer, req.prompt))
         max_new = req.max_new_tokens or self.pool.max_new_tokens
         prior = list(req.resume_ids)
         if prior:
             self._check_resume(prior, max_new)
             if policy_name in ORACLE_POLICIES:  # its plan is for the prompt alone: the
                 policy_name = "target-only"  # same greedy tokens, without the plan
-        constraint = self._constraint(req, prior)
+        constraint = self._constraint(req, prior, tools)
         out = _Output(self.tokenizer, req.stop)
         out.prime(prior, req.resume_chars)
         if prior and (len(prior) >= max_new or prior[-1] in self.engine.eos_ids or out.hit):
@@ -552,9 +594,13 @@ class DecoderService:
         ended = out.hit or (bool(ids) and ids[-1] in self.engine.eos_ids)
         summary.resumed_tokens = len(out.prior)
         summary.generated_tokens += len(out.prior)
+        calls: list[ToolCall] = []
+        if req.tools and req.tool_choice != "none":  # the calls read back, the rest content
+            text, found = parse_calls(text)
+            calls = [ToolCall(id=i, name=n, arguments=a) for i, n, a in found]
         emit(Done(req_id=req.req_id, text=text, token_ids=ids, stats=summary,
-                  finish_reason="stop" if ended else "length",
-                  logprobs=self._logprobs(out, out.kept, end=True)))
+                  finish_reason="tool_calls" if calls else "stop" if ended else "length",
+                  logprobs=self._logprobs(out, out.kept, end=True), tool_calls=calls))
 
     def _logprobs(self, out: _Output, n: int, end: bool = False) -> list[TokenLogprob]:
         """The log-probabilities of the `n` tokens just reported (`end`: of every token

@@ -57,12 +57,13 @@ class ChatTokenizer(FileTokenizer):
         self.chat_template = template
         self._compiled = None
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool
-                            = False, tokenize: bool = True) -> list[int] | str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True, tools: list[dict] | None = None
+                            ) -> list[int] | str:
         if self._compiled is None:
             self._compiled = _sandbox().from_string(self.chat_template)
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        text = self._compiled.render(messages=chat, tools=None, documents=None,
+        text = self._compiled.render(messages=chat, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt,
                                      **self.special)
         return self(text, add_special_tokens=False)["input_ids"] if tokenize else text

@@ -43,6 +43,10 @@ class GrammarTokenizer:
     def __init__(self, tokenizer_json: str, vocab: int, eos_ids: Sequence[int]) -> None:
         import llguidance
 
+        # the added (special) tokens by text: a grammar names them by id
+        self.token_ids = {t["content"]: int(t["id"]) for t in
+                          json.loads(tokenizer_json).get("added_tokens", [])
+                          if t.get("special")}
         self.vocab = int(vocab)
         self.eos = sorted(int(e) for e in eos_ids)
         self.lt = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab,
@@ -84,6 +88,29 @@ class GrammarTokenizer:
         except ValueError as exc:
             raise RequestError(f"the JSON schema cannot be compiled ({exc})",
                                "send a JSON Schema (draft 2020-12) object") from None
+        return self._matcher(grammar)
+
+    def compile_tool_call(self, schema: dict[str, Any], open_tag: str, close_tag: str
+                          ) -> Constraint:
+        """One Hermes-format call (`tool_choice` required or named): the opening tag, a
+        JSON call the schema accepts (common/toolcalls.py `call_schema`), the closing tag.
+        A tag that is one special token of the vocabulary (Qwen2.5's) is that token."""
+        import llguidance
+
+        call = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+        lark = (f"start: {self._literal(open_tag)} \"\\n\" call \"\\n\" "
+                f"{self._literal(close_tag)}\ncall: %json {call}\n")
+        return self._matcher(llguidance.LLMatcher.grammar_from_lark(lark))
+
+    def _literal(self, text: str) -> str:
+        """A Lark terminal for `text`: its token where the vocabulary has it as one special
+        token, else the text."""
+        tid = self.token_ids.get(text)
+        return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+    def _matcher(self, grammar: str) -> Constraint:
+        import llguidance
+
         matcher = llguidance.LLMatcher(self.lt, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(f"the JSON schema cannot be used: {_first_line(matcher.get_error())}",
