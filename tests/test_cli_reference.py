@@ -13,7 +13,7 @@ from memspec.launch import cli
 from memspec.launch.clidoc import render
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {"eval": "evaluation", "gate": "gate_sweep", "heads": "heads_ab"}
+MODULES = {"eval": "evaluation", "gate": "gate_sweep", "heads": "heads_ab", "json": "structured"}
 
 
 def test_docs_cli_md_is_generated_from_the_parsers():

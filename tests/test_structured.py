@@ -125,6 +125,26 @@ def test_every_policy_emits_constrained_target_onlys_tokens_and_the_json_validat
     assert forced > 0  # braces, quotes and keys went out without a draft
 
 
+def test_sampling_under_a_schema_draws_only_legal_tokens(rt):
+    from memspec.procs.decoder.sched.acceptance import SamplingParams
+
+    prompt, schema = SCHEMAS[0]
+    ids = encode_prompt(rt.tokenizer, prompt)
+    outs = []
+    for seed in (7, 7, 8):
+        with torch.inference_mode():
+            tokens, _ = rt.engine.generate(
+                ids, MAX_NEW, SamplingParams(temperature=0.9, seed=seed), lambda s: LOOKUP,
+                constraint=rt.grammar.compile("json_schema", json.dumps(schema)))
+        text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
+        if tokens[-1] in rt.engine.eos_ids:
+            jsonschema.validate(json.loads(text), schema)
+        else:  # (out of tokens: still a prefix the grammar allows)
+            assert text.startswith('{"name": ')
+        outs.append(tokens)
+    assert outs[0] == outs[1]  # a seed repeats
+
+
 def test_json_object_mode_gives_an_object(rt):
     tokens, _ = _run(rt, "Describe a cat as JSON.", lambda s: LOOKUP,
                      rt.grammar.compile("json_object"), max_new=200)

@@ -129,6 +129,28 @@ def _draft_source(work: Path, target: Path) -> tuple[Path, object]:
     return src, id_map
 
 
+def _target_source(work: Path, target: Path) -> Path:
+    """The target as GPTQModel loads it: a plain fp32 HF folder. The converted demo target
+    keeps its GGUF blocks as they are (uint8 rows that transformers cannot load); their
+    dequantised weights are the fp32 checkpoint such a folder held before."""
+    from safetensors.torch import save_file
+
+    from memspec.procs.decoder.forward.checkpoint import load_state_dict
+    from memspec.procs.decoder.forward.ggml import is_block_folder
+
+    if not is_block_folder(target):
+        return target
+    src = work / "target-src"
+    if not (src / "model.safetensors").is_file():
+        src.mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", "generation_config.json", *TOKENIZER_FILES):
+            if (target / f).is_file():
+                shutil.copy(target / f, src / f)
+        save_file({k: v.contiguous() for k, v in load_state_dict(target).items()},
+                  str(src / "model.safetensors"), metadata={"format": "pt"})
+    return src
+
+
 def _calibration(tokenizer, to_draft=None, n: int = 24) -> list[list[int]]:
     from memspec.zoo.prompts import load_prompts
 
@@ -212,7 +234,8 @@ def build(only: list[str] | None = None, timeout: float = 900.0) -> dict:
             continue
         is_draft = job["src"] == "draft"
         todo.append({**job, "name": name, "out": str(out), "reference": str(ref),
-                     "src": str(draft_src if is_draft else target),
+                     "src": str(draft_src if is_draft else _target_source(root / "work",
+                                                                          target)),
                      "calibration": _calibration(tok, to_draft if is_draft else None)})
     status_file = root / "status.json"
     status = json.loads(status_file.read_text()) if status_file.is_file() else {}
@@ -243,7 +266,8 @@ def build(only: list[str] | None = None, timeout: float = 900.0) -> dict:
                 _finish_draft(Path(j["out"]), id_map)
             run_status.unlink(missing_ok=True)
             _log(f"{j['name']}: {status[j['name']]}")
-    status.pop("_error", None)
+    shutil.rmtree(root / "work" / "target-src", ignore_errors=True)  # (538 MB, made again
+    status.pop("_error", None)  # only while a target job runs)
     status["_meta"] = {"pinned": list(PINNED), "command": COMMAND, "probe": probe,
                        "seconds": round(time.perf_counter() - t0, 1)}
     status_file.write_text(json.dumps(status, indent=1))
