@@ -552,6 +552,9 @@ def test_json_schema_and_logprobs_through_the_openai_client_and_the_python_api(s
                           json_schema=CITY, logprobs=2)
         assert res.token_ids == ids and res.text == text
         assert [round(t.logprob, 4) for t in res.logprobs] == [round(t.logprob, 4) for t in lp]
+        plain = rt.generate([{"role": "user", "content": CITY_PROMPT}], max_new_tokens=96,
+                            json_schema=CITY, policy="target-only")
+        assert plain.token_ids == ids  # constrained target-only: the same tokens
     bad = {**kw, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}}}
     with pytest.raises(openai.BadRequestError) as e:
