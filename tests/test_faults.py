@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import msgspec
 import pytest
 import zmq
@@ -560,6 +561,21 @@ def test_decoder_kill9_mid_request_loses_no_request_through_any_door(tmp_path, p
                 report.append(f"{door}@{at}")
             print(f"{len(report)} decoder kills mid-request, all resumed: {report}; "
                   f"{time.monotonic() - t0:.0f}s")
+            # under a JSON schema: the restarted decoder's grammar goes on where it was
+            schema = {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "sights": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                           "maxItems": 3}}, "required": ["city", "sights"]}
+            ask = "Describe Paris as JSON."
+            plain = rt.generate(ask, max_new_tokens=RESUME_NEW, json_schema=schema,
+                                policy="target-only")
+            pid, seen = _decoder_pid(ep), []
+            done = submit(ep, ask, on_tokens=lambda _: seen.append(1) or (
+                len(seen) == 1 and os.kill(pid, signal.SIGKILL)), max_new_tokens=RESUME_NEW,
+                response_format="json_schema", json_schema=json.dumps(schema))
+            assert done.token_ids == plain.token_ids and done.stats.resumed == 1
+            if done.finish_reason == "stop":
+                jsonschema.validate(json.loads(done.text), schema)
             with pytest.raises(MemspecError) as poisoned:
                 submit(ep, f"Say {POISON} twice.", max_new_tokens=RESUME_NEW)
             msg = str(poisoned.value)
@@ -574,8 +590,8 @@ def test_decoder_kill9_mid_request_loses_no_request_through_any_door(tmp_path, p
             code, text, ext = _http_chat(url, prompts[0], True, lambda _: None)
             assert code == 200 and ext["token_ids"] == ref[prompts[0]].token_ids  # served
             st = rt.status()
-            assert st.procs["decoder"].crashes == 0 and st.totals.resumed == 11
-            assert st.procs["decoder"].restarts == 12 and st.procs["loader"].restarts == 0
+            assert st.procs["decoder"].crashes == 0 and st.totals.resumed == 12
+            assert st.procs["decoder"].restarts == 13 and st.procs["loader"].restarts == 0
         kids += _children(up.p.pid)  # the decoder of now, and its standby if there is one
         code, dt = up.stopped_within(signal.SIGINT, 10.0)
         assert code == 130
