@@ -256,8 +256,9 @@ def _check_max_new(value: int | None) -> None:
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None,
-                   help="target-only | general-static | mab-sync | mab-async | "
-                        "prediction-only | memspec (default: the pool's)")
+                   help="target-only | lookup-only | general-static | mab-sync | mab-async | "
+                        "prediction-only | memspec | oracle-static | oracle-dynamic (the "
+                        "oracles on traced prompts; default: the pool's)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
