@@ -692,7 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
     zd.add_argument("--more-prompts", type=int, default=0, metavar="N",
                     help="heads: also train on the target's responses to N more train "
                          "prompts per domain, made from the training corpora")
-    zs = zsub.add_parser("stores", help="build the datastore drafts of pools/stores.toml")
+    zs = zsub.add_parser("stores", help="build the datastore drafts of pools/stores.toml (or "
+                         "of --pool P, for its target)")
     _add_pool(zs)
     zs.add_argument("--force", action="store_true", help="rebuild stores already present")
     zs.add_argument("--sources", action="store_true",

@@ -296,3 +296,25 @@ def test_teacher_forced_windows_store_the_targets_labels():
     assert store.propose([1, 2]) == 6 and store.propose([7]) == 1
     assert store.propose([3]) == 4  # the label of a window's last position is kept ...
     assert tail_key([3, 7], 2) not in set(tables["keys.2"].tolist())  # ... no context spans two
+
+
+def test_zoo_stores_builds_the_named_pools_own_stores(tmp_path):
+    """`memspec zoo stores --pool P` builds P's datastore drafts at their paths (a brought
+    target's pool, say), its dev.json beside them; a pool without one is one line."""
+    from memspec.common.errors import ConfigError
+    from memspec.common.paths import default_target_dir
+    from memspec.zoo.stores import store_folders
+
+    pool = tmp_path / "p.toml"
+    pool.write_text(f'[pool]\ntarget = "{default_target_dir()}"\ngeneral = "g"\n'
+                    '[[drafts]]\nname = "g"\ndomain = "general"\npath = "s/general"\n'
+                    'kind = "datastore"\n[[drafts]]\nname = "c"\ndomain = "code"\n'
+                    'path = "s/code"\nkind = "datastore"\n')
+    _, folders, root = store_folders(str(pool))
+    assert folders == {"general": tmp_path / "s" / "general", "code": tmp_path / "s" / "code"}
+    assert root == tmp_path / "s"
+    heads = tmp_path / "h.toml"
+    heads.write_text(f'[pool]\ntarget = "{default_target_dir()}"\n')
+    with pytest.raises(ConfigError) as e:
+        store_folders(str(heads))
+    assert "no datastore drafts" in str(e.value) and "\n" not in str(e.value)

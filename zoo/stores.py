@@ -10,7 +10,9 @@ costs a wider verify. Test prompts are never read here (`memspec zoo eval --spli
 Writes ``$MEMSPEC_HOME/stores/<domain>/`` (model.safetensors: the tables; config.json;
 README.md, the card: data, size, build time, dev acceptance per domain; manifest.json) and
 ``$MEMSPEC_HOME/stores/dev.json`` (the sweep, the cross-domain matrix, the verify costs);
-``pools/stores.toml`` is the pool that serves them.
+``pools/stores.toml`` is the pool that serves them. With ``--pool P`` (a brought target's
+pool, say), the stores of P's datastore drafts are built for P's target, each at its
+draft's path, their dev.json beside the first; the responses are cached per target.
 """
 
 from __future__ import annotations
@@ -112,28 +114,54 @@ def _gmean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def build_stores(force: bool = False) -> dict:
-    from memspec.common.config import load_pool, tokenizer_fingerprint
+def store_folders(pool_path: str | None) -> tuple[object, dict[str, Path], Path]:
+    """(pool, {domain: store folder}, dev.json's folder). No pool named: the default
+    pool's target and every domain under $MEMSPEC_HOME/stores (what pools/stores.toml
+    serves); a pool named: its own datastore drafts, each at its path."""
+    from memspec.common.config import load_pool
+    from memspec.common.errors import ConfigError
+
+    if pool_path is None:
+        root = memspec_home() / "stores"
+        return load_pool(None), {d: root / d for d in DOMAINS}, root
+    pool = load_pool(pool_path, check=False)
+    folders = {d.domain: Path(d.path) for d in pool.drafts if d.kind == DATASTORE_KIND}
+    unknown = sorted(set(folders) - set(DOMAINS))
+    if not folders or unknown:
+        what = "no datastore drafts" if not folders else \
+            f"a datastore of domain {unknown[0]!r}, which has no prompts"
+        raise ConfigError(f"{pool_path} has {what}", 'add [[drafts]] with kind = "datastore" '
+                          f"and a domain of {', '.join(DOMAINS)}")
+    return pool, folders, next(iter(folders.values())).parent
+
+
+def build_stores(force: bool = False, pool_path: str | None = None) -> dict:
+    from memspec.common.config import tokenizer_fingerprint
+    from memspec.common.paths import default_target_dir
     from memspec.procs.decoder.models import load_tokenizer, open_engine
     from memspec.zoo.engine_trajectories import engine_trajectories
     from memspec.zoo.heads_data import work_dir
     from memspec.zoo.prompts import load_prompts
 
     t0 = time.perf_counter()
-    root = memspec_home() / "stores"
-    if (root / "dev.json").is_file() and not force:
+    pool, folders, root = store_folders(pool_path)
+    if (root / "dev.json").is_file() and all((f / "config.json").is_file()
+                                             for f in folders.values()) and not force:
         log(f"present: {root} (--force rebuilds)")
         return json.loads((root / "dev.json").read_text())
-    pool = load_pool(None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     engine, _, dtype = open_engine(pool, "cpu")
     tok = load_tokenizer(pool.target)
-    log(f"target in {dtype}; train and dev responses ({RESPONSE_TOKENS} new tokens)")
+    # the responses are the target's own: cached per target (the demo's keep their name)
+    tag = dtype if Path(pool.target).resolve() == default_target_dir().resolve() \
+        else f"{dtype}-{Path(pool.target).name}"
+    log(f"target {Path(pool.target).name} in {dtype}; train and dev responses "
+        f"({RESPONSE_TOKENS} new tokens)")
     train = engine_trajectories(engine, dtype, tok, load_prompts("train"),
-                                work_dir() / f"responses-train-{dtype}.jsonl", RESPONSE_TOKENS,
+                                work_dir() / f"responses-train-{tag}.jsonl", RESPONSE_TOKENS,
                                 label="zoo:stores")
     dev = engine_trajectories(engine, dtype, tok, load_prompts("dev"),
-                              work_dir() / f"responses-dev-{dtype}.jsonl", RESPONSE_TOKENS,
+                              work_dir() / f"responses-dev-{tag}.jsonl", RESPONSE_TOKENS,
                               label="zoo:stores")
     verify = verify_costs(engine, dev[0]["prompt_ids"])
     log("verify of k+1 rows / 1 row: " + ", ".join(f"{v:.2f}" for v in verify))
@@ -169,11 +197,11 @@ def build_stores(force: bool = False) -> dict:
     log(f"chosen on dev: n_max {n_max}, min_count {params.min_count}, "
         f"min_conf {params.min_conf}")
     stores = {d: Datastore(build_tables(streams[d], N_MIN, n_max, params.min_count), params)
-              for d in DOMAINS}
+              for d in folders}
     lookup_only = {e: figures(None, e) for e in DOMAINS}
-    matrix = {d: {e: figures(stores[d], e) for e in DOMAINS} for d in DOMAINS}
-    for d in DOMAINS:
-        _write_store(root / d, d, stores[d], streams[d], n_max, params, matrix, lookup_only,
+    matrix = {d: {e: figures(stores[d], e) for e in DOMAINS} for d in folders}
+    for d, folder in folders.items():
+        _write_store(folder, d, stores[d], streams[d], n_max, params, matrix, lookup_only,
                      sum(1 for r in train if r["domain"] == d), dtype,
                      tokenizer_fingerprint(pool.target))
     out = {"dtype": dtype, "verify_over_one_row": verify, "grid": {
@@ -182,7 +210,8 @@ def build_stores(force: bool = False) -> dict:
         "sweep": sweep, "lookup_only": lookup_only, "matrix": matrix,
         "own_over_general_store": {e: matrix[e][e]["tokens_per_iteration"]
                                    / matrix["general"][e]["tokens_per_iteration"]
-                                   for e in DOMAINS},
+                                   for e in folders if "general" in folders},
+        "target": str(pool.target),
         "seconds": time.perf_counter() - t0}
     (root / "dev.json").write_text(json.dumps(out, indent=1))
     log(f"done in {out['seconds']:.0f}s -> {root}")
@@ -236,11 +265,11 @@ def plot_matrix(out: dict, path: Path) -> Path:
     plt = pyplot()
     m, lk = out["matrix"], out["lookup_only"]
     grid = np.array([[lk[e]["tokens_per_iteration"] for e in DOMAINS]]
-                    + [[m[d][e]["tokens_per_iteration"] for e in DOMAINS] for d in DOMAINS])
+                    + [[m[d][e]["tokens_per_iteration"] for e in DOMAINS] for d in m])
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     im = ax.imshow(grid, cmap="viridis")
     ax.set_xticks(range(len(DOMAINS)), DOMAINS)
-    ax.set_yticks(range(len(DOMAINS) + 1), ["(lookup alone)", *(f"{d} store" for d in DOMAINS)])
+    ax.set_yticks(range(len(m) + 1), ["(lookup alone)", *(f"{d} store" for d in m)])
     for i in range(grid.shape[0]):
         for j in range(grid.shape[1]):
             ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w", fontsize=8)
@@ -255,10 +284,10 @@ def plot_matrix(out: dict, path: Path) -> Path:
 
 
 def main_stores(args) -> int:  # noqa: ANN001
-    out = build_stores(force=args.force)
+    out = build_stores(force=args.force, pool_path=args.pool)
     with contextlib.suppress(MemspecError):  # (matplotlib is an optional extra)
-        log(f"plot: {plot_matrix(out, memspec_home() / 'stores' / 'dev.png')}")
+        log(f"plot: {plot_matrix(out, store_folders(args.pool)[2] / 'dev.png')}")
     own = out["own_over_general_store"]
     print(json.dumps(out["chosen"]) + "\n" + "own store / general store, tokens per iteration "
-          "(dev): " + ", ".join(f"{d} {own[d]:.3f}" for d in DOMAINS))
+          "(dev): " + (", ".join(f"{d} {v:.3f}" for d, v in own.items()) or "no general store"))
     return 0
