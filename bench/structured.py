@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.contention import Load
+from memspec.bench.contention import Load, gmean
 from memspec.bench.floor import UpProcess, prompts
 from memspec.bench.peers import order, unavailable
 from memspec.bench.provenance import provenance
@@ -202,7 +202,7 @@ def summarise(rows: list[dict[str, Any]], loads: Sequence[str], variants: Sequen
         runs = {v: {r["id"]: [(r["runs"][load][v]["tokens"], r["runs"][load][v]["seconds"])]
                     for r in rows if v in r["runs"].get(load, {})} for v in variants}
         gm, ci = headline_ratios(runs, strata, PAIRS)
-        rate = {v: _gmean([t / s for (t, s), in runs[v].values() if s > 0 and t > 0])
+        rate = {v: gmean([t / s for (t, s), in runs[v].values() if s > 0 and t > 0])
                 for v in variants}
         validity = {v: sum(r["runs"][load][v]["valid"] for r in rows) / len(rows)
                     for v in variants if v != "memspec-free"}
@@ -224,10 +224,6 @@ def summarise(rows: list[dict[str, Any]], loads: Sequence[str], variants: Sequen
                      "forced_share": forced / tokens if tokens else 0.0,
                      "bound": {name: bound, "met": bool(ci.get(name, [math.nan])[0] >= bound)}}
     return out
-
-
-def _gmean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
 
 
 def format_table(res: dict[str, Any]) -> str:

@@ -16,6 +16,10 @@ from typing import Any
 
 import msgspec
 
+# one emitted token's log-probability under the target and its most likely alternatives:
+# (token, logprob, [(token, logprob), ...]), as the engine records it
+LogprobRow = tuple[int, float, list[tuple[int, float]]]
+
 
 class IterationRecord(msgspec.Struct, forbid_unknown_fields=True):
     """One decode iteration: a draft proposes, the target verifies (or a target-only step)."""
@@ -335,9 +339,7 @@ class RunStats:
     points: int = 0  # scheduling points (decisions) the request's decode loop made
     t_grammar: float = 0.0  # in the request's output grammar (procs/decoder/sched/constraint.py)
     forced: int = 0  # tokens the grammar forced, proposed without a draft
-    # per generated token, where asked for: (token, logprob, [(token, logprob), ...])
-    token_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(
-        default_factory=list)
+    token_logprobs: list[LogprobRow] = field(default_factory=list)  # per token, where asked
 
     def report(self) -> Summary:
         """The metrics, typed."""

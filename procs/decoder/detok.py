@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from memspec.common.messages import TokenLogprob, TopLogprob
+from memspec.common.metrics import LogprobRow
 
 REPLACEMENT = "\ufffd"
 WINDOW = 6  # tokens of context before the new ones (merges and leading spaces settle)
@@ -47,8 +48,7 @@ class StreamDecoder:
         return after[len(before):] if after.startswith(before) else ""
 
 
-def logprob_entries(tokenizer: Any, rows: list[tuple[int, float, list[tuple[int, float]]]]
-                    ) -> list[TokenLogprob]:
+def logprob_entries(tokenizer: Any, rows: list[LogprobRow]) -> list[TokenLogprob]:
     """The engine's (token, logprob, alternatives) rows with each token's own text, as the
     OpenAI API reports them (a token that ends inside a character shows U+FFFD, as vLLM's)."""
     def text(t: int) -> str:

@@ -25,7 +25,7 @@ import torch
 
 from memspec.common.errors import ModelError, RequestError
 from memspec.common.limits import MAX_TOP_LOGPROBS
-from memspec.common.metrics import IterationRecord, RunStats
+from memspec.common.metrics import IterationRecord, LogprobRow, RunStats
 from memspec.common.tuned import knob
 from memspec.procs.decoder.drafts.datastore import (
     DATASTORE_KIND,
@@ -54,9 +54,6 @@ from memspec.procs.decoder.sched.gate import Line
 from memspec.procs.decoder.slots import BoundDraft
 
 TokenCallback = Callable[[list[int]], None]
-# one emitted token's log-probability under the target and the most likely alternatives:
-# (token, logprob, [(token, logprob), ...]) (OpenAI's `logprobs` / `top_logprobs`)
-TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 Between = Callable[[], bool]  # called between prefill chunks; False: the rest in one piece
 DEFAULT_MAX_CONTEXT = 2048
 # Prefill piece while a caller waits on something (the first ranking): the smallest piece
@@ -297,7 +294,7 @@ class Session:
                 self.engine.target.forward(self._tok[a:b], a, self._tcache, last_only=True)
 
     @property
-    def token_logprobs(self) -> list[TokenLogprob]:
+    def token_logprobs(self) -> list[LogprobRow]:
         """One per generated token, where asked for (``logprobs``)."""
         return self.stats.token_logprobs
 

@@ -196,8 +196,3 @@ class Constraint:
 
     def error(self) -> str:
         return _first_line(self.m.get_error()) if self.m.is_error() else ""
-
-    @property
-    def finished(self) -> bool:
-        """Only the end of sequence is legal from here."""
-        return bool(self.m.is_stopped())
