@@ -387,8 +387,11 @@ class Supervisor:
             if stop():
                 return False
             if time.monotonic() > deadline:
-                raise MemspecError(f"the processes did not become ready in {timeout:.0f}s",
-                                   f"see the logs in {self.run_dir}")
+                late = [p.name for p in self.procs.values() if p.state != "ready"]
+                raise MemspecError(
+                    f"the processes did not become ready in {timeout:.0f}s (still starting: "
+                    + "; ".join(f"{n}, last logged: {self._last_log_line(n)}" for n in late)
+                    + ")", f"see the logs in {self.run_dir}")
             for p in self.procs.values():
                 if p.popen and p.popen.poll() is not None and p.state == "starting":
                     raise MemspecError(f"{p.name} exited at start (code {p.popen.returncode}): "

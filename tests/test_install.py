@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -28,8 +29,18 @@ COPY_IGNORE = shutil.ignore_patterns("models", ".git", "build", "dist", "*.egg-i
 def _run(cmd: list[str | Path], timeout: float, **kw) -> subprocess.CompletedProcess:
     res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
                          timeout=timeout, **kw)
-    assert res.returncode == 0, f"{cmd[:4]}: {res.stderr[-3000:]}"
+    assert res.returncode == 0, f"{cmd[:4]}: {res.stderr[-3000:]}{_logs(res.stderr)}"
     return res
+
+
+def _logs(stderr: str) -> str:
+    """The tails of the processes' logs a failed run names (a start that hung says where)."""
+    m = re.search(r"see the logs in (\S+)", stderr)
+    if not m:
+        return ""
+    return "".join(f"\n--- {log.name}\n" + "\n".join(log.read_text(errors="replace")
+                                                      .splitlines()[-25:])
+                   for log in sorted(Path(m.group(1)).glob("*.log")))
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
