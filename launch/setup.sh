@@ -56,6 +56,17 @@ if [[ "${1:-}" == "--dev" ]]; then
     echo "[setup] building llama-cpp-python (llama.cpp's quantiser for the GGUF tests; minutes, once)"
     pipi "llama-cpp-python>=0.3" || echo "[setup] llama-cpp-python not built: the real-GGUF tests will skip"
   fi
+  # llama.cpp's AMX matmul segfaults on a prompt of more than one token on Sapphire Rapids
+  # hosts (llama.cpp issue 20824, open): where the CPU has AMX, the peer is built without
+  # it and runs its AVX-512 kernels (explicit -mno-* outrank -march=native's implied ones)
+  if grep -q amx_int8 /proc/cpuinfo 2>/dev/null && "$PY" -c "import llama_cpp, sys; \
+      sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" 2>/dev/null; then
+    echo "[setup] rebuilding llama-cpp-python without AMX (its AMX path crashes here; minutes, once)"
+    noamx="-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
+    CMAKE_ARGS="-DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'" pipi --no-deps \
+      --force-reinstall --no-cache-dir "llama-cpp-python==$("$PY" -c 'import llama_cpp; print(llama_cpp.__version__)')" \
+      || echo "[setup] llama-cpp-python not rebuilt: its multi-token prompts crash on this CPU"
+  fi
   # GPTQ / AWQ checkpoints written by GPTQModel itself, with its own forward on them, for
   # tests/test_quantized_reference.py: a side venv under $MEMSPEC_HOME/quantref (GPTQModel
   # pinned, from the package index; ~4 min on 2 cores the first time, seconds after). If
