@@ -12,7 +12,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from memspec.procs.decoder.drafts.head import TargetParts
+from memspec.procs.decoder.forward import q8blocks
+from memspec.procs.decoder.forward.native import NativeLM
 from memspec.procs.decoder.forward.prepared import cache_path
+from memspec.procs.decoder.forward.q8blocks import PackedInt8Linear
 from memspec.procs.decoder.models import build_target
 
 IDS = torch.tensor([1, 5, 9, 22, 40, 41, 7, 3])
@@ -37,13 +41,14 @@ def test_cached_weights_give_the_quantised_model_bit_for_bit(tiny_dir, tmp_path,
     cached = build_target(target, fmt, fast=fast, prepared=tmp_path / "home")
     assert file.stat().st_mtime_ns == stamp  # read, not written again
     assert torch.equal(_logits(first), fresh) and torch.equal(_logits(cached), fresh)
-    # the layers' projections are kept in the kernels' packed layout (read as they are);
-    # the LM head, which is also the embedding, as it is
+    # the layers' projections are kept in the kernels' packed layout (read as they are),
+    # and so is the int8 LM head, which is also the (tied) embedding
     with safe_open(str(file), framework="pt") as f:
         kinds = json.loads(f.metadata()["kinds"])
     blocks = {"int4": "q4blocks", "int8": "q8blocks"}[fmt]
     assert {k for k, v in kinds.items() if k != "lm_head"} and all(
         v == blocks for k, v in kinds.items() if k != "lm_head")
+    assert kinds["lm_head"] == "q8blocks"
     # the weight file changes: the key changes, and the cache is rebuilt from it
     weights = target / "model.safetensors"
     os.utime(weights, ns=(stamp, stamp + 10**9))
@@ -62,3 +67,28 @@ def test_a_damaged_cache_is_rebuilt_not_used(tiny_dir, tmp_path, caplog):
     again = build_target(target, "int4", prepared=tmp_path / "home")
     assert torch.equal(_logits(again), fresh)
     assert "unreadable" in caplog.text and file.stat().st_size == len(data)
+
+
+def test_the_lm_head_is_held_once_packed(tiny_dir, tmp_path):
+    """A prepared target's tied int8 LM head is read packed and never unpacked: the native
+    model's embedding and a draft vocabulary's rows come from the one copy its kernels
+    read, with the bits of the plain rows."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dir / "target", target)
+    fresh = build_target(target, "int4")  # quantised here: the plain int8 rows
+    build_target(target, "int4", prepared=tmp_path / "home")
+    cached = build_target(target, "int4", prepared=tmp_path / "home")
+    plain, lean = getattr(fresh, "lean", fresh).lm_head, getattr(cached, "lean", cached)
+    head = lean.lm_head
+    assert isinstance(head, PackedInt8Linear) and lean.tied_rows
+    ids = torch.tensor([0, 1, 15, 16, 17, 33, lean.vocab - 1])
+    q, d = q8blocks.rows(head.parts, ids)
+    assert torch.equal(q, plain.q[ids]) and torch.equal(d, plain.d[ids])
+    rows = TargetParts(cached).lm_rows(ids)
+    assert torch.equal(rows.q, plain.q[ids]) and torch.equal(rows.d, plain.d[ids])
+    if isinstance(cached, NativeLM):
+        assert head.parts["q8w"].data_ptr() == cached.model.head_parts()[0].data_ptr()
+        assert torch.equal(cached.model.embed(ids), fresh.model.embed(ids))
+        with pytest.raises(RuntimeError, match="out of range"):
+            cached.model.embed(torch.tensor([lean.vocab]))
+    assert "q" not in vars(head) and "d" not in vars(head)  # nothing was unpacked

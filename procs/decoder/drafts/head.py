@@ -49,6 +49,7 @@ from memspec.procs.decoder.forward.lean import (
 )
 from memspec.procs.decoder.forward.linear import DenseLinear, Int8Linear, Linear
 from memspec.procs.decoder.forward.native import NativeLM, extension, linear_spec
+from memspec.procs.decoder.forward.q8blocks import PackedInt8Linear
 
 HEAD_KIND = "head"
 HEAD_TENSORS = ("fc", "norm_e", "norm_g", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -294,7 +295,10 @@ class TargetParts:
             head = self._head
             if isinstance(head, Int8Linear):
                 sub = Int8Linear.__new__(Int8Linear)
-                sub.q, sub.d = head.q[to_target].contiguous(), head.d[to_target].contiguous()
+                if isinstance(head, PackedInt8Linear):  # from the packed copy, none unpacked
+                    sub.q, sub.d = q8blocks.rows(head.parts, to_target)
+                else:
+                    sub.q, sub.d = head.q[to_target].contiguous(), head.d[to_target].contiguous()
                 sub.act_dtype, sub.bias, sub._dense = head.act_dtype, None, None
                 lin = sub
             elif isinstance(head, DenseLinear):

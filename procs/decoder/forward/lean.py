@@ -193,17 +193,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 class LeanLM:
     """Weights + forward; the caller owns positions and cache lengths."""
 
-    def __init__(self, arch: Arch, embed: torch.Tensor, layers: list[LeanLayer],
+    def __init__(self, arch: Arch, embed: torch.Tensor | None, layers: list[LeanLayer],
                  norm: torch.Tensor, lm_head: Linear, act_dtype: torch.dtype,
                  embed_scale: torch.Tensor | None = None) -> None:
-        self.arch, self.embed_w, self.layers = arch, embed, layers
+        """``embed`` None: the embedding is the int8 LM head's own rows and scales
+        (``tied_rows``; a prepared target holds them once, packed: prepared.py)."""
+        self.arch, self._embed, self.layers = arch, embed, layers
         self.norm, self.lm_head, self.act_dtype = norm, lm_head, act_dtype
-        self.embed_scale = embed_scale  # int8 embedding rows: a scale per 32 values
-        self.device = embed.device
+        self._embed_scale = embed_scale  # int8 embedding rows: a scale per 32 values
+        self.device = norm.device
         self.vocab = arch.vocab
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self._cache: KVCache | None = None
+
+    @property
+    def tied_rows(self) -> bool:
+        return self._embed is None
+
+    @property
+    def embed_w(self) -> torch.Tensor:
+        return self.lm_head.q if self._embed is None else self._embed
+
+    @property
+    def embed_scale(self) -> torch.Tensor | None:
+        return self.lm_head.d if self._embed is None else self._embed_scale
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

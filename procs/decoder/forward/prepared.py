@@ -33,13 +33,14 @@ from memspec.procs.decoder.forward.linear import DenseLinear, Int4Linear, Int8Li
 from memspec.procs.decoder.forward.q4blocks import PackedInt4Linear
 from memspec.procs.decoder.forward.q8blocks import PackedInt8Linear
 
-FORMAT = "memspec-prepared/2"
+FORMAT = "memspec-prepared/3"  # /3: the int8 LM head packed
 CACHED_FORMATS = ("int4", "int8")  # the formats that cost a quantisation
 _CODE = [Path(__file__).resolve().parent / n
          for n in ("ggml.py", "lean.py", "linear.py", "prepared.py", "q4blocks.py", "q8blocks.py")]
 LOG = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
-_PACKED_PART = re.compile(r"^l\d+\.\w+\.(q4[ndm]|q8[wdcs])$")  # a layer's packed blocks
+# packed blocks (a layer's, an int8 LM head's): the C++ forward copies them into huge pages
+_PACKED_PART = re.compile(r"^(l\d+\.\w+|lm_head)\.(q4[ndm]|q8[wdcs])$")
 
 
 def cache_key(model_dir: Path, fmt: str, act_dtype: torch.dtype) -> str:
@@ -143,8 +144,9 @@ def _write(path: Path, key: str, lean: LeanLM) -> None:
         _linear(f"l{i}.down", layer.down, out, kinds)
         counts.append([len(layer.qkv), len(layer.gate_up)])
     head = lean.lm_head
-    # the LM head's rows are also the embedding (tied) and what draft heads read: as they are
-    _linear("lm_head", head, out, kinds, packed=False)
+    # an int8 LM head packed like the layers (the embedding, when tied, and draft heads'
+    # vocabularies read its rows from the packed copy: one copy, no repacking at start)
+    _linear("lm_head", head, out, kinds, packed=isinstance(head, Int8Linear))
     # tied ends share the LM head's tensors (int8 rows and scales, or dense rows)
     tied = getattr(head, "q", getattr(head, "weight", None))
     embed = "lm_head" if lean.embed_w is tied else "embed"
@@ -198,10 +200,15 @@ def _read(path: Path, key: str, arch: Arch, act_dtype: torch.dtype) -> LeanLM | 
                          down=_unlinear(f"l{i}.down", kinds[f"l{i}.down"], t, act_dtype))
                   for i, (nq, ng) in enumerate(counts)]
         head = _unlinear("lm_head", kinds["lm_head"], t, act_dtype)
-        embed = getattr(head, "q", getattr(head, "weight", None)) \
-            if meta["embed"] == "lm_head" else t["embed"]
-        scale = {"none": None, "lm_head": getattr(head, "d", None),
-                 "embed_scale": t.get("embed_scale")}[meta["embed_scale"]]
+        if isinstance(head, PackedInt8Linear) and meta["embed"] == "lm_head":
+            embed = scale = None  # tied: the head's own rows (LeanLM.tied_rows)
+        else:
+            embed = getattr(head, "q", getattr(head, "weight", None)) \
+                if meta["embed"] == "lm_head" else t["embed"]
+            # (a packed head's d is read only where it is the embedding's: reading it unpacks)
+            kind = meta["embed_scale"]
+            scale = None if kind == "none" else head.d if kind == "lm_head" else \
+                t["embed_scale"]
         return LeanLM(arch, embed, layers, t["norm"], head, act_dtype, scale)
     except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, never fatal
         LOG.warning(f"prepared weights {path} unreadable ({type(exc).__name__}); rebuilding")

@@ -75,6 +75,16 @@ def codes(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return parts["q8w"].view(n // TILE, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(n, k)
 
 
+def rows(parts: Mapping[str, torch.Tensor], ids: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` of a packed matrix as int8 codes [n, K] and fp32 scales [n, K/32]:
+    what ``codes`` and ``untiled`` give for them, without unpacking the others."""
+    n, k = shape_of(parts)
+    t, j = ids // TILE, ids % TILE
+    q = parts["q8w"].view(n // TILE, k // 4, TILE, 4)[t, :, j, :].reshape(len(ids), k)
+    return q.contiguous(), parts["q8d"][t, :, j].float().contiguous()
+
+
 def unpack(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The fp32 weights [N, K] a packed matrix stands for (the PyTorch forward's copy)."""
     n, k = shape_of(parts)

@@ -501,10 +501,12 @@ class Core {
 
 class Model : public Core {
  public:
-  Model(py::tuple dims, at::Tensor embed, py::object embed_scale, py::list layers,
+  // `embed` None: the embedding is the LM head's own rows (tied, Q8_0 blocks), read from
+  // the one packed copy the head's kernels read, not from a second plain copy
+  Model(py::tuple dims, py::object embed, py::object embed_scale, py::list layers,
         at::Tensor norm, py::tuple head, double rope_theta)
-      : Core(dims, rope_theta), embed_(embed),
-        norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
+      : Core(dims, rope_theta), norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
+    if (!embed.is_none()) embed_ = embed.cast<at::Tensor>();
     if (!embed_scale.is_none()) embed_scale_ = embed_scale.cast<at::Tensor>().to(at::kFloat);
     for (auto item : layers) {
       auto t = item.cast<py::tuple>();
@@ -527,6 +529,20 @@ class Model : public Core {
       own.push_back(&L.down);
     }
     to_huge_pages(own);
+    if (embed.is_none()) {
+      TORCH_CHECK(head_.kind == 4 && head_.q8.K == hidden_,
+                  "an embedding read from the LM head needs its Q8_0 blocks");
+      embed_ = head_.q8.w;  // int8 [N/16, K/4, 64]
+      embed_scale_ = head_.q8.d;  // fp16 [N/16, K/32, 16]
+      tiled_embed_ = true;
+    }
+  }
+
+  // the LM head's packed arrays as the kernels hold them (w, d, c, s; Q8_0 heads only):
+  // what reads its rows in Python (draft heads' vocabularies) reads this copy
+  py::tuple head_parts() const {
+    TORCH_CHECK(head_.kind == 4, "the LM head is not held as Q8_0 blocks");
+    return py::make_tuple(head_.q8.w, head_.q8.d, head_.q8.c, head_.q8.s);
   }
 
   // logits [T or 1, vocab] for ids [T] at positions pos..pos+T-1. With `feat` defined
@@ -572,6 +588,7 @@ class Model : public Core {
   // token embeddings as fp32 rows (a draft head's token input)
   at::Tensor embed(const at::Tensor& ids) {
     at::NoGradGuard no_grad;
+    if (tiled_embed_) return tiled_rows(ids);
     if (embed_scale_.defined() && embed_.scalar_type() == at::kChar && embed_.is_contiguous() &&
         embed_scale_.scalar_type() == at::kFloat && embed_scale_.is_contiguous() &&
         embed_scale_.size(1) * memspec::QGROUP == hidden_ && embed_.size(1) == hidden_ &&
@@ -609,7 +626,36 @@ class Model : public Core {
   }
 
  private:
+  // rows `ids` of the packed LM head (value (n, k) at w[n/16][k/4][(n%16)*4 + k%4], its fp16
+  // scale at d[n/16][k/32][n%16]): the same one product per value as the plain rows above
+  at::Tensor tiled_rows(const at::Tensor& ids_in) const {
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+    const int64_t T = ids.numel(), groups = hidden_ / memspec::QGROUP, C = hidden_ / 4;
+    const int64_t N = embed_.size(0) * memspec::QTILE;
+    at::Tensor rows = at::empty({T, hidden_}, at::TensorOptions().dtype(at::kFloat));
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    const int8_t* wp = embed_.data_ptr<int8_t>();
+    const at::Half* sp = embed_scale_.data_ptr<at::Half>();
+    float* op = rows.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t id = ip[t];
+      TORCH_CHECK(id >= 0 && id < N, "token id ", id, " out of range");
+      const int64_t tile = id / memspec::QTILE, j = id % memspec::QTILE;
+      const int8_t* w = wp + tile * C * 4 * memspec::QTILE + j * 4;
+      const at::Half* sc = sp + tile * groups * memspec::QTILE + j;
+      float* o = op + t * hidden_;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const float d = static_cast<float>(sc[gi * memspec::QTILE]);  // (exact)
+        for (int64_t c = gi * (memspec::QGROUP / 4); c < (gi + 1) * (memspec::QGROUP / 4); ++c)
+          for (int64_t i = 0; i < 4; ++i)
+            o[c * 4 + i] = static_cast<float>(w[c * 4 * memspec::QTILE + i]) * d;
+      }
+    }
+    return rows;
+  }
+
   at::Tensor embed_, embed_scale_, norm_;
+  bool tiled_embed_ = false;
   Lin head_;
   std::vector<Layer> layers_;
 };
@@ -683,10 +729,11 @@ class Head : public Core {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Model>(m, "Model")
-      .def(py::init<py::tuple, at::Tensor, py::object, py::list, at::Tensor, py::tuple, double>())
+      .def(py::init<py::tuple, py::object, py::object, py::list, at::Tensor, py::tuple, double>())
       .def("forward", &Model::forward)
       .def("set_pad_rows", &Model::set_pad_rows)
-      .def("embed", &Model::embed);
+      .def("embed", &Model::embed)
+      .def("head_parts", &Model::head_parts);
   py::class_<Head>(m, "Head")
       .def(py::init<py::tuple, py::tuple, at::Tensor, at::Tensor, py::list, py::tuple, at::Tensor,
                     py::list, py::tuple, at::Tensor, py::object, double>())
