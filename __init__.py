@@ -10,6 +10,16 @@ __version__ = "0.1.0"
 
 import os as _os
 
+# A process the supervisor started runs no cyclic collection until it is ready
+# (common/child.py `freeze_heap` collects once, freezes and turns them back on): its start
+# allocates about a million objects (torch's import), and collection after collection
+# walked them all again. Taken from the environment, so its own subprocesses collect as usual.
+_gc_held = _os.environ.pop("MEMSPEC_START_NO_GC", "") == "1"
+if _gc_held:
+    import gc as _gc
+
+    _gc.disable()
+
 if _os.environ.get("MEMSPEC_ISA"):  # a forced kernel path holds for PyTorch's kernels too
     from memspec.common.isa import torch_env as _torch_env
 

@@ -39,7 +39,7 @@ from typing import TypeVar
 
 import zmq
 
-from memspec.common.child import NICE_ENV, PARENT_ENV, SPAWNED_ENV
+from memspec.common.child import NICE_ENV, NO_GC_ENV, PARENT_ENV, SPAWNED_ENV
 from memspec.common.errors import MemspecError, RequestError
 from memspec.common.limits import check_fresh, check_request, echo_id
 from memspec.common.logs import LEVEL_ENV, level_name, message_of
@@ -286,7 +286,7 @@ class Supervisor:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1",
                    **{PARENT_ENV: str(os.getpid()), LEVEL_ENV: self.log_level, NICE_ENV: "0",
-                      SPAWNED_ENV: repr(time.monotonic())})
+                      SPAWNED_ENV: repr(time.monotonic()), NO_GC_ENV: "1"})
         helper = name != "decoder"
         if helper:  # one thread each: the decoder owns the cores for its forwards
             # Spinning OpenMP workers of a helper starve the decoder (measured: a verify went

@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     proc = DecoderProcess(channels, service)
     # the supervisor caches the slots for `memspec status`
     service.controller.on_slots_changed = lambda: channels.push(proc.status())
-    child.freeze_heap()
+    child.freeze_heap(collect=False)  # (a collection here would delay the first answer)
     clock.mark("ready")
     send(channels.control, flags=0, msg=Ready(proc="decoder", pid=os.getpid(), info=DecoderInfo(
         load_s=time.perf_counter() - t0, K=k, transport=transport, dtype=dtype,
@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.standby:
             standby.prepare(args.pool, args.device)
+            child.freeze_heap()  # it may wait for hours: its start-up's garbage freed first
             standby.announce(args.control)
             if not standby.wait_for_go():
                 return 0  # retired before it was needed
