@@ -365,9 +365,9 @@ def run(pool_path: str | None, n_prompts: int, max_new: int,
         _log(f"{d}: step {c['step_ms']:.2f} ms (floor {c['floor_step_ms']:.2f}), verify "
              f"{c['verify_ms']:.2f} ms, draft step {c['draft_step_ms']:.3f} ms")
     threads = torch.get_num_threads()
-    # llama.cpp runs the GGUF the demo target came from: only that target is its peer
-    peer = None if target else llama_cpp_run(pool, rts[chosen], prompts, max_new, threads,
-                                                 int(ctx))
+    # llama.cpp runs the GGUF the target came from (the demo's, or a brought GGUF's):
+    # a target converted from no GGUF has no peer on the same weights (llama_cpp_run says so)
+    peer = llama_cpp_run(pool, rts[chosen], prompts, max_new, threads, int(ctx))
     top = per_dtype[chosen]
     out: dict[str, Any] = {
         "machine": machine_line(), "machine_info": machine_info(), "threads": threads,

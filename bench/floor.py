@@ -71,9 +71,14 @@ def generate(prompt: str, policy: str, max_new: int, pool: str | None,
 
 def settle(rt, what: str, bound_s: float = 120.0) -> None:  # noqa: ANN001
     """Until a `memspec up`'s standby decoder is prepared (it starts one once idle for a
-    second): a warm server has one, and its imports must not land in a measured request."""
+    second), where the server keeps one: a warm server has it, and its imports must not
+    land in a measured request. A server whose decoder restarts within the budget keeps
+    none (launch/supervisor.py): nothing to wait for."""
     deadline = time.monotonic() + bound_s
-    while rt.status().procs["decoder"].standby_pid is None:
+    while True:
+        dec = rt.status().procs["decoder"]
+        if dec.standby_pid is not None or not dec.standby_kept:
+            return
         if time.monotonic() > deadline:
             raise MemspecError(f"{what} prepared no standby decoder in {bound_s:.0f}s",
                                "see its decoder log")

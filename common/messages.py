@@ -80,6 +80,7 @@ class ProcStatus(msgspec.Struct, forbid_unknown_fields=True):
     ready_s: float = 0.0  # its last start: spawned (or taken over, a standby) -> Ready
     pss_mb: float = 0.0  # proportional set size: shared pages split among their users
     uss_mb: float = 0.0  # unique set size: what ending the process would free
+    standby_kept: bool = False  # the decoder: its server keeps a standby (once idle)
 
 
 class TensorRange(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):

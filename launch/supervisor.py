@@ -331,13 +331,19 @@ class Supervisor:
         p.state, p.started, p.last_beat = "starting", time.monotonic(), time.monotonic()
         return True
 
+    @property
+    def keeps_standby(self) -> bool:
+        """Whether this server keeps a standby decoder (one is, or will be once idle)."""
+        if not self.standby_enabled or self._standby_failures >= STANDBY_MAX_FAILURES:
+            return False
+        # "auto": only where a cold restart exceeds the budget (else no standby's memory)
+        return self.standby_enabled != "auto" or self.cold_decoder_s > RESTART_BUDGET_S
+
     def _keep_standby(self, now: float) -> None:
         """Start a standby decoder while the server is idle: its imports never compete with
         a request's decoding."""
-        if not self.standby_enabled or self.closed:
+        if self.closed or not self.keeps_standby:
             return
-        if self.standby_enabled == "auto" and self.cold_decoder_s <= RESTART_BUDGET_S:
-            return  # a cold restart is within the budget: no standby's memory
         sb = self.standby
         if sb is not None:
             if sb.poll() is not None:  # it died on its own: its log says why
@@ -708,6 +714,8 @@ class Supervisor:
                                **({"standby_pid": self.standby.pid}
                                   if n == "decoder" and self.standby is not None
                                   and self.standby_ready else {}),
+                               **({"standby_kept": self.keeps_standby}
+                                  if n == "decoder" else {}),
                                **({"isa": p.info.isa, "dtype": p.info.dtype,
                                    "startup": dict(p.info.startup),
                                    "bandwidth_bytes_s": p.info.bandwidth_bytes_s}

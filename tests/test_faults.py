@@ -651,6 +651,7 @@ def test_a_standby_decoder_takes_over_and_leaves_nothing_behind(pool):
 def test_an_auto_standby_follows_the_restart_budget(pool, monkeypatch, budget):
     """`memspec up`'s default: a standby decoder only where the decoder's own cold start
     took longer than the restart budget (its ~200 MB buys less than that otherwise)."""
+    from memspec.bench.floor import settle
     from memspec.launch import supervisor as sup_mod
 
     monkeypatch.setattr(sup_mod, "RESTART_BUDGET_S", budget)
@@ -658,6 +659,9 @@ def test_an_auto_standby_follows_the_restart_budget(pool, monkeypatch, budget):
     try:
         s.start()
         assert s.cold_decoder_s > 0
+        # status says whether one is kept: a bench waits for it only then (it waited for
+        # one that never came, two minutes, then failed)
+        assert s.status().procs["decoder"].standby_kept == (budget == 0.0)
         if budget == 0.0:
             _tick_until(s, lambda: s.standby_ready, 120, "no standby over the budget")
         else:
@@ -665,6 +669,7 @@ def test_an_auto_standby_follows_the_restart_budget(pool, monkeypatch, budget):
             while time.monotonic() < end:
                 s.tick(50)
             assert s.standby is None and s.status().procs["decoder"].standby_pid is None
+        settle(s, "the server", bound_s=1.0)  # returns at once, standby or none
     finally:
         s.shutdown()
 
