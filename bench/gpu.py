@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from memspec.bench.provenance import provenance
 from memspec.common.config import load_pool
 from memspec.common.draftfiles import draft_weights_file
 from memspec.common.machine import machine_info
@@ -240,5 +241,6 @@ def main_bench_gpu(args) -> int:
            "costs": costs(pool, target_dir, args.context, args.random_weights, pool.gamma)}
     print(json.dumps(res, indent=2))
     if args.json:
+        res = {"provenance": provenance(), **res}  # the code it measured
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

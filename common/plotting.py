@@ -28,8 +28,13 @@ def pyplot() -> Any:
 
 def save_outputs(res: dict[str, Any], args: Any, plot: Callable[[dict[str, Any], Path], Path],
                  indent: int = 1) -> None:
-    """A bench command's `--json` file and `--plots` folder, when asked for."""
+    """A bench command's `--json` file and `--plots` folder, when asked for. The JSON
+    names the code it measured (bench/provenance.py) where the bench did not already."""
     if args.json:
+        if "provenance" not in res:
+            from memspec.bench.provenance import provenance
+
+            res = {"provenance": provenance(), **res}
         Path(args.json).write_text(json.dumps(res, indent=indent))
     if args.plots:
         print(f"plot: {plot(res, Path(args.plots))}")
