@@ -39,10 +39,10 @@ from typing import Any
 
 from memspec.bench.floor import UpProcess, prompts, settle
 from memspec.bench.peers import LlamaCpp, order, unavailable
-from memspec.bench.provenance import provenance
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.plotting import save_outputs
+from memspec.common.provenance import provenance
 
 SPIN = "while True: pass"
 NICE_SPIN = "import os\nos.nice(10)\nwhile True: pass"

@@ -41,7 +41,6 @@ from typing import Any
 from memspec.bench import peers
 from memspec.bench.calibrate import calibrate
 from memspec.bench.figures import draw_all
-from memspec.bench.provenance import provenance
 from memspec.bench.realruns import (
     RealResult,
     interleaved,
@@ -59,6 +58,7 @@ from memspec.common.files import atomic_write_text, sha256_file
 from memspec.common.machine import machine_info
 from memspec.common.metrics import RunStats, Summary, gmean
 from memspec.common.paths import PACKAGE_ROOT, memspec_home
+from memspec.common.provenance import provenance
 from memspec.procs.decoder.oracle.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.predictor.head import read_info
 from memspec.procs.predictor.ranker import head_path_for

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.provenance import provenance
 from memspec.common.errors import MemspecError
 from memspec.common.messages import Done, Message, Submit, Tokens
+from memspec.common.provenance import provenance
 from memspec.launch.supervisor import Supervisor
 from memspec.zoo.prompts import DOMAINS, load_prompts
 

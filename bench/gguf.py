@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from memspec.bench.peers import LlamaCpp
-from memspec.bench.provenance import provenance
 from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.paths import memspec_home
 from memspec.common.plotting import finish_figure, pyplot, save_outputs
+from memspec.common.provenance import provenance
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "F16")
 CHUNK = 512

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from memspec.bench.provenance import provenance
 from memspec.common.config import load_pool
 from memspec.common.draftfiles import draft_weights_file
 from memspec.common.machine import machine_info
+from memspec.common.provenance import provenance
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.forward.checkpoint import lean_arch, read_config
 from memspec.procs.decoder.forward.cudagraph import GraphLM

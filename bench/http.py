@@ -25,9 +25,9 @@ from typing import Any
 
 from memspec.bench.floor import UpProcess, settle
 from memspec.bench.pipeline import dev_prompts
-from memspec.bench.provenance import provenance
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
+from memspec.common.provenance import provenance
 from memspec.launch.api import Runtime
 
 MEMSPEC = [sys.executable, "-m", "memspec"]

@@ -25,9 +25,9 @@ from typing import Any
 import psutil
 
 from memspec.bench.floor import README_PROMPT, UpProcess
-from memspec.bench.provenance import provenance
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.plotting import save_outputs
+from memspec.common.provenance import provenance
 
 KINDS = ("heap", "anonymous", "model files", "slots", "libraries", "other")
 LLAMA = """

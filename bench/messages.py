@@ -160,7 +160,7 @@ def measure(budget_s: float = 0.2) -> dict[str, dict[str, float]]:
 def main_bench_messages(args) -> int:
     res = measure()
     if getattr(args, "json", None):
-        from memspec.bench.provenance import provenance
+        from memspec.common.provenance import provenance
 
         with open(args.json, "w") as f:
             json.dump({"provenance": provenance(), **res}, f, indent=2)  # (the code measured)

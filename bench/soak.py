@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memspec.bench.provenance import provenance
 from memspec.common.errors import MemspecError
+from memspec.common.provenance import provenance
 from memspec.launch.api import Runtime
 from memspec.zoo.prompts import DOMAINS, load_prompts
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from memspec.bench.floor import README_PROMPT, UpProcess
-from memspec.bench.provenance import provenance
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.plotting import save_outputs
+from memspec.common.provenance import provenance
 
 MEMSPEC = [sys.executable, "-m", "memspec"]
 WAYS = ("fresh", "reused", "llama.cpp")

@@ -26,10 +26,10 @@ from typing import Any
 from memspec.bench.contention import Load, gmean
 from memspec.bench.floor import UpProcess, prompts
 from memspec.bench.peers import order, unavailable
-from memspec.bench.provenance import provenance
 from memspec.common.errors import MemspecError
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.plotting import save_outputs
+from memspec.common.provenance import provenance
 
 # under a grammar on a CPU memspec is served as lookup-only (procs/decoder/service.py), so
 # lookup-only's own run is the same policy: left out; memspec's stats name what ran

@@ -59,11 +59,11 @@ from typing import Any
 
 from memspec.bench.evaluation import UCB_C as EVAL_UCB_C
 from memspec.bench.gate_sweep import FLOOR, GMEAN_FLOOR, SPEC_SCALES, gate_constants, gmean, sweep
-from memspec.bench.provenance import provenance
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.paths import DEFAULT_POOL, HOME_ENV, PACKAGE_ROOT, memspec_home
 from memspec.common.plotting import save_outputs
+from memspec.common.provenance import provenance
 from memspec.common.tuned import TUNED_FILE
 from memspec.procs.decoder import engine as engine_mod
 from memspec.procs.decoder.sched import loop as loop_mod

@@ -66,9 +66,8 @@ def freeze_heap(collect: bool = True) -> None:
     if collect:
         gc.collect()
     gc.freeze()
-    import memspec
-
-    if memspec.__dict__.pop("_gc_held", False):  # (one its caller turned off stays off)
+    package = sys.modules.get("memspec")  # (memspec/__init__ held them; a caller's own stays off)
+    if package is not None and package.__dict__.pop("_gc_held", False):
         gc.enable()
 
 

@@ -29,10 +29,10 @@ def pyplot() -> Any:
 def save_outputs(res: dict[str, Any], args: Any, plot: Callable[[dict[str, Any], Path], Path],
                  indent: int = 1) -> None:
     """A bench command's `--json` file and `--plots` folder, when asked for. The JSON
-    names the code it measured (bench/provenance.py) where the bench did not already."""
+    names the code it measured (common/provenance.py) where the bench did not already."""
     if args.json:
         if "provenance" not in res:
-            from memspec.bench.provenance import provenance
+            from memspec.common.provenance import provenance
 
             res = {"provenance": provenance(), **res}
         Path(args.json).write_text(json.dumps(res, indent=indent))

@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 from memspec.bench.evaluation import _cost_model, calibrated_dir, predictor_metrics
-from memspec.bench.provenance import provenance
 from memspec.bench.realruns import pool_copy, run_fingerprint
 from memspec.common.config import load_pool
 from memspec.common.paths import PACKAGE_ROOT
+from memspec.common.provenance import provenance
 from memspec.procs.predictor.head import FORMAT
 from memspec.sim.costmodel import CostModel
 
