@@ -52,19 +52,24 @@ if [[ "${1:-}" == "--dev" ]]; then
   # llama.cpp's own quantiser makes the real-weight GGUF test files (tests/test_gguf_target.py)
   # and is the peer of the benchmarks; PyPI has it as source only (a few minutes to build
   # the first time). Where it cannot be built, those tests skip, printing why.
-  if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
-    echo "[setup] building llama-cpp-python (llama.cpp's quantiser for the GGUF tests; minutes, once)"
-    pipi "llama-cpp-python>=0.3" || echo "[setup] llama-cpp-python not built: the real-GGUF tests will skip"
-  fi
   # llama.cpp's AMX matmul segfaults on a prompt of more than one token on Sapphire Rapids
   # hosts (llama.cpp issue 20824, open): where the CPU has AMX, the peer is built without
   # it and runs its AVX-512 kernels (explicit -mno-* outrank -march=native's implied ones)
-  if grep -q amx_int8 /proc/cpuinfo 2>/dev/null && "$PY" -c "import llama_cpp, sys; \
+  llama_env=()
+  if grep -q amx_int8 /proc/cpuinfo 2>/dev/null; then
+    noamx="-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
+    llama_env=(CMAKE_ARGS="-DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'")
+  fi
+  if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
+    echo "[setup] building llama-cpp-python (llama.cpp's quantiser for the GGUF tests; minutes, once)"
+    env "${llama_env[@]}" "$PY" -m pip install --disable-pip-version-check -q --no-cache-dir \
+      "llama-cpp-python>=0.3" || echo "[setup] llama-cpp-python not built: the real-GGUF tests will skip"
+  elif [[ ${#llama_env[@]} -gt 0 ]] && "$PY" -c "import llama_cpp, sys; \
       sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" 2>/dev/null; then
     echo "[setup] rebuilding llama-cpp-python without AMX (its AMX path crashes here; minutes, once)"
-    noamx="-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
-    CMAKE_ARGS="-DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'" pipi --no-deps \
-      --force-reinstall --no-cache-dir "llama-cpp-python==$("$PY" -c 'import llama_cpp; print(llama_cpp.__version__)')" \
+    env "${llama_env[@]}" "$PY" -m pip install --disable-pip-version-check -q --no-deps \
+      --force-reinstall --no-cache-dir \
+      "llama-cpp-python==$("$PY" -c 'import llama_cpp; print(llama_cpp.__version__)')" \
       || echo "[setup] llama-cpp-python not rebuilt: its multi-token prompts crash on this CPU"
   fi
   # GPTQ / AWQ checkpoints written by GPTQModel itself, with its own forward on them, for
