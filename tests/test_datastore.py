@@ -318,3 +318,19 @@ def test_zoo_stores_builds_the_named_pools_own_stores(tmp_path):
     with pytest.raises(ConfigError) as e:
         store_folders(str(heads))
     assert "no datastore drafts" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_brought_targets_training_caches_are_its_own(tmp_path):
+    """Responses, features and draft vocabularies cached for training are the target's own:
+    a brought target (zoo stores / zoo drafts --pool) never reads the demo's (they kept a
+    dtype-only name, so a requantised or another model's build reused the demo's rows)."""
+    from memspec.common.paths import default_target_dir
+    from memspec.zoo.engine_trajectories import responses_tag
+    from memspec.zoo.heads_data import RuntimeTarget
+
+    assert responses_tag(default_target_dir(), "int4") == "int4"  # the demo's, as before
+    other = tmp_path / "Qwen2.5-0.5B.Q4_K_M-0123"
+    assert responses_tag(other, "int4") == "int4-Qwen2.5-0.5B.Q4_K_M-0123"
+    demo = RuntimeTarget(None, "int4", (3, 29))
+    brought = RuntimeTarget(None, "int4", (3, 29), other.name)
+    assert demo.tag == "int4-L3-29" and brought.tag == "int4-L3-29-" + other.name

@@ -22,6 +22,15 @@ from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import encode_prompt
 
 
+def responses_tag(target_dir: Path, dtype: str) -> str:
+    """The name part of a target's cached responses: they are its own, so another target
+    (a brought GGUF) gets its own files; the demo's keep their dtype-only name."""
+    from memspec.common.paths import default_target_dir
+
+    same = Path(target_dir).resolve() == default_target_dir().resolve()
+    return dtype if same else f"{dtype}-{Path(target_dir).name}"
+
+
 def engine_trajectories(engine: SpecEngine, dtype: str, tokenizer, prompts: Sequence[dict],
                         out: Path, max_new_tokens: int, label: str = "trajectories"
                         ) -> list[dict]:

@@ -52,7 +52,7 @@ from memspec.procs.decoder.slots import ID_MAP_KEY, SlotBuffer, load_into_slot
 from memspec.zoo.corpora import DOMAINS
 from memspec.zoo.curves import chosen_minute
 from memspec.zoo.drafts import chat_tokens, corpus_tokens, coverage, rank_vocabulary
-from memspec.zoo.engine_trajectories import engine_trajectories
+from memspec.zoo.engine_trajectories import engine_trajectories, responses_tag
 from memspec.zoo.head_model import TrainableHead
 from memspec.zoo.head_train import ALL, Batches, HeadPlan, draft_index, train_head
 from memspec.zoo.heads_data import (
@@ -328,8 +328,10 @@ class HeadData:
 
 
 def draft_vocabulary(rows: Sequence[dict], corpora: dict[str, np.ndarray], tokenizer,
-                     size: int) -> np.ndarray:
-    path = work_dir() / f"vocab-{size}.npy"
+                     size: int, target: str = "") -> np.ndarray:
+    """The ``size`` ids a head drafts in, ranked from the target's responses and the
+    corpora (cached per target: ``target`` is RuntimeTarget.target)."""
+    path = work_dir() / (f"vocab-{size}.npy" if not target else f"vocab-{size}-{target}.npy")
     if path.is_file():
         return np.load(path)
     vocab = rank_vocabulary(corpora, list(rows), chat_tokens(tokenizer), size)
@@ -367,21 +369,24 @@ def prepare(shape: HeadShape, target_dir: Path, train_per_domain: int | None = N
     tok = load_tokenizer(target_dir)
     rt = open_runtime_target(target_dir, shape.extract_layers(read_config(target_dir)),
                              tokenizer=tok)
-    log("a", f"target in {rt.dtype}; train responses ({RESPONSE_TOKENS} new tokens)")
+    tag = responses_tag(target_dir, rt.dtype)  # (another target's responses are not these)
+    log("a", f"target {Path(target_dir).name} in {rt.dtype}; train responses "
+        f"({RESPONSE_TOKENS} new tokens)")
     prompts = load_prompts("train", None if train_per_domain is None else DOMAINS,
                            train_per_domain)
     train_rows = engine_trajectories(rt.engine, rt.dtype, tok, prompts, work_dir() /
-                                     f"responses-train-{rt.dtype}.jsonl", RESPONSE_TOKENS)
+                                     f"responses-train-{tag}.jsonl", RESPONSE_TOKENS)
     more_rows = [] if more_per_domain <= 0 else engine_trajectories(
         rt.engine, rt.dtype, tok, more_prompts(more_per_domain),
-        work_dir() / f"responses-more-{rt.dtype}.jsonl", RESPONSE_TOKENS)
+        work_dir() / f"responses-more-{tag}.jsonl", RESPONSE_TOKENS)
     train_rows = train_rows + more_rows
     dev_rows = engine_trajectories(rt.engine, rt.dtype, tok,
                                    load_prompts("dev", DOMAINS, DEV_PER_DOMAIN),
-                                   work_dir() / f"responses-dev-{rt.dtype}.jsonl", EVAL_TOKENS)
+                                   work_dir() / f"responses-dev-{tag}.jsonl", EVAL_TOKENS)
     corpora = {d: corpus_tokens(d, tok) for d in DOMAINS}
     log("b", "draft vocabulary" + (" (the general head's)" if vocab is not None else ""))
-    to_target = (draft_vocabulary(train_rows, corpora, tok, shape.vocab) if vocab is None
+    to_target = (draft_vocabulary(train_rows, corpora, tok, shape.vocab, rt.target)
+                 if vocab is None
                  else np.asarray(vocab, dtype=np.int64))
     dev_tokens = np.asarray([t for r in dev_rows for t in r["tokens"]], dtype=np.int64)
     cov = {d: coverage(to_target, np.asarray([t for r in dev_rows if r["domain"] == d

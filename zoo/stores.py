@@ -137,9 +137,8 @@ def store_folders(pool_path: str | None) -> tuple[object, dict[str, Path], Path]
 
 def build_stores(force: bool = False, pool_path: str | None = None) -> dict:
     from memspec.common.config import tokenizer_fingerprint
-    from memspec.common.paths import default_target_dir
     from memspec.procs.decoder.models import load_tokenizer, open_engine
-    from memspec.zoo.engine_trajectories import engine_trajectories
+    from memspec.zoo.engine_trajectories import engine_trajectories, responses_tag
     from memspec.zoo.heads_data import work_dir
     from memspec.zoo.prompts import load_prompts
 
@@ -153,8 +152,7 @@ def build_stores(force: bool = False, pool_path: str | None = None) -> dict:
     engine, _, dtype = open_engine(pool, "cpu")
     tok = load_tokenizer(pool.target)
     # the responses are the target's own: cached per target (the demo's keep their name)
-    tag = dtype if Path(pool.target).resolve() == default_target_dir().resolve() \
-        else f"{dtype}-{Path(pool.target).name}"
+    tag = responses_tag(pool.target, dtype)
     log(f"target {Path(pool.target).name} in {dtype}; train and dev responses "
         f"({RESPONSE_TOKENS} new tokens)")
     train = engine_trajectories(engine, dtype, tok, load_prompts("train"),
