@@ -621,7 +621,7 @@ def write_card(name: str, rec: dict, out_dir: Path, dev: dict | None,
     origin = "trained from a random initialisation" if not plan.get("init_from") else \
         f"fine-tuned from `{plan['init_from']}`"
     before = rec.get("continues")
-    if plan.get("init_from", "").endswith(PREVIOUS) and before:
+    if (plan.get("init_from") or "").endswith(PREVIOUS) and before:  # (None: from scratch)
         origin = (f"trained for {before['wall_s'] / 60:.0f} min (dev {before['best_dev']:.3f}),"
                   f" then for {rec['wall_s'] / 60:.0f} min more from those weights")
     more = data.get("more_prompts", 0)
