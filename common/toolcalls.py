@@ -28,6 +28,21 @@ CHOICES = ("auto", "none", "required")  # or "function:NAME"
 FUNCTION = "function:"
 
 
+def submit_choice(choice: str | None, named: bool = False) -> str:
+    """Submit.tool_choice from a caller's choice: "auto" (or none given) is "", "none" and
+    "required" stay, anything else (`named`: always) is that tool's name, as FUNCTION+NAME."""
+    if not named and choice in (None, "auto"):
+        return ""
+    return choice if not named and choice in ("none", "required") else f"{FUNCTION}{choice}"
+
+
+def reads_calls(tools: str, choice: str) -> bool:
+    """Whether a request's reply is read back for calls (Submit's tools and tool_choice):
+    tools offered and not switched off. The decoder renders and parses them, HTTP holds the
+    streamed text back until the calls are out."""
+    return bool(tools) and choice != "none"
+
+
 def check_template(template: str | None) -> None:
     """The target's chat template renders tools and writes calls in the Hermes format."""
     if not template or "tools" not in template:

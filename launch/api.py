@@ -47,6 +47,7 @@ from memspec.common.messages import (
     chat_text,
 )
 from memspec.common.metrics import Summary
+from memspec.common.toolcalls import submit_choice
 from memspec.launch.bridge import Bridge, serve_forever
 from memspec.launch.client import Connection, Timeouts
 from memspec.launch.supervisor import MAX_QUEUE, START_TIMEOUT_S, ServerBusy, Supervisor
@@ -117,8 +118,7 @@ def _submit(prompt: Prompt, *, max_new_tokens: int = 0, policy: str = "",
                  threads=threads, trace=bool(trace), ucb_c=ucb_c,
                  response_format=fmt, json_schema=schema, logprobs=logprobs,
                  tools=json.dumps(tools) if tools else "",
-                 tool_choice="" if tool_choice in (None, "auto") else tool_choice
-                 if tool_choice in ("none", "required") else f"function:{tool_choice}")
+                 tool_choice=submit_choice(tool_choice))
     check_request(req)
     return req
 

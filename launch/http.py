@@ -41,6 +41,7 @@ from starlette.routing import Route
 
 from memspec.common.errors import MemspecError, RequestError
 from memspec.common.messages import Done, Error, Message, Tokens
+from memspec.common.toolcalls import reads_calls
 from memspec.launch import prometheus
 from memspec.launch.bridge import Bridge
 from memspec.launch.openai_api import (
@@ -204,7 +205,7 @@ async def _stream(relay: Relay, first: Any) -> AsyncIterator[bytes]:
         item = first
         sent = 0  # characters streamed (the completions API's `text_offset`)
         # with tools the reply is held to its end: a call's text must not stream as content
-        held = call.submit.tool_choice != "none" and bool(call.submit.tools)
+        held = reads_calls(call.submit.tools, call.submit.tool_choice)
         logprobs: list = []
         while True:
             if isinstance(item, Tokens) and held:

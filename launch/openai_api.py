@@ -43,6 +43,7 @@ from memspec.common.limits import (
 )
 from memspec.common.messages import ChatTurn, Done, Submit, TokenLogprob, chat_text
 from memspec.common.metrics import as_json
+from memspec.common.toolcalls import submit_choice
 
 MAX_BODY_BYTES = 1 << 20  # a request body over 1 MiB is refused (413)
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name; other roles: common/limits.py
@@ -281,11 +282,9 @@ def _tools(r: ChatRequest) -> tuple[str, str]:
     if any(t.type != "function" for t in r.tools):
         raise _unsupported("tools", "other than type function are not supported")
     if isinstance(choice, NamedToolChoice):
-        name = f"function:{choice.function.name}"
-    elif choice in (None, "auto"):
-        name = ""
-    elif choice in ("none", "required"):
-        name = choice
+        name = submit_choice(choice.function.name, named=True)
+    elif choice in (None, "auto", "none", "required"):
+        name = submit_choice(choice)
     else:
         raise ApiError(400, f"`tool_choice` '{str(choice)[:40]}' is not none, auto, required "
                             "or a named function", param="tool_choice")

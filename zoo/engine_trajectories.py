@@ -22,13 +22,20 @@ from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.models import encode_prompt
 
 
-def responses_tag(target_dir: Path, dtype: str) -> str:
-    """The name part of a target's cached responses: they are its own, so another target
-    (a brought GGUF) gets its own files; the demo's keep their dtype-only name."""
+def own_name(target_dir: Path) -> str:
+    """"" for the demo target, else the target folder's name: what a brought target's
+    training caches (responses, target rows, vocabulary) are named by, so no target reads
+    another's."""
     from memspec.common.paths import default_target_dir
 
     same = Path(target_dir).resolve() == default_target_dir().resolve()
-    return dtype if same else f"{dtype}-{Path(target_dir).name}"
+    return "" if same else Path(target_dir).name
+
+
+def responses_tag(target_dir: Path, dtype: str) -> str:
+    """The name part of a target's cached responses (the demo's keep their dtype-only name)."""
+    name = own_name(target_dir)
+    return f"{dtype}-{name}" if name else dtype
 
 
 def engine_trajectories(engine: SpecEngine, dtype: str, tokenizer, prompts: Sequence[dict],

@@ -33,7 +33,7 @@ from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.forward.precision import resolve_dtype
 from memspec.procs.decoder.forward.runners import set_feature_layers
 from memspec.procs.decoder.models import build_target, eos_token_ids
-from memspec.zoo.engine_trajectories import responses_tag
+from memspec.zoo.engine_trajectories import own_name
 
 RESPONSE_TOKENS = 256  # new tokens per train prompt (eval trajectories use 128)
 WINDOW = 256  # corpus window length (positions per teacher-forced pass)
@@ -59,7 +59,7 @@ class RuntimeTarget:
     engine: SpecEngine
     dtype: str
     layers: tuple[int, ...]  # the heads' feature layers, then the last layer
-    target: str = ""  # "" for the demo target, else its folder's name (engine_trajectories)
+    target: str = ""  # engine_trajectories.own_name: "" for the demo target
 
     @property
     def runner(self):
@@ -78,8 +78,7 @@ def open_runtime_target(target_dir: Path, layers: Sequence[int], dtype: str = "a
     runner = build_target(target_dir, chosen, "cpu")
     set_feature_layers(runner, list(layers))
     engine = SpecEngine(runner, eos_token_ids(target_dir, tokenizer), gamma=gamma)
-    own = responses_tag(target_dir, chosen) != chosen  # a brought target: its own caches
-    return RuntimeTarget(engine, chosen, tuple(layers), Path(target_dir).name if own else "")
+    return RuntimeTarget(engine, chosen, tuple(layers), own_name(target_dir))
 
 
 # --------------------------------------------------------------------------- features

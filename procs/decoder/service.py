@@ -56,6 +56,7 @@ from memspec.common.toolcalls import (
     check_template,
     parse_calls,
     parse_tools,
+    reads_calls,
 )
 from memspec.procs.decoder.detok import StreamDecoder, logprob_entries
 from memspec.procs.decoder.drafts.head import is_head, scored_rows
@@ -396,7 +397,7 @@ class DecoderService:
     def _tools(self, req: Submit) -> list[dict] | None:
         """The tools to render, where the request offers them and may call them; the
         target's template must take them and write calls the server reads back."""
-        if not req.tools or req.tool_choice == "none":
+        if not reads_calls(req.tools, req.tool_choice):
             return None
         check_template(getattr(self.tokenizer, "chat_template", None))
         return parse_tools(req.tools)
@@ -595,7 +596,7 @@ class DecoderService:
         summary.resumed_tokens = len(out.prior)
         summary.generated_tokens += len(out.prior)
         calls: list[ToolCall] = []
-        if req.tools and req.tool_choice != "none":  # the calls read back, the rest content
+        if reads_calls(req.tools, req.tool_choice):  # the calls read back, the rest content
             text, found = parse_calls(text)
             calls = [ToolCall(id=i, name=n, arguments=a) for i, n, a in found]
         emit(Done(req_id=req.req_id, text=text, token_ids=ids, stats=summary,
