@@ -22,7 +22,7 @@
 The result records the commit it was measured on and whether the tree was clean.
 
 `render` rewrites docs/RESULTS.md, the plots and the README's figures from a bench JSON
-alone (`memspec bench --from-json docs/bench.json ...`).
+alone (`memspec bench --from-json docs/results/bench.json ...`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memspec.bench import peers
+from memspec.bench import heldout, peers
 from memspec.bench.calibrate import calibrate
 from memspec.bench.figures import draw_all
 from memspec.bench.realruns import (
@@ -53,12 +53,13 @@ from memspec.bench.realruns import (
 from memspec.bench.report import summary_text, write_readme, write_results
 from memspec.bench.stats import HEADLINE, Runs, headline_ratios
 from memspec.common.config import PoolConfig, load_pool
+from memspec.common.draftfiles import fingerprint_digest
 from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.files import atomic_write_text, sha256_file
 from memspec.common.machine import machine_info
 from memspec.common.metrics import RunStats, Summary, gmean
 from memspec.common.paths import PACKAGE_ROOT, memspec_home
-from memspec.common.provenance import provenance
+from memspec.common.provenance import result_provenance
 from memspec.procs.decoder.oracle.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.predictor.head import read_info
 from memspec.procs.predictor.ranker import head_path_for
@@ -119,14 +120,16 @@ class Sizes:
     repeats: int = 2  # real runs per (prompt, policy)
     sweep_per_domain: int = 10  # test prompts per domain in the sweeps
     peers_per_domain: int = 4  # test prompts per domain run beside llama.cpp (0: none)
+    held_out: str = "test"  # the held-out set the figures are of ("test2": read once)
 
     def trace_command(self) -> str:
-        return (f"memspec trace --sets test:{self.sim_per_domain},mixed:{self.sim_mixed},"
-                f"dev:{self.dev_per_domain}")
+        return (f"memspec trace --sets {self.held_out}:{self.sim_per_domain},"
+                f"mixed:{self.sim_mixed},dev:{self.dev_per_domain}")
 
     def smaller_than_full(self) -> bool:
         full = Sizes()
-        return any(getattr(self, k) < getattr(full, k) for k in full.__dataclass_fields__)
+        return any(getattr(self, k) < getattr(full, k) for k in full.__dataclass_fields__
+                   if k != "held_out")
 
 
 def _log(msg: str) -> None:
@@ -554,12 +557,7 @@ def read_cost_model(path: Path) -> CostModel:
         return CostModel.from_json(body)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise ConfigError(f"cannot read a cost model from {path} ({type(exc).__name__}: {exc})",
-                          "pass a `memspec bench --json` file, e.g. docs/bench.json") from None
-
-
-def fingerprint_digest(fp: Mapping[str, str]) -> str:
-    """A short hash of a pool fingerprint (zoo pool_fingerprint: its drafts' bytes)."""
-    return hashlib.sha256(json.dumps(dict(fp), sort_keys=True).encode()).hexdigest()[:16]
+                          "pass a `memspec bench --json` file, e.g. docs/results/bench.json") from None
 
 
 def pool_digest(pool: PoolConfig) -> str:
@@ -775,14 +773,17 @@ def _cost_model(pool: PoolConfig, pool_path: str | None, home: Path, recalibrate
 def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = False,
         sweeps: bool = True, cost_model: Path | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    prov = provenance()  # the code as the run starts: what its figures measure
+    prov = result_provenance(pool_path)  # the code as the run starts: what its figures measure
     wall: dict[str, float] = {}
     pool = replace(load_pool(pool_path), max_new_tokens=max_new)
     home = memspec_home() / "bench"
     fix = sizes.trace_command()
+    held = sizes.held_out
+    reads = heldout.record_read(held, prov)  # before any figure: a read is a read
     dev = traced_requests(pool, "dev", sizes.dev_per_domain, scores=False, fix=fix)
-    sets = {"test": traced_requests(pool, "test", sizes.sim_per_domain, fix=fix),
-            "mixed": traced_requests(pool, "mixed", sizes.sim_mixed, fix=fix)}
+    sets = {held: traced_requests(pool, held, sizes.sim_per_domain, fix=fix),
+            "mixed": traced_requests(pool, "mixed", sizes.sim_mixed, fix=fix)
+            if sizes.sim_mixed else []}
     sets = {k: v for k, v in sets.items() if v}
     wall["inputs"] = time.perf_counter() - t0
 
@@ -813,10 +814,11 @@ def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = F
         "split": split_info(sizes), "smoke": sizes.smaller_than_full(),
         "cost_model": cost.to_json(), "ucb_c_sweep": ucb, "ucb_c_best": best_c,
         "ucb_c_tuned_on": f"dev ({len(dev)} prompts)", "sim": sim,
+        "held_out": held, **({"held_out_reads": reads} if reads is not None else {}),
     }
-    if sweeps and "test" in sets:
+    if sweeps and held in sets:
         t = time.perf_counter()
-        sub = first_per_domain(sets["test"], sizes.sweep_per_domain)
+        sub = first_per_domain(sets[held], sizes.sweep_per_domain)
         result["sweeps"] = sweep(best_c, sweep_variants(pool, sub, cfg, cost,
                                                         sizes.sweep_per_domain))
         wall["sweeps"] = time.perf_counter() - t
@@ -842,14 +844,15 @@ def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[S
               sizes: Sizes, cost: CostModel, cfg: SimConfig, ucb: Mapping[str, float],
               max_new: int, home: Path) -> dict[str, Any]:
     """Every REAL_POLICIES request on the real subsets, interleaved, then the figures."""
-    subsets = {"test": first_per_domain(sets.get("test", []), sizes.real_per_domain),
+    held = sizes.held_out
+    subsets = {held: first_per_domain(sets.get(held, []), sizes.real_per_domain),
                "mixed": list(sets.get("mixed", []))[:sizes.real_mixed]}
     subsets = {k: v for k, v in subsets.items() if v}
     prompts = {p["id"]: p for s in subsets
-               for p in set_prompts(pool, s, sizes.sim_per_domain if s == "test"
+               for p in set_prompts(pool, s, sizes.sim_per_domain if s == held
                                     else sizes.sim_mixed)}
-    groups = [[prompts[r.prompt_id] for r in subsets["test"] if r.domain == d]
-              for d in pool_domains(pool)] if "test" in subsets else []
+    groups = [[prompts[r.prompt_id] for r in subsets[held] if r.domain == d]
+              for d in pool_domains(pool)] if held in subsets else []
     groups.append([prompts[r.prompt_id] for r in subsets.get("mixed", [])])
     order = _interleave_sets(groups)
     reqs = interleaved(order, REAL_POLICIES, max_new, sizes.repeats, dict(ucb))
@@ -868,25 +871,25 @@ def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[S
     out["real_request_s"] = statistics.fmean(e2e) if e2e else None
     # the real runs above share one decoder (slots emptied per request); beside them,
     # memspec as a fresh decoder's first request, on the test set's first prompt per domain
-    first = [prompts[r.prompt_id] for r in first_per_domain(subsets.get("test", []), 1)]
+    first = [prompts[r.prompt_id] for r in first_per_domain(subsets.get(held, []), 1)]
     if first:
         from memspec.bench.floor import first_requests
 
-        _log(f"first requests: {len(first)} test prompts, memspec and target-only, "
+        _log(f"first requests: {len(first)} {held} prompts, memspec and target-only, "
              "a fresh process each")
         out["cold_decoder"] = first_requests(
             [{"id": p["id"], "domain": p["domain"], "prompt": p["prompt"]} for p in first],
             real_pool, max_new, max(1, sizes.repeats))
-    chosen = first_per_domain(subsets.get("test", []), sizes.peers_per_domain)
+    chosen = first_per_domain(subsets.get(held, []), sizes.peers_per_domain)
     if sizes.peers_per_domain > sizes.real_per_domain and chosen:
-        _log(f"peers: {sizes.real_per_domain} test prompts per domain, the real runs' "
+        _log(f"peers: {sizes.real_per_domain} {held} prompts per domain, the real runs' "
              f"(--real-per-domain), not {sizes.peers_per_domain}")
     # domains alternated, as in the real runs: a draft's load is paid per domain change
     beside = _interleave_sets([[prompts[r.prompt_id] for r in chosen if r.domain == d]
                                for d in pool_domains(pool)])
     why = peers.unavailable(pool.target) if beside else None
     if beside and why is None:
-        _log(f"peers: {len(beside)} test prompts, memspec and target-only beside llama.cpp")
+        _log(f"peers: {len(beside)} {held} prompts, memspec and target-only beside llama.cpp")
         t = time.perf_counter()
         out["peers"] = peer_runs(beside, real_pool, max_new, pool.gamma, home / "peers.jsonl")
         out["peers"]["wall_s"] = time.perf_counter() - t
@@ -946,7 +949,8 @@ def main_bench(args) -> int:
                       repeats=args.repeats,
                       peers_per_domain=getattr(args, "peers_per_domain",
                                                Sizes().peers_per_domain),
-                      sweep_per_domain=min(Sizes().sweep_per_domain, args.prompts_per_domain))
+                      sweep_per_domain=min(Sizes().sweep_per_domain, args.prompts_per_domain),
+                      held_out=getattr(args, "split", None) or "test")
         if sizes.repeats < 1:
             raise ConfigError(f"--repeats {sizes.repeats} is below 1", "use --repeats 2")
         if sizes.peers_per_domain < 0:

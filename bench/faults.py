@@ -27,7 +27,7 @@ from typing import Any
 
 from memspec.common.errors import MemspecError
 from memspec.common.messages import Done, Message, Submit, Tokens
-from memspec.common.provenance import provenance
+from memspec.common.provenance import result_provenance
 from memspec.launch.supervisor import Supervisor
 from memspec.zoo.prompts import DOMAINS, load_prompts
 
@@ -211,6 +211,6 @@ def main_bench_faults(args) -> int:
     res = run_faults(args.pool, args.kills, args.max_new_tokens)
     print(format_table(res))
     if args.json:
-        res = {"provenance": provenance(), **res}  # the code it measured
+        res = {"provenance": result_provenance(args.pool), **res}  # what it measured
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0 if res["all_identical"] and res["all_resumed"] else 1

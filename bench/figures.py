@@ -113,7 +113,7 @@ def sim_throughput(result: dict[str, Any], out: Path, key: str = "normalised_ste
     for which, sec in sim.items():
         for pol, row in sec[key].items():
             for d, v in row.items():
-                if which == "test" or d != "GMEAN":  # mixed: its one column
+                if which != "mixed" or d != "GMEAN":  # mixed: its one column
                     cols.setdefault(pol, {})[f"GMEAN ({which})" if d == "GMEAN" else d] = v
     if not cols:
         return None
@@ -125,7 +125,7 @@ def sim_throughput(result: dict[str, Any], out: Path, key: str = "normalised_ste
     for i, p in enumerate(pols):
         ax.bar([j + i * w for j in range(len(names))], [cols[p].get(c, 0.0) for c in names], w,
                label=p)
-    test = sim.get("test", {})
+    test = sim.get(result.get("held_out") or "test", {})
     if key == "normalised_steady" and "optimum_steady" in test:
         base = test["steady"]["general-static"]
         xs = [j for j, c in enumerate(names) if c in test["optimum_steady"]]
@@ -189,7 +189,8 @@ def sweeps(result: dict[str, Any], out: Path) -> Path | None:
             ax.set_xscale("log", base=2)
     axes[0].set_ylabel("GMEAN steady-state ratio")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Sensitivity (simulator, test prompts){_tag(result)}")
+    fig.suptitle(f"Sensitivity (simulator, {result.get('held_out') or 'test'} prompts)"
+                 f"{_tag(result)}")
     return _save(fig, out / "sweeps.png")
 
 

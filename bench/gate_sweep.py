@@ -171,13 +171,13 @@ def main_bench_gate(args) -> int:  # noqa: ANN001
     pool = load_pool(args.pool)
     if not args.cost_model:
         raise ConfigError("bench gate replays a measured cost model",
-                          "pass --cost-model docs/bench.json (a `memspec bench --json` output)")
+                          "pass --cost-model docs/results/bench.json (a `memspec bench --json` output)")
     try:
         raw = json.loads(Path(args.cost_model).read_text())
         cost = CostModel.from_json(raw.get("cost_model", raw))
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"cannot read a cost model from {args.cost_model}: {exc}",
-                          "pass a `memspec bench --json` output, e.g. docs/bench.json") from None
+                          "pass a `memspec bench --json` output, e.g. docs/results/bench.json") from None
     reqs = traced_requests(pool, "dev", args.per_domain, scores=False)
     cfg = sim_config(pool, cost, max_new_tokens=args.max_new_tokens)
     res = sweep(reqs, cost, cfg, pool.general,

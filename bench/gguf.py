@@ -29,7 +29,7 @@ from memspec.common.errors import ConfigError
 from memspec.common.machine import machine_info, machine_line
 from memspec.common.paths import memspec_home
 from memspec.common.plotting import finish_figure, pyplot, save_outputs
-from memspec.common.provenance import provenance
+from memspec.common.provenance import result_provenance
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "F16")
 CHUNK = 512
@@ -166,6 +166,7 @@ def measure(kind: str, n_tokens: int, max_new: int, repeats: int) -> dict[str, A
     prompt = encode_prompt(tok, README_PROMPT)
     engine = SpecEngine(ours, (), gamma=4, max_context=2048)
     speeds: dict[str, list[float]] = {"memspec": [], "llama.cpp": []}
+    prefill: dict[str, list[float]] = {"memspec": [], "llama.cpp": []}  # ms, the prompt's
     same_tokens = True
     for _ in range(repeats + 1):  # the first round warms both up and is not counted
         with torch.inference_mode():
@@ -176,7 +177,10 @@ def measure(kind: str, n_tokens: int, max_new: int, repeats: int) -> dict[str, A
         same_tokens &= mine_ids[:16] == peer_ids[:16]
         speeds["memspec"].append(stats.report().tokens_per_s_steady)
         speeds["llama.cpp"].append(peer_tps)
+        prefill["memspec"].append(1e3 * stats.t_prefill)
+        prefill["llama.cpp"].append(plain.perf()["prefill_ms"])  # llama.cpp's own clock
     speed = {k: statistics.median(v[1:]) for k, v in speeds.items()}
+    prefill_ms = {k: statistics.median(v[1:]) for k, v in prefill.items()}
     return {"type": kind, "file": path.name, "file_mb": round(path.stat().st_size / 2**20, 1),
             "folder_mb": round(sum(f.stat().st_size for f in folder.iterdir()
                                    if f.is_file()) / 2**20, 1),
@@ -186,6 +190,12 @@ def measure(kind: str, n_tokens: int, max_new: int, repeats: int) -> dict[str, A
             if max(fid["memspec"]["kld"], fid["llama.cpp"]["kld"]) >= 1e-6 else None,
             "tokens_per_s": speed,
             "speed_ratio": speed["memspec"] / speed["llama.cpp"],
+            # the README prompt's prefill (llama.cpp: llama_perf_context's prompt time):
+            # llama.cpp's batched kernels differ by type (tiled for Q4_0 and Q8_0, a dot
+            # product per row and column for Q4_1), so its prefill gap is per type too
+            "prefill_ms": prefill_ms, "prompt_tokens": len(prompt),
+            "llama_cpp_prefill_over_ours": prefill_ms["llama.cpp"] / prefill_ms["memspec"]
+            if prefill_ms["memspec"] > 0 else None,
             "first_16_tokens_agree": same_tokens}
 
 
@@ -205,7 +215,7 @@ def run(types: list[str], n_tokens: int, max_new: int, repeats: int) -> dict[str
         _log(f"  {r['dtype']}: KLD {r['fidelity']['memspec']['kld']:.5f} vs llama.cpp "
              f"{r['fidelity']['llama.cpp']['kld']:.5f}; {r['tokens_per_s']['memspec']:.0f} vs "
              f"{r['tokens_per_s']['llama.cpp']:.0f} tok/s")
-    res["provenance"] = provenance()
+    res["provenance"] = result_provenance(uses_pool=False)
     return res
 
 
@@ -219,14 +229,16 @@ def format_table(res: dict[str, Any]) -> str:
              " dev tokens against the fp32 forward of each file's weights",
              f"{'type':8} {'MB':>6} {'dtype':6} {'KLD ours':>10} {'llama.cpp':>10} {'ratio':>6} "
              f"{'top-1 ours':>10} {'llama.cpp':>9} {'tok/s ours':>10} {'llama.cpp':>9} "
-             f"{'ratio':>6}"]
+             f"{'ratio':>6} {'prefill ms ours':>15} {'llama.cpp':>9}"]
     for r in res["types"]:
         f, s = r["fidelity"], r["tokens_per_s"]
         lines.append(f"{r['type']:8} {r['file_mb']:6.1f} {r['dtype']:6} "
                      f"{f['memspec']['kld']:10.5f} {f['llama.cpp']['kld']:10.5f} "
                      f"{_ratio(r['kld_ratio'])} {f['memspec']['same_top1']:10.3f} "
                      f"{f['llama.cpp']['same_top1']:9.3f} {s['memspec']:10.1f} "
-                     f"{s['llama.cpp']:9.1f} {r['speed_ratio']:6.2f}")
+                     f"{s['llama.cpp']:9.1f} {r['speed_ratio']:6.2f}"
+                     + (f" {r['prefill_ms']['memspec']:15.1f} {r['prefill_ms']['llama.cpp']:9.1f}"
+                        if "prefill_ms" in r else ""))  # (results older than the column)
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ import torch
 from memspec.common.config import load_pool
 from memspec.common.draftfiles import draft_weights_file
 from memspec.common.machine import machine_info
-from memspec.common.provenance import provenance
+from memspec.common.provenance import result_provenance
 from memspec.procs.decoder.engine import SpecEngine
 from memspec.procs.decoder.forward.checkpoint import lean_arch, read_config
 from memspec.procs.decoder.forward.cudagraph import GraphLM
@@ -241,6 +241,6 @@ def main_bench_gpu(args) -> int:
            "costs": costs(pool, target_dir, args.context, args.random_weights, pool.gamma)}
     print(json.dumps(res, indent=2))
     if args.json:
-        res = {"provenance": provenance(), **res}  # the code it measured
+        res = {"provenance": result_provenance(args.pool), **res}  # what it measured
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

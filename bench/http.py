@@ -27,7 +27,7 @@ from memspec.bench.floor import UpProcess, settle
 from memspec.bench.pipeline import dev_prompts
 from memspec.common.config import load_pool
 from memspec.common.errors import MemspecError
-from memspec.common.provenance import provenance
+from memspec.common.provenance import result_provenance
 from memspec.launch.api import Runtime
 
 MEMSPEC = [sys.executable, "-m", "memspec"]
@@ -190,6 +190,6 @@ def main_bench_http(args) -> int:
           f"ms; -> next request's first token: "
           f"{res['disconnect_next_first_token_s'] * 1000:.0f} ms (median of 3)")
     if args.json:
-        res = {"provenance": provenance(), **res}  # the code it measured
+        res = {"provenance": result_provenance(args.pool), **res}  # what it measured
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

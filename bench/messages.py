@@ -160,10 +160,10 @@ def measure(budget_s: float = 0.2) -> dict[str, dict[str, float]]:
 def main_bench_messages(args) -> int:
     res = measure()
     if getattr(args, "json", None):
-        from memspec.common.provenance import provenance
+        from memspec.common.provenance import result_provenance
 
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(), **res}, f, indent=2)  # (the code measured)
+            json.dump({"provenance": result_provenance(uses_pool=False), **res}, f, indent=2)
     print(f"{'message':<14}{'encode+decode us':>18}{'bytes':>8}")
     for name, r in res.items():
         print(f"{name:<14}{r['us']:>18.2f}{r['bytes']:>8}")

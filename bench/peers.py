@@ -166,6 +166,18 @@ class LlamaCpp:
             raise MemspecError("llama.cpp's llama_decode failed", "see its log (verbose=True)")
         lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), 0, pos, -1)
 
+    def perf_reset(self) -> None:
+        self.lc.llama_perf_context_reset(self._ctx)
+
+    def perf(self) -> dict[str, float]:
+        """llama.cpp's own clocks since `perf_reset` (``llama_perf_context``, what its
+        ``llama_perf_context_print`` reports): prompt evaluation and per-token decoding,
+        ms and tokens. Beside the call-to-last-token clock they show where a gap lies."""
+        self.lc.llama_synchronize(self._ctx)  # it adds a call's time only once synchronised
+        d = self.lc.llama_perf_context(self._ctx)
+        return {"prefill_ms": float(d.t_p_eval_ms), "prefill_tokens": int(d.n_p_eval),
+                "decode_ms": float(d.t_eval_ms), "decode_tokens": int(d.n_eval)}
+
     def argmax(self) -> int:
         import numpy as np
 
@@ -180,6 +192,7 @@ class LlamaCpp:
         t0 = time.perf_counter()
         self.fits(len(ids) + max_new)
         self.reset()
+        self.perf_reset()
         self.decode(list(ids))
         out: list[int] = []
         while len(out) < max_new:
@@ -235,7 +248,18 @@ def summarise(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     same = [r["memspec"]["ids"] == r[PLAIN]["ids"] for r in rows]
     tok_s = {n: [r[n]["tokens"] / r[n]["seconds"] for r in rows if r[n]["seconds"] > 0]
              for n in names}
+    perf = [r[PLAIN]["llama_perf"] for r in rows if r[PLAIN].get("llama_perf")]
+    own = {k: sum(p[k] for p in perf) for k in perf[0]} if perf else {}
     return {"prompts": len(rows), "gmean": gm, "ci95": ci,
+            # llama.cpp's own report of its plain runs (llama_perf_context), beside the
+            # call-to-last-token clock above: prompt evaluation and decoding, per token
+            "llama_cpp_own_clock": {
+                "prefill_ms_per_prompt": own["prefill_ms"] / len(perf),
+                "prefill_tok_s": 1e3 * own["prefill_tokens"] / own["prefill_ms"],
+                "decode_tok_s": 1e3 * own["decode_tokens"] / own["decode_ms"],
+                "share_of_call_clock": (own["prefill_ms"] + own["decode_ms"]) / 1e3 / sum(
+                    r[PLAIN]["seconds"] for r in rows if r[PLAIN].get("llama_perf")),
+            } if own and own["prefill_ms"] > 0 and own["decode_ms"] > 0 else None,
             "tok_s": {n: sum(v) / len(v) if v else None for n, v in tok_s.items()},
             "per_prompt_tok_s": tok_s,
             "tokens": {n: sum(r[n]["tokens"] for r in rows) for n in names},
@@ -272,7 +296,8 @@ def run(rows: Sequence[Mapping[str, Any]],
             toks = toks[:-1] if toks and toks[-1] in eos else toks
             return {"tokens": len(toks), "seconds": secs, "ids": toks, "runtime": said}
         if name == PLAIN:
-            return timed(lambda: (len(got := llama.greedy(ids, max_new, eos)), got))
+            run = timed(lambda: (len(got := llama.greedy(ids, max_new, eos)), got))
+            return {**run, "llama_perf": llama.perf()}  # its own clocks, beside ours
         return timed(lambda: (llama.completion(ids, max_new, name == PY_LOOKUP), None))
 
     if todo:

@@ -1,7 +1,7 @@
 """docs/RESULTS.md, the README's figures block and the terminal summary, from one result.
 
 Everything here reads the `memspec bench --json` object only, so `memspec bench
---from-json docs/bench.json --results docs/RESULTS.md --plots docs/plots --readme
+--from-json docs/results/bench.json --results docs/RESULTS.md --plots docs/plots --readme
 README.md` regenerates every document from a committed run.
 """
 
@@ -23,7 +23,18 @@ PAPER_PREDICTOR = {"prompt_only": (0.319, 0.558), "recent_only": (0.571, 0.793),
                    "prompt_recent": (0.716, 0.957)}
 
 
+BY_SET = ("real", "sim", "sim_vs_real")  # sections keyed by prompt set
+
+
+def held_out(result: dict[str, Any]) -> str:
+    """The held-out set a result's figures are of (results before test2: "test")."""
+    return str(result.get("held_out") or "test")
+
+
 def _get(result: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """`path` in `result`; a per-set section's "test" is the result's own held-out set."""
+    if len(path) > 1 and path[0] in BY_SET and path[1] == "test":
+        path = (path[0], held_out(result), *path[2:])
     cur: Any = result
     for k in path:
         if not isinstance(cur, dict) or k not in cur:
@@ -186,6 +197,10 @@ def _interval(ci: Any) -> list[float] | None:
 
 
 def check(row: Bound, result: dict[str, Any]) -> Check:
+    held = held_out(result)
+    if held != "test":  # a row's "test" is the result's held-out set (_get reads it)
+        row = row._replace(label=row.label.replace("test:", f"{held}:", 1)
+                           .replace("test prompts", f"{held} prompts"))
     v = row.get(result)
     if v is None:
         return Check(row.label, None, row.op, row.bound, False, None, "no value")
@@ -273,13 +288,17 @@ def summary_text(r: dict[str, Any]) -> str:
              f"gamma={r['gamma']} {r['max_new_tokens']} tokens, target {r.get('dtype', '?')}, "
              f"{r['storage']} (load/iteration {r['load_over_iteration']:.2f})"
              + provenance_text(r)]
+    if r.get("held_out_reads") is not None:
+        lines.append(f"held-out set {held_out(r)}: read by {r['held_out_reads']} run(s) of "
+                     "`memspec bench`, this one included (prompts/"
+                     f"{held_out(r)}_reads.jsonl)")
     lines += ["real runs (tokens/s ratios, GMEAN over prompts: end to end, steady beside):"]
     lines += headline_lines(r)
     cold = r.get("cold_decoder")
     if cold:
         m = cold["memspec_over_target_only_e2e"]
         lines.append(f"memspec / target-only end to end as a fresh process's first request "
-                     f"({cold['prompts']} test prompts x {cold['repeats']}): GMEAN "
+                     f"({cold['prompts']} {held_out(r)} prompts x {cold['repeats']}): GMEAN "
                      f"{_f(m['gmean'])}, worst {_f(m['min'])}; tokens identical: "
                      f"{cold['identical_tokens']}")
     lines += peer_lines(r)[:1]
@@ -370,8 +389,8 @@ def peer_lines(r: dict[str, Any]) -> list[str]:
     if not p:
         return []
     g, ci, t = p["gmean"], p["ci95"], p["tok_s"]
-    L = [f"memspec end to end beside llama.cpp on the same GGUF ({p['prompts']} test prompts, "
-         f"{p['threads']} threads): {_f(g.get('memspec_over_llama_cpp'))}x its plain decoding "
+    L = [f"memspec end to end beside llama.cpp on the same GGUF ({p['prompts']} "
+         f"{held_out(r)} prompts, {p['threads']} threads): {_f(g.get('memspec_over_llama_cpp'))}x its plain decoding "
          f"{_ci(ci.get('memspec_over_llama_cpp'))}, "
          f"{_f(g.get('memspec_over_llama_cpp_lookup'))}x its prompt lookup "
          f"{_ci(ci.get('memspec_over_llama_cpp_lookup'))}", ""]
@@ -438,7 +457,7 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
     if r.get("smoke"):
         L += ["> **SMOKE RUN**: fewer prompts or repeats than the full run (the sizes are "
               "below); the intervals say how far each ratio can be trusted.", ""]
-    src = str(source or "docs/bench.json")
+    src = str(source or "docs/results/bench.json")
     L += [f"Written by `memspec bench --json {src} --plots {plots or 'docs/plots'} --results "
           f"{path}` (or regenerated from the JSON with `--from-json {src}`); every number "
           f"below is in {src}.", "",
@@ -456,8 +475,8 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
           f"- prompt sets: {sp.get('kind', '?')} ({', '.join(f'{k} {v}' for k, v in sp.get('counts', {}).items())}); "
           f"shared sources {sp.get('shared_sources')}; UCB c tuned on "
           f"{r.get('ucb_c_tuned_on', '?')}: {r.get('ucb_c_best')}",
-          f"- used: simulator {used.get('sim_per_domain')} test prompts per domain and "
-          f"{used.get('sim_mixed')} mixed; real runs {used.get('real_per_domain')} test "
+          f"- used: simulator {used.get('sim_per_domain')} {held_out(r)} prompts per domain and "
+          f"{used.get('sim_mixed')} mixed; real runs {used.get('real_per_domain')} {held_out(r)} "
           f"prompts per domain and {used.get('real_mixed')} mixed, {used.get('repeats')} "
           f"repeats, policies interleaved per prompt"]
     if r.get("provenance"):
@@ -485,7 +504,8 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
               "choice: target-only, a closed gate) or fallback (nothing preferred resident).",
               ""] + split_table(sec)
     if r.get("peers"):
-        L += ["", "## Beside llama.cpp (same GGUF, same test prompts)", ""] + peer_lines(r)
+        L += ["", f"## Beside llama.cpp (same GGUF, same {held_out(r)} prompts)", ""] \
+            + peer_lines(r)
     abl = ablation_lines(r)
     if abl:
         L += ["", "## memspec vs prediction-only", ""] + abl
@@ -519,7 +539,7 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
               + ", ".join(f"{p} {_f(v, '{:.3f}')} s"
                           for p, v in sec.get("first_draft_token_s", {}).items())]
     if r.get("sweeps"):
-        L += ["", "## Sweeps (simulator, test prompts, GMEAN over domains)", "",
+        L += ["", f"## Sweeps (simulator, {held_out(r)} prompts, GMEAN over domains)", "",
               "| knob | value | memspec/mab-async | memspec/general-static | "
               "memspec/oracle-dynamic | memspec/target-only | memspec fallback |",
               "|---|---|---|---|---|---|---|"]
@@ -567,7 +587,7 @@ def readme_block(r: dict[str, Any], readme: Path, plots: Path | None,
     """The README's figures: headline table (end to end first, steady beside) and the
     plots this run drew, between the bench markers."""
     L = [README_BEGIN,
-         "Regenerated by `memspec bench ... --readme README.md` from docs/bench.json"
+         "Regenerated by `memspec bench ... --readme README.md` from docs/results/bench.json"
          + (" (**SMOKE RUN**: fewer prompts or repeats than the full run; docs/RESULTS.md "
             "gives the sizes)." if r.get("smoke") else "."),
          ""]

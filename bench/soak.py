@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.common.errors import MemspecError
-from memspec.common.provenance import provenance
+from memspec.common.provenance import result_provenance
 from memspec.launch.api import Runtime
 from memspec.zoo.prompts import DOMAINS, load_prompts
 
@@ -128,7 +128,7 @@ def main_bench_soak(args) -> int:
     res = soak(args.pool, requests, args.max_new_tokens)
     print(format_table(res))
     if args.json:
-        res = {"provenance": provenance(), **res}  # the code it measured
+        res = {"provenance": result_provenance(args.pool), **res}  # what it measured
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     if args.plots:
         Path(args.plots).mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
 from memspec.common.paths import DEFAULT_POOL, HOME_ENV, PACKAGE_ROOT, memspec_home
 from memspec.common.plotting import save_outputs
-from memspec.common.provenance import provenance
+from memspec.common.provenance import result_provenance
 from memspec.common.tuned import TUNED_FILE
 from memspec.procs.decoder import engine as engine_mod
 from memspec.procs.decoder.sched import loop as loop_mod
@@ -434,6 +434,23 @@ SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk
             "plan_budget")
 
 
+def section_stamp(pool_file: Path) -> dict[str, Any]:
+    """What a section re-chosen now was chosen on: commit, clean tree, machine, kernel
+    path, the pool (its file and its drafts' bytes) and the day. A section kept from an
+    earlier tune (``--only``) keeps its own, so each knob says which drafts it was tuned for."""
+    prov = result_provenance(pool_file)
+    prov.pop("tuned", None)  # the file being written: its own hash means nothing here
+    return {**prov, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+
+def stamp_sections(res: dict[str, Any], names: Iterable[str], stamp: Mapping[str, Any]
+                   ) -> None:
+    """Put `stamp` on the sections this run chose (the others keep theirs)."""
+    for name in names:
+        if isinstance(res.get(name), dict):
+            res[name] = {**res[name], "provenance": dict(stamp)}
+
+
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         only: Sequence[str] | None = None, previous: Mapping[str, Any] | None = None,
         repeats: int = 1) -> dict[str, Any]:
@@ -449,6 +466,7 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         raise ConfigError(f"unknown tune section(s) {', '.join(sorted(unknown))}",
                           f"valid: {', '.join(SECTIONS)}")
     t0 = time.perf_counter()
+    stamp = section_stamp(pool_file)  # the code, machine and pool these sections measure
     plain = scored = None
     if want & {"gate", "ucb_c", "lookup"}:
         plain = traced_requests(pool, "dev", per_domain, scores=False)
@@ -503,6 +521,7 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
 
         ids = [p["id"] for p in set_prompts(pool, "dev", per_domain)]
         res["plan_budget"] = tune_plan_budget(pool, ids, cost, oracle.PLAN_BUDGET)
+    stamp_sections(res, want, stamp)
     missing = set(SECTIONS) - set(res)
     if missing:
         raise ConfigError(f"no earlier tune holds {', '.join(sorted(missing))}",
@@ -618,13 +637,13 @@ def _head_rows(ax, rows: Sequence[Mapping[str, Any]], title: str) -> None:  # no
 def main_bench_tune(args) -> int:  # noqa: ANN001
     if not args.cost_model:
         raise ConfigError("bench tune replays a measured cost model",
-                          "pass --cost-model docs/bench.json (a `memspec bench --json` output)")
+                          "pass --cost-model docs/results/bench.json (a `memspec bench --json` output)")
     pool_file = Path(args.pool) if args.pool else DEFAULT_POOL
     only = [s.strip() for s in args.only.split(",")] if getattr(args, "only", None) else None
     previous = json.loads(TUNED_FILE.read_text()) if only and TUNED_FILE.is_file() else None
     res = run(pool_file, args.cost_model, args.per_domain, args.max_new_tokens, only, previous,
               repeats=max(1, args.repeats))
-    res["provenance"] = provenance()
+    res["provenance"] = result_provenance(pool_file)
     TUNED_FILE.write_text(json.dumps(res, indent=1) + "\n")
     _print(res)
     print(f"wrote {TUNED_FILE.name}")

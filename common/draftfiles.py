@@ -4,6 +4,9 @@ torch) checks that its ranking head was trained for these very drafts."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from memspec.common.config import PoolConfig
@@ -29,3 +32,8 @@ def pool_fingerprint(pool: PoolConfig) -> dict[str, str]:
     if pool.lookup:
         fp["(lookup)"] = str(pool.lookup)
     return fp
+
+
+def fingerprint_digest(fp: Mapping[str, str]) -> str:
+    """A short hash of a pool fingerprint (its drafts' bytes), comparable across files."""
+    return hashlib.sha256(json.dumps(dict(fp), sort_keys=True).encode()).hexdigest()[:16]

@@ -29,12 +29,13 @@ def pyplot() -> Any:
 def save_outputs(res: dict[str, Any], args: Any, plot: Callable[[dict[str, Any], Path], Path],
                  indent: int = 1) -> None:
     """A bench command's `--json` file and `--plots` folder, when asked for. The JSON
-    names the code it measured (common/provenance.py) where the bench did not already."""
+    names the code, machine, kernel path, tuned knobs and pool it measured
+    (common/provenance.py), adding what the bench's own record lacks."""
     if args.json:
-        if "provenance" not in res:
-            from memspec.common.provenance import provenance
+        from memspec.common.provenance import complete
 
-            res = {"provenance": provenance(), **res}
+        res = {**res, "provenance": complete(res.get("provenance"), getattr(args, "pool", None),
+                                             uses_pool=hasattr(args, "pool"))}
         Path(args.json).write_text(json.dumps(res, indent=indent))
     if args.plots:
         print(f"plot: {plot(res, Path(args.plots))}")

@@ -536,11 +536,15 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "peers_per_domain": _opt("--peers-per-domain", type=int, default=4,
                              help="test prompts per domain run beside llama.cpp on the same "
                                   "GGUF (plain, and its prompt lookup; 0: none)"),
+    "split": _opt("--split", choices=["test", "test2"], default="test",
+                  help="the held-out set the figures are of: test (read by many runs: a "
+                       "second dev set) or test2 (read once: each run is counted in "
+                       "prompts/test2_reads.jsonl)"),
     "recalibrate": _opt("--recalibrate", action="store_true", help="re-measure the cost model"),
     "no_sweeps": _opt("--no-sweeps", action="store_true", help="skip the sweeps"),
     "cost_model": _opt("--cost-model", default=None,
-                       help="take the cost model from this JSON file (e.g. docs/bench.json) "
-                            "instead of measuring it"),
+                       help="take the cost model from this JSON file (e.g. "
+                            "docs/results/bench.json) instead of measuring it"),
     "results": _opt("--results", default=None, help="write a RESULTS.md here"),
     "readme": _opt("--readme", default=None, help="rewrite the figures block of this README"),
     "from_json": _opt("--from-json", default=None,
@@ -566,7 +570,8 @@ BENCH_ACTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "eval": ("every policy in real three-process runs and in the simulator, beside llama.cpp",
              ("pool", *_OUT, "max_new_tokens", "prompts_per_domain", "mixed",
               "dev_per_domain", "real_per_domain", "real_mixed", "peers_per_domain", "repeats",
-              "recalibrate", "no_sweeps", "cost_model", "results", "readme", "from_json")),
+              "split", "recalibrate", "no_sweeps", "cost_model", "results", "readme",
+              "from_json")),
     "engine": ("the engine's costs per precision against the bare-matmul floor and llama.cpp",
                ("pool", *_OUT, "max_new_tokens", "prompts", "dtypes", "target")),
     "pipeline": ("the three processes against the engine alone",

@@ -234,7 +234,7 @@ def result():
 
 def test_bench_json_holds_the_issues_must_hold_keys(result):
     assert result["split"]["kind"] == "source-disjoint" and result["split"]["disjoint"]
-    assert set(result["split"]["counts"]) == {"train", "dev", "test", "mixed"}
+    assert set(result["split"]["counts"]) == {"train", "dev", "test", "mixed", "test2"}
     for which in ("test", "mixed"):
         sec = result["real"][which]
         # end to end and steady, each ratio with its interval

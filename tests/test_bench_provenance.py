@@ -1,4 +1,5 @@
 """What a bench result says about where it came from: the commit and a clean tree, the
+machine, kernel path, tuned knobs and pool, the
 predictor head its Table 2 and its runs used, and caches that never outlive their pool or
 code (the real runs' key, the cost model, the pinned pool)."""
 
@@ -12,7 +13,8 @@ from memspec.bench.evaluation import _cost_model, calibrated_dir, predictor_metr
 from memspec.bench.realruns import pool_copy, run_fingerprint
 from memspec.common.config import load_pool
 from memspec.common.paths import PACKAGE_ROOT
-from memspec.common.provenance import provenance
+from memspec.common.plotting import save_outputs
+from memspec.common.provenance import provenance, result_provenance
 from memspec.procs.predictor.head import FORMAT
 from memspec.sim.costmodel import CostModel
 
@@ -107,3 +109,37 @@ def test_the_cost_model_and_pool_copy_are_never_another_pools(tmp_path):
     (keyed / "pool-pinned.toml").write_text(stale.read_text())
     _, real_pool = _cost_model(pool, None, home, False, cost_file, 64)
     assert real_pool == str(keyed / "pool-pinned.toml")
+
+
+def test_a_result_names_its_isa_tuned_knobs_and_pool(tmp_path, monkeypatch):
+    """Two results of one commit differ when the tuned file, a draft's bytes or the kernel
+    path did: each of those is in the JSON, and a bench's own record is kept."""
+    from memspec.common import isa
+
+    got = result_provenance()
+    assert got["isa"] == isa.chosen_isa() and got["isa_native"] == isa.native_isa()
+    assert got["tuned"]["file"] == "tuned.json" and len(got["tuned"]["sha256"]) == 16
+    assert got["pool"]["file"] == "pool.toml" and len(got["pool"]["drafts_sha256"]) == 16
+    assert got["commit"] == provenance()["commit"]
+    other = tmp_path / "tuned.json"
+    other.write_text((PACKAGE_ROOT / "tuned.json").read_text().replace('"split"', '"split" ', 1))
+    monkeypatch.setenv("MEMSPEC_TUNED", str(other))
+    assert result_provenance(uses_pool=False)["tuned"]["sha256"] != got["tuned"]["sha256"]
+    assert "pool" not in result_provenance(uses_pool=False)
+    head = _head(tmp_path / "h.safetensors", b"w")
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    pool = load_pool(_pool_with_head(moved, head), check=False)
+    assert result_provenance(pool)["pool"]["sha256"] != got["pool"]["sha256"]  # another file
+    missing = result_provenance(tmp_path / "no-such-pool.toml")["pool"]
+    assert missing["sha256"] is None and "not found" in missing["error"]  # said, not raised
+
+    class Args:
+        json = str(tmp_path / "r.json")
+        plots = None
+        pool = None
+
+    save_outputs({"provenance": {"commit": "abc", "clean": True}, "x": 1}, Args(), None)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["x"] == 1 and saved["provenance"]["commit"] == "abc"  # the bench's own
+    assert saved["provenance"]["tuned"]["sha256"] and saved["provenance"]["pool"]["file"]

@@ -32,8 +32,8 @@ from memspec.zoo.prompttext import (
 from memspec.zoo.shingles import load_fingerprint, sampled_hits
 from memspec.zoo.splits import assign_sources
 
-EVAL = ("dev", "test", "mixed")
-MIN_PER_DOMAIN = {"train": 100, "dev": 30, "test": 50}
+EVAL = ("dev", "test", "mixed", "test2")
+MIN_PER_DOMAIN = {"train": 100, "dev": 30, "test": 50, "test2": 10}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_rows_layout_and_unique_ids(sets) -> None:
                 assert r["domain"] in DOMAINS and isinstance(r["source"], str)
 
 
-@pytest.mark.parametrize("split", ["train", "dev", "test"])
+@pytest.mark.parametrize("split", ["train", "dev", "test", "test2"])
 def test_enough_prompts_per_domain(sets, split: str) -> None:
     for domain in DOMAINS:
         n = sum(r["domain"] == domain for r in sets[split])
@@ -97,9 +97,9 @@ def test_mixed_workload(sets) -> None:
 def test_sets_disjoint_by_source(sets, manifest) -> None:
     lists = {d: {s: set(v) for s, v in manifest["domains"][d].items()} for d in DOMAINS}
     for d in DOMAINS:
-        for a, b in combinations(("train", "dev", "test"), 2):
+        for a, b in combinations(("train", "dev", "test", "test2"), 2):
             assert not lists[d][a] & lists[d][b], (d, a, b, sorted(lists[d][a] & lists[d][b])[:5])
-    for split in ("train", "dev", "test"):
+    for split in ("train", "dev", "test", "test2"):
         for r in sets[split]:
             assert r["source"] in lists[r["domain"]][split], (r["id"], r["source"])
     test_sources = set().union(*(lists[d]["test"] for d in DOMAINS))

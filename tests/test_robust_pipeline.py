@@ -213,7 +213,7 @@ def test_bad_drafts_at_start_are_quarantined_and_the_rest_serve(qwen, capfd, sup
 
 def test_soak_reports_rss_per_process_at_each_checkpoint(qwen, tmp_path):
     """The instrument behind the memory figure (`memspec bench soak`, 200 requests on the
-    default pool: docs/bench_soak.json), on a short run; the ratio itself is not asserted."""
+    default pool: docs/results/bench_soak.json), on a short run; the ratio itself is not asserted."""
     from memspec.bench.soak import PROCS, format_table, plot, soak
 
     pool = write_pool(qwen, {"beta": "beta"})

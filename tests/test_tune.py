@@ -134,3 +134,17 @@ def test_pool_with_lookup_rewrites_only_the_lookup_and_relative_paths(tmp_path):
     assert [d.path for d in pool.drafts] == [d.path for d in default.drafts]
     assert (pool.K, pool.gamma, pool.N, pool.general) == (default.K, default.gamma, default.N,
                                                           default.general)
+
+
+def test_a_rechosen_section_says_what_it_was_chosen_on(tmp_path):
+    """`--only` re-chooses some sections: those carry this run's commit, pool and date, the
+    kept ones their own (a knob never borrows another run's provenance)."""
+    stamp = tune.section_stamp(DEFAULT_POOL)
+    assert stamp["commit"] and stamp["pool"]["drafts_sha256"] and stamp["isa"]
+    assert len(stamp["date"]) == 10 and "tuned" not in stamp
+    kept = {"provenance": {"commit": "old", "date": "2026-01-01"}, "figure": 1.0}
+    res = {"gate": {"figure": 1.1}, "ranking": kept}
+    tune.stamp_sections(res, ["gate", "lookup"], stamp)  # lookup: not in res, skipped
+    assert res["gate"]["provenance"] == stamp and res["gate"]["figure"] == 1.1
+    assert res["ranking"]["provenance"]["commit"] == "old"
+    assert "lookup" not in res

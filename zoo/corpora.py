@@ -274,8 +274,9 @@ def _reasoning_gym_stub(root: Path) -> Iterator[None]:
                 sys.modules.pop(name, None)
 
 
-def gsm_generators() -> dict[int, Callable]:
-    """The reasoning-gym GSM8K-template generators, minus the ones it marks broken."""
+def gsm_generators(need_fix: bool = False) -> dict[int, Callable]:
+    """The reasoning-gym GSM8K-template generators, minus the ones it marks broken (with
+    `need_fix`: only those; their questions read well, their worked answers may not)."""
     root = package_dir("reasoning_gym")
     gsm = root / "arithmetic" / "gsm_symbolic"
     broken = _module_list_literal(gsm / "gsm_symbolic.py", "tasks_need_fix")
@@ -284,7 +285,7 @@ def gsm_generators() -> dict[int, Callable]:
         for path in sorted(gsm.glob("generators_*.py")):
             module = _load_module(f"_memspec_gsm_{path.stem}", path)
             for name in dir(module):
-                if name.startswith("generate_") and int(name[9:]) not in broken:
+                if name.startswith("generate_") and (int(name[9:]) in broken) == need_fix:
                     gens[int(name[9:])] = getattr(module, name)
     return gens
 
@@ -299,8 +300,8 @@ def _module_list_literal(path: Path, name: str) -> set[int]:
     return set()
 
 
-def _gsm_docs(per_template: int) -> Iterator[Doc]:
-    for template, gen in sorted(gsm_generators().items()):
+def _gsm_docs(per_template: int, need_fix: bool = False) -> Iterator[Doc]:
+    for template, gen in sorted(gsm_generators(need_fix).items()):
         for i in range(per_template):
             try:
                 ex = gen(Random(stable_hash("gsm", template, i)), 1.0)
@@ -328,6 +329,34 @@ def math_docs(per_template: int = GSM_PER_TEMPLATE) -> Iterator[Doc]:
     """Templated GSM8K-style problems with worked answers, plus CHAMP problems."""
     yield from _gsm_docs(per_template)
     yield from _champ_docs()
+
+
+# ----------------------------------------------------------------------- test2's reserve
+
+RESERVE_PER_TEMPLATE = 20
+RESERVE_SKIP = ("index", "changelog")  # a table of contents; a list of issue numbers
+
+
+def reserve_docs(domain: str) -> list[Doc]:
+    """Documents of the same inputs that no corpus holds, kept for the ``test2`` prompts
+    (:func:`memspec.zoo.promptsets.build_test2`) where every held-out source of a domain
+    already feeds dev or test: the Python docs' "What's New" pages (general; the corpus
+    reads tutorial, howto, faq and using) and the GSM templates reasoning-gym marks as
+    needing a fix (math; a prompt is the question, which reads well, never the answer).
+    Never training text, so the drafts have not seen them; the prompt builder's leak guard
+    still checks every prompt against the training text."""
+    if domain == "general":
+        if not PYDOC_DIR.is_dir():
+            raise FileNotFoundError(f"{PYDOC_DIR} missing; run launch/install_corpus_sources.sh")
+        out = []
+        for path in sorted((PYDOC_DIR / "whatsnew").glob("*.rst.txt")):
+            name = f"pydoc:{path.relative_to(PYDOC_DIR).as_posix().removesuffix('.rst.txt')}"
+            if path.name.removesuffix(".rst.txt") not in RESERVE_SKIP:
+                out.append(_doc(name, _clean_rst(path.read_text()), name))
+        return out
+    if domain == "math":
+        return list(_gsm_docs(RESERVE_PER_TEMPLATE, need_fix=True))
+    return []
 
 
 # --------------------------------------------------------------------------------- law

@@ -570,7 +570,7 @@ def build_heads(names: Sequence[str] | None = None, minutes: float | None = None
     log("e", "dev acceptance of every head")
     report = dev_report(data, present, dirs)
     (work_dir() / "dev_acceptance.json").write_text(json.dumps(report, indent=2))
-    write_cards(dirs, present, report, PACKAGE_ROOT / "docs" / "zoo_eval.json")
+    write_cards(dirs, present, report, PACKAGE_ROOT / "docs" / "results" / "zoo_eval.json")
     for n in present:  # every card was rewritten, so every manifest is measured again
         write_manifest(dirs[n])
     total = sum((dirs[n] / "model.safetensors").stat().st_size for n in present)

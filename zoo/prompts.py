@@ -20,7 +20,10 @@ from memspec.common.paths import PACKAGE_ROOT
 DOMAINS = ("general", "code", "math", "law", "medical")  # the corpora's, in table order
 
 PROMPTS_DIR = PACKAGE_ROOT / "prompts"
-SPLITS = ("train", "dev", "test", "mixed")
+SPLITS = ("train", "dev", "test", "mixed", "test2")
+# read once, by one round's headline `memspec bench --split test2` (bench/heldout.py
+# counts its readers); nothing reads such a set by default
+READ_ONCE = ("test2",)
 
 
 def split_path(split: str, prompts_dir: Path = PROMPTS_DIR) -> Path:

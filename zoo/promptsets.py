@@ -6,6 +6,7 @@ Layout (one JSON object per line, ids unique across all files)::
     prompts/dev.jsonl     same                                            every knob
     prompts/test.jsonl    same                 read only by `zoo eval --split test`, bench
     prompts/mixed.jsonl   + "domains"; "source" is a list   answers that cross domains
+    prompts/test2.jsonl   as test                  read once, by a round's headline bench
     prompts/sources.json  which source keys each split holds, per domain
     prompts/train_shingles.bin  sampled shingle hashes of the drafts' training text
 
@@ -25,13 +26,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from memspec.zoo.corpora import DOMAINS, Doc, load_corpus, stable_hash, write_jsonl
+from memspec.zoo.corpora import DOMAINS, Doc, load_corpus, reserve_docs, stable_hash, write_jsonl
+from memspec.zoo.prompts import row_sources
 from memspec.zoo.prompttext import (
     MAX_OVERLAP,
     MAX_PROMPT_CHARS,
     LeakGuard,
     documented_functions,
     excerpt,
+    flat_text,
+    leak_windows,
     prompt_body,
     round_robin,
 )
@@ -40,6 +44,7 @@ from memspec.zoo.splits import DomainSplit, assign_sources
 
 N_PROMPTS = {"train": 100, "dev": 40, "test": 80}
 N_MIXED = 120
+N_TEST2 = 20  # per domain, where the unused held-out sources offer as many
 SOURCES_FILE = "sources.json"
 FINGERPRINT_FILE = "train_shingles.bin"
 FORMAT = "memspec-prompt-sources/1"
@@ -212,23 +217,26 @@ def _kind(doc: Doc) -> str:
 
 
 def _heldout_set(domain: str, docs: Sequence[Doc], plan: DomainSplit, split: str, n: int,
-                 seen: set[str], guard: LeakGuard) -> list[tuple[str, Doc]]:
+                 seen: set[str], guard: LeakGuard,
+                 accept: Callable[[str], bool] | None = None, strict: bool = True
+                 ) -> list[tuple[str, Doc]]:
     """Dev or test prompts of one domain, kinds mixed as KIND_SHARES asks."""
     prefixes = PROMPT_SOURCES.get(domain, (("",), ("",)))[0]
     pool = [d for d in docs if plan.doc_split.get(d["id"]) == split
             and d["id"].startswith(prefixes)]
     shares = KIND_SHARES.get(domain)
     salt = f"{domain}/{split}"
+    accept = accept or guard.clean
     if not shares:
-        return select_prompts(domain, pool, n, seen, guard.clean, salt)
+        return select_prompts(domain, pool, n, seen, accept, salt, strict=strict)
     parts = []
     left = n
     kinds = sorted(shares, key=lambda k: shares[k])  # the scarcer kind first, rest fills up
     for i, kind in enumerate(kinds):
         want = left if i == len(kinds) - 1 else min(left, round(n * shares[kind]))
         sub = [d for d in pool if _kind(d) == kind]
-        got = select_prompts(domain, sub, want, seen, guard.clean, f"{salt}/{kind}",
-                             strict=i == len(kinds) - 1)
+        got = select_prompts(domain, sub, want, seen, accept, f"{salt}/{kind}",
+                             strict=strict and i == len(kinds) - 1)
         parts.append(got)
         left -= len(got)
     return interleave(parts)
@@ -265,16 +273,57 @@ def build_prompt_sets(corpus_dir: Path, prompts_dir: Path, progress: bool = True
                                            for s in N_PROMPTS)
                  + f" ({plan.unused_docs} held-out docs unusable: a source tied to training text)")
     mixed = build_mixed(heldout, plans, sets, guard, N_MIXED)
+    test2 = build_test2(heldout, {d: reserve_docs(d) for d in DOMAINS}, plans,
+                        [*sets.values(), mixed], seen, guard, N_TEST2)
+    if progress:
+        _log("test2: " + ", ".join(f"{d} {sum(r['domain'] == d for r in test2)}"
+                                   for d in DOMAINS)
+             + " (held-out sources no other set's prompt used)")
     for split, rows in sets.items():
         write_jsonl(prompts_dir / f"{split}.jsonl", rows)
     write_jsonl(prompts_dir / "mixed.jsonl", mixed)
+    write_jsonl(prompts_dir / "test2.jsonl", test2)
     write_manifest(prompts_dir, plans, guard, corpus_inputs_of(corpus_dir))
     counts = {s: {d: sum(r["domain"] == d for r in rows) for d in DOMAINS}
               for s, rows in sets.items()}
     counts["mixed"] = {"mixed": len(mixed)}
+    counts["test2"] = {d: sum(r["domain"] == d for r in test2) for d in DOMAINS}
     if progress:
         _log(f"mixed: {len(mixed)} prompts; files in {prompts_dir}")
     return counts
+
+
+def build_test2(heldout: dict[str, list[Doc]], reserve: dict[str, list[Doc]],
+                plans: dict[str, DomainSplit], taken: Sequence[Sequence[dict]], seen: set[str],
+                guard: LeakGuard, per_domain: int) -> list[dict]:
+    """A test set no earlier one touches: every held-out component that no prompt of
+    `taken` (train, dev, test, mixed) drew from moves to ``test2`` (the manifest says so),
+    with the `reserve` documents no corpus holds (corpora.reserve_docs: where dev and test
+    use every held-out source of a domain), and up to `per_domain` prompts per domain come
+    from those, none quoting another set's text (a 64-character window either way)."""
+    used = {x for rows in taken for r in rows for x in row_sources(r)}
+    others = flat_text("\n".join(r["prompt"] for rows in taken for r in rows))
+    theirs = {w for rows in taken for r in rows for w in leak_windows(prompt_body(r["prompt"]))}
+
+    def fresh(body: str) -> bool:
+        flat = flat_text(body)
+        return guard.clean(body) and not any(w in others for w in leak_windows(body)) \
+            and not any(w in flat for w in theirs)
+
+    rows: list[dict] = []
+    for domain in DOMAINS:
+        plan = plans[domain]
+        plan.reserve("test2", {root for root, keys in plan.members.items()
+                               if not used.intersection(keys)})
+        for doc in reserve.get(domain, []):
+            if doc["group"] in used or plan.split_of(doc["group"]) not in (None, "test2"):
+                continue  # (never: no corpus holds a reserve document)
+            plan.keys["test2"].add(doc["group"])
+            plan.doc_split[doc["id"]] = "test2"
+        chosen = _heldout_set(domain, [*heldout[domain], *reserve.get(domain, [])], plan,
+                              "test2", per_domain, seen, guard, accept=fresh, strict=False)
+        rows += _rows("test2", domain, chosen)
+    return rows
 
 
 def corpus_inputs_of(corpus_dir: Path) -> dict[str, str]:

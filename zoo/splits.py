@@ -19,7 +19,9 @@ shared in more than one way:
 Training documents claim their keys for ``train``. Held-out documents are joined into
 components through shared keys; a component with any key claimed by training text is
 unused, the others go whole to ``dev`` (every third in seeded-hash order, per kind of
-source so that both sets see the same mix) or ``test``.
+source so that both sets see the same mix) or ``test``. Once every other set is built, the
+components none of their prompts used move whole to ``test2`` (`DomainSplit.reserve`): a
+test set read by nothing before it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 from memspec.zoo.corpora import Doc, licence_family, stable_hash
 
-SPLITS = ("train", "dev", "test")
+SPLITS = ("train", "dev", "test", "test2")
 DEV_EVERY = 3  # rank % DEV_EVERY == 0 -> dev: a third of the held-out sources, the rest test
 
 
@@ -78,12 +80,27 @@ class DomainSplit:
     keys: dict[str, set[str]] = field(default_factory=lambda: {s: set() for s in SPLITS})
     doc_split: dict[str, str] = field(default_factory=dict)  # usable held-out doc -> dev|test
     unused_docs: int = 0
+    doc_root: dict[str, str] = field(default_factory=dict)  # usable held-out doc -> component
+    members: dict[str, list[str]] = field(default_factory=dict)  # component -> its keys
 
     def split_of(self, source: str) -> str | None:
         return next((s for s in SPLITS if source in self.keys[s]), None)
 
     def manifest(self) -> dict[str, list[str]]:
         return {s: sorted(self.keys[s]) for s in SPLITS}
+
+    def reserve(self, split: str, roots: set[str]) -> None:
+        """Move whole components (their keys and usable docs) to `split`: a set built
+        after the others, from held-out sources none of their prompts used."""
+        for root in roots:
+            keys = set(self.members.get(root, ()))
+            for other in SPLITS:
+                if other != split:
+                    self.keys[other] -= keys
+            self.keys[split] |= keys
+        for doc_id, root in self.doc_root.items():
+            if root in roots:
+                self.doc_split[doc_id] = split
 
 
 def assign_sources(domain: str, train: Sequence[Doc], heldout: Sequence[Doc]) -> DomainSplit:
@@ -116,6 +133,9 @@ def assign_sources(domain: str, train: Sequence[Doc], heldout: Sequence[Doc]) ->
                       for k in near)
         if split is not None and near_ok:
             out.doc_split[doc["id"]] = split
+            root = uf.find(keys[0])
+            out.doc_root[doc["id"]] = root
+            out.members[root] = sorted(members[root])
         else:
             out.unused_docs += 1
     return out

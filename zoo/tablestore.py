@@ -25,7 +25,7 @@ from memspec.procs.decoder.oracle.tablefiles import (  # noqa: F401 - the offlin
     write_tables,
 )
 
-SETS = ("train", "dev", "test", "mixed")  # the prompt splits, see memspec.zoo.prompts
+SETS = ("train", "dev", "test", "mixed", "test2")  # the prompt splits, see memspec.zoo.prompts
 
 
 def load_pool_tables(pool: PoolConfig, which: str,

@@ -27,6 +27,7 @@ from typing import Any
 
 from memspec.common.config import PoolConfig, load_pool
 from memspec.common.errors import ConfigError
+from memspec.zoo.prompts import READ_ONCE
 from memspec.zoo.tablestore import (
     SETS,
     TraceTables,
@@ -187,7 +188,8 @@ def run_trace(pool: PoolConfig, sets: Sequence[tuple[str, int | None]],
 
 def main_trace(args) -> int:
     pool = load_pool(getattr(args, "pool", None))
-    sets = parse_sets(args.sets or ",".join(SETS), args.per_domain)
+    sets = parse_sets(args.sets or ",".join(s for s in SETS if s not in READ_ONCE),
+                      args.per_domain)
     report = run_trace(pool, sets, args.check_per_domain, args.max_new_tokens)
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
