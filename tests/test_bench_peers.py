@@ -38,6 +38,9 @@ class FakeLlama:
         self.calls.append(peers.PY_LOOKUP if lookup else peers.PY)
         return max_new
 
+    def perf(self) -> dict:  # llama.cpp's own clock of its last plain run
+        return {"prefill_ms": 4.0, "prefill_tokens": 20, "decode_ms": 16.0, "decode_tokens": 8}
+
 
 ROWS = [{"id": f"test-{d}-{i}", "domain": d, "prompt": f"{d} prompt {i}"}
         for d in ("code", "math") for i in range(3)]
@@ -72,6 +75,10 @@ def test_run_counts_no_eos_rotates_and_caches(tmp_path: Path, monkeypatch) -> No
     assert calls[0] == ("memspec", peers.WARM_PROMPT) and all(
         p != peers.WARM_PROMPT for _, p in calls[2:])
     assert set(out["gmean"]) == set(peers.RATIOS)
+    # llama.cpp's own report of its plain runs rides beside the call-to-last-token clock
+    own = out["llama_cpp_own_clock"]
+    assert own["decode_tok_s"] == pytest.approx(500.0) and own["prefill_tok_s"] == 5000.0
+    assert own["prefill_ms_per_prompt"] == 4.0 and own["share_of_call_clock"] > 0
     # a second run with the same fingerprint measures nothing and gives the same figures
     calls.clear()
     again = _run(tmp_path, monkeypatch, calls)
