@@ -951,6 +951,9 @@ def main_bench(args) -> int:
                                                Sizes().peers_per_domain),
                       sweep_per_domain=min(Sizes().sweep_per_domain, args.prompts_per_domain),
                       held_out=getattr(args, "split", None) or "test")
+        if sizes.held_out not in ("test", "test2"):
+            raise ConfigError(f"memspec bench measures a held-out set, not {sizes.held_out}",
+                              "use --split test (the default) or --split test2 (read once)")
         if sizes.repeats < 1:
             raise ConfigError(f"--repeats {sizes.repeats} is below 1", "use --repeats 2")
         if sizes.peers_per_domain < 0:

@@ -411,6 +411,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.max_new_tokens = args.max_new_tokens or 128
         return main_bench_heads(args)
+    if args.what == "headline":
+        from memspec.bench.headline import main_bench_headline
+
+        args.max_new_tokens = args.max_new_tokens or 128
+        return main_bench_headline(args)
     if args.what == "contention":
         from memspec.bench.contention import main_bench_contention
 
@@ -506,7 +511,8 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
                                 "soak, http, faults; 512 for json)"),
     "prompts": _opt("--prompts", type=int, default=3, help="prompts"),
     "per_domain": _opt("--per-domain", type=int, default=4,
-                       help="dev prompts per domain (beside the README's prompt where it runs)"),
+                       help="prompts per domain, of dev or of headline's --split (beside the "
+                            "README's prompt where it runs)"),
     "repeats": _opt("--repeats", type=int, default=2, help="real runs per prompt and policy"),
     "types": _opt("--types", default=None,
                   help="comma-separated GGUF types (default: Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,"
@@ -536,10 +542,13 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "peers_per_domain": _opt("--peers-per-domain", type=int, default=4,
                              help="test prompts per domain run beside llama.cpp on the same "
                                   "GGUF (plain, and its prompt lookup; 0: none)"),
-    "split": _opt("--split", choices=["test", "test2"], default="test",
-                  help="the held-out set the figures are of: test (read by many runs: a "
-                       "second dev set) or test2 (read once: each run is counted in "
-                       "prompts/test2_reads.jsonl)"),
+    "split": _opt("--split", choices=["dev", "test", "test2"], default=None,
+                  help="the prompt set the figures are of: test (eval's default; read by "
+                       "many runs, a second dev set), test2 (read once: each run is counted "
+                       "in prompts/test2_reads.jsonl) or dev (headline's default: a trial)"),
+    "isas": _opt("--isas", default=None,
+                 help="comma-separated kernel paths (default: the CPU's own and avx2 forced "
+                      "beside it)"),
     "recalibrate": _opt("--recalibrate", action="store_true", help="re-measure the cost model"),
     "no_sweeps": _opt("--no-sweeps", action="store_true", help="skip the sweeps"),
     "cost_model": _opt("--cost-model", default=None,
@@ -557,7 +566,8 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "no_warm": _opt("--no-warm", action="store_true", help="fresh processes only"),
     "loads": _opt("--loads", default=None,
                   help="comma-separated loads (contention's default: all of quiet, busy1, "
-                       "busy2, busy1-nice10, membw, startstop; json's: quiet,busy1)"),
+                       "busy2, busy1-nice10, membw, startstop; json's and headline's: "
+                       "quiet,busy1)"),
     "idle_s": _opt("--idle-s", type=float, default=30.0,
                    help="seconds the memspec server sits idle while its CPU is read"),
     "context": _opt("--context", type=int, default=256, help="context tokens for timings"),
@@ -572,6 +582,10 @@ BENCH_ACTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
               "dev_per_domain", "real_per_domain", "real_mixed", "peers_per_domain", "repeats",
               "split", "recalibrate", "no_sweeps", "cost_model", "results", "readme",
               "from_json")),
+    "headline": ("memspec, lookup-only, general-static and target-only beside llama.cpp, per "
+                 "kernel path, quiet and beside a busy core: the round's one figure",
+                 ("pool", *_OUT, "max_new_tokens", "split", "per_domain", "isas", "loads",
+                  "repeats")),
     "engine": ("the engine's costs per precision against the bare-matmul floor and llama.cpp",
                ("pool", *_OUT, "max_new_tokens", "prompts", "dtypes", "target")),
     "pipeline": ("the three processes against the engine alone",
