@@ -221,20 +221,25 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def plot(res: dict[str, Any], path: Path) -> Path:
+    """Two panels: memspec over our own baselines (near 1), and over llama.cpp (log)."""
     plt = pyplot()
     conds = list(res["summary"])
-    fig, ax = plt.subplots(figsize=(11, 4))
-    w = 0.8 / len(RATIOS)
-    for j, key in enumerate(RATIOS):
-        gm = [res["summary"][c]["gmean"].get(key, float("nan")) for c in conds]
-        lo = [g - res["summary"][c]["ci95"][key][0] for g, c in zip(gm, conds)]
-        hi = [res["summary"][c]["ci95"][key][1] - g for g, c in zip(gm, conds)]
-        ax.bar([i + j * w for i in range(len(conds))], gm, w, yerr=[lo, hi], capsize=2,
-               label=key.replace("_over_", " / "))
-    ax.axhline(1.0, color="k", lw=0.7)
-    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(conds))], conds)
-    ax.set_ylabel("tokens/s ratio, end to end (GMEAN, 95% CI)")
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    panels = ([k for k in RATIOS if "llama" not in k], [k for k in RATIOS if "llama" in k])
+    for ax, keys in zip(axes, panels):
+        w = 0.8 / len(keys)
+        for j, key in enumerate(keys):
+            gm = [res["summary"][c]["gmean"].get(key, float("nan")) for c in conds]
+            lo = [g - res["summary"][c]["ci95"][key][0] for g, c in zip(gm, conds)]
+            hi = [res["summary"][c]["ci95"][key][1] - g for g, c in zip(gm, conds)]
+            ax.bar([i + j * w for i in range(len(conds))], gm, w, yerr=[lo, hi], capsize=2,
+                   label=key.replace("_over_", " / ").replace("_", "-"))
+        ax.axhline(1.0, color="k", lw=0.7)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(conds))], conds, fontsize=8)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("tokens/s ratio, end to end (GMEAN, 95% CI)")
+    axes[0].set_ylim(0.8, None)
+    axes[1].set_yscale("log")
     path.parent.mkdir(parents=True, exist_ok=True)
     return finish_figure(fig, path, f"memspec bench headline: {res['split']}, "
                                     f"{res['provenance'].get('machine')}")
