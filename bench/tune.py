@@ -64,7 +64,7 @@ from memspec.common.errors import ConfigError
 from memspec.common.paths import DEFAULT_POOL, HOME_ENV, PACKAGE_ROOT, memspec_home
 from memspec.common.plotting import save_outputs
 from memspec.common.provenance import result_provenance
-from memspec.common.tuned import TUNED_FILE
+from memspec.common.tuned import TUNED_ENV, TUNED_FILE
 from memspec.procs.decoder import engine as engine_mod
 from memspec.procs.decoder.sched import loop as loop_mod
 from memspec.sim.costmodel import CostModel
@@ -451,6 +451,37 @@ def stamp_sections(res: dict[str, Any], names: Iterable[str], stamp: Mapping[str
             res[name] = {**res[name], "provenance": dict(stamp)}
 
 
+class SoFar:
+    """What real runs start from: tuned.json with every value this run has chosen so far.
+
+    A real-run section's servers read their knobs from a tuned.json (``MEMSPEC_TUNED``
+    names a copy with the setting under test). Built on the committed file alone, each
+    section was chosen beside the old values of every other: the simulated gate's new
+    constants were never run for real, and the set written together was never measured
+    together (at fb6b9f0 it kept the head closed on the README prompt, 0.948x the old
+    set). So before each real section the chosen values so far go into a scratch copy
+    that the section builds on."""
+
+    def __init__(self, committed: Mapping[str, Any], folder: Path) -> None:
+        self.committed, self.folder, self.n = committed, folder, 0
+        self.before = os.environ.get(TUNED_ENV)
+
+    def apply(self, res: Mapping[str, Any]) -> Path:
+        merged = {**self.committed.get("sections", {}), **res}
+        data = {**self.committed, "knobs": {**self.committed["knobs"], **knobs_from(merged)}}
+        self.n += 1  # a new name each time: a reader caches a file's knobs by its path
+        path = self.folder / f"tuned-so-far-{self.n}.json"
+        path.write_text(json.dumps(data))
+        os.environ[TUNED_ENV] = str(path)
+        return path
+
+    def restore(self) -> None:
+        if self.before is None:
+            os.environ.pop(TUNED_ENV, None)
+        else:
+            os.environ[TUNED_ENV] = self.before
+
+
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         only: Sequence[str] | None = None, previous: Mapping[str, Any] | None = None,
         repeats: int = 1) -> dict[str, Any]:
@@ -490,31 +521,36 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         texts = [p["prompt"] for p in set_prompts(pool, "dev", per_domain)]
         res["prefill_chunk"] = tune_prefill_chunk(pool, texts)
         _log(f"prefill chunk: {res['prefill_chunk']['chosen']}")
-    if "lookup_gate" in want:
-        from memspec.bench.tune_lookup_gate import tune_lookup_gate
+    from memspec.bench.tune_head import (
+        tune_head_prior,
+        tune_head_stop,
+        tune_head_vocab,
+        tune_lookup_first,
+    )
+    from memspec.bench.tune_lookup_depth import tune_lookup_depth
+    from memspec.bench.tune_lookup_gate import tune_lookup_gate
 
-        res["lookup_gate"] = tune_lookup_gate(pool_file, per_domain, max_new, repeats)
-    if "lookup_depth" in want:
-        from memspec.bench.tune_lookup_depth import tune_lookup_depth
-
-        res["lookup_depth"] = tune_lookup_depth(pool_file, per_domain, max_new, repeats,
-                                                pool.gamma)
-    if "head_vocab" in want:
-        from memspec.bench.tune_head import tune_head_vocab
-
-        res["head_vocab"] = tune_head_vocab(pool_file, per_domain, max_new, repeats)
-    if "head_stop" in want:
-        from memspec.bench.tune_head import tune_head_stop
-
-        res["head_stop"] = tune_head_stop(pool_file, per_domain, max_new, repeats)
-    if "lookup_first" in want:
-        from memspec.bench.tune_head import tune_lookup_first
-
-        res["lookup_first"] = tune_lookup_first(pool_file, per_domain, max_new, repeats)
-    if "head_prior" in want:
-        from memspec.bench.tune_head import tune_head_prior
-
-        res["head_prior"] = tune_head_prior(pool_file, per_domain, max_new, repeats)
+    real: dict[str, Callable[[], dict[str, Any]]] = {  # in order, each on those before it
+        "lookup_gate": lambda: tune_lookup_gate(pool_file, per_domain, max_new, repeats),
+        "lookup_depth": lambda: tune_lookup_depth(pool_file, per_domain, max_new, repeats,
+                                                  pool.gamma),
+        "head_vocab": lambda: tune_head_vocab(pool_file, per_domain, max_new, repeats),
+        "head_stop": lambda: tune_head_stop(pool_file, per_domain, max_new, repeats),
+        "lookup_first": lambda: tune_lookup_first(pool_file, per_domain, max_new, repeats),
+        "head_prior": lambda: tune_head_prior(pool_file, per_domain, max_new, repeats),
+    }
+    if want & set(real):
+        so_far = SoFar(json.loads(TUNED_FILE.read_text()),
+                       Path(tempfile.mkdtemp(prefix="memspec-tune-so-far-")))
+        try:
+            for name, section in real.items():
+                if name in want:
+                    _log(f"{name}: real runs from {so_far.apply(res).name} (the values "
+                         "chosen so far in this run)")
+                    res[name] = section()
+        finally:
+            so_far.restore()
+            shutil.rmtree(so_far.folder, ignore_errors=True)
     if "plan_budget" in want:
         from memspec.bench.tune_plan import tune_plan_budget
         from memspec.procs.decoder.oracle import oracle

@@ -148,3 +148,24 @@ def test_a_rechosen_section_says_what_it_was_chosen_on(tmp_path):
     assert res["gate"]["provenance"] == stamp and res["gate"]["figure"] == 1.1
     assert res["ranking"]["provenance"]["commit"] == "old"
     assert "lookup" not in res
+
+
+def test_real_sections_build_on_the_values_chosen_before_them(tmp_path, monkeypatch):
+    """A real-run section's servers read the values this run chose so far (the gate the
+    simulator just chose, not the committed one): each is tuned beside the others it
+    ships with."""
+    from memspec.common.tuned import TUNED_ENV
+
+    monkeypatch.delenv(TUNED_ENV, raising=False)
+    committed = json.loads(TUNED_FILE.read_text())
+    so_far = tune.SoFar(committed, tmp_path)
+    gate = json.loads(json.dumps(committed["sections"]["gate"]))
+    gate["chosen"]["PRIOR_TAU"] = 2.5
+    path = so_far.apply({"gate": gate})
+    assert os.environ[TUNED_ENV] == str(path)
+    assert tuned_knobs(path)["gate.PRIOR_TAU"]["value"] == 2.5
+    assert tuned_knobs(path)["gate.ALPHA"] == committed["knobs"]["gate.ALPHA"] or \
+        tuned_knobs(path)["gate.ALPHA"]["value"] == gate["chosen"]["ALPHA"]
+    assert so_far.apply({"gate": gate}) != path  # a new file: readers cache by path
+    so_far.restore()
+    assert TUNED_ENV not in os.environ
