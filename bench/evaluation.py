@@ -58,8 +58,8 @@ from memspec.common.errors import ConfigError, MemspecError
 from memspec.common.files import atomic_write_text, sha256_file
 from memspec.common.machine import machine_info
 from memspec.common.metrics import RunStats, Summary, gmean
-from memspec.common.paths import PACKAGE_ROOT, memspec_home
-from memspec.common.provenance import result_provenance
+from memspec.common.paths import memspec_home
+from memspec.common.provenance import result_provenance, shown_path
 from memspec.procs.decoder.oracle.replay import oracle_dynamic, oracle_static, pooled, replay_static
 from memspec.procs.predictor.head import read_info
 from memspec.procs.predictor.ranker import head_path_for
@@ -565,15 +565,6 @@ def pool_digest(pool: PoolConfig) -> str:
     return fingerprint_digest(pool_fingerprint(pool))
 
 
-def _shown_path(path: Path) -> str:
-    """A path as a result may record it: relative to the checkout (never a machine's own
-    folders), else the file's name."""
-    try:
-        return str(Path(path).resolve().relative_to(PACKAGE_ROOT.resolve()))
-    except ValueError:
-        return Path(path).name
-
-
 def head_provenance(pool: PoolConfig, info: Mapping[str, Any]) -> dict[str, Any]:
     """Which head the Table 2 is of, and whether its sidecar says it was trained for this
     pool (None: the sidecar does not say)."""
@@ -581,7 +572,7 @@ def head_provenance(pool: PoolConfig, info: Mapping[str, Any]) -> dict[str, Any]
     if isinstance(theirs, dict):
         theirs = fingerprint_digest(theirs)
     ours = pool_digest(pool)
-    return {"head": _shown_path(head_path_for(pool)), "head_pool_fingerprint": theirs,
+    return {"head": shown_path(head_path_for(pool)), "head_pool_fingerprint": theirs,
             "pool_fingerprint": ours, "head_for_this_pool": None if theirs is None
             else theirs == ours}
 

@@ -44,8 +44,9 @@ def _sha16(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _shown(path: Path) -> str:
-    """A path as a result records it: relative to the checkout, else the file's name."""
+def shown_path(path: Path) -> str:
+    """A path as a result records it: relative to the checkout (never a machine's own
+    folders), else the file's name."""
     try:
         return str(Path(path).resolve().relative_to(REPO.resolve()))
     except ValueError:
@@ -58,9 +59,9 @@ def tuned_identity() -> dict[str, Any]:
 
     path = tuned_path()
     try:
-        return {"file": _shown(path), "sha256": _sha16(path.read_bytes())}
+        return {"file": shown_path(path), "sha256": _sha16(path.read_bytes())}
     except OSError as exc:
-        return {"file": _shown(path), "sha256": None, "error": str(exc)}
+        return {"file": shown_path(path), "sha256": None, "error": str(exc)}
 
 
 def pool_identity(pool: Any = None) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def pool_identity(pool: Any = None) -> dict[str, Any]:
     try:
         cfg = pool if isinstance(pool, PoolConfig) else load_pool(pool)
         src = Path(cfg.source) if cfg.source else None
-        return {"file": _shown(src) if src else None,
+        return {"file": shown_path(src) if src else None,
                 "sha256": _sha16(src.read_bytes()) if src and src.is_file() else None,
                 "drafts_sha256": fingerprint_digest(pool_fingerprint(cfg))}
     except (MemspecError, OSError) as exc:

@@ -8,6 +8,7 @@ import json
 import re
 from typing import Any
 
+from memspec.bench.results_index import NOT_RECORDED, describe
 from memspec.common.isa import ISAS
 from memspec.common.paths import PACKAGE_ROOT
 
@@ -34,17 +35,6 @@ def _numbers(x: Any) -> list[float]:
     return []
 
 
-def _isa(res: dict[str, Any]) -> str | None:
-    prov = res.get("provenance") or {}
-    if prov.get("isa"):
-        return prov["isa"]
-    for key in ("machine", "machine_info"):
-        m = res.get(key)
-        if isinstance(m, dict) and m.get("isa"):
-            return m["isa"]
-    return res.get("isa") if isinstance(res.get("isa"), str) else None
-
-
 def test_every_results_row_names_its_json_commit_and_isa_and_holds_its_figures():
     rows = _rows()
     assert len(rows) >= 10, "the README's results table was not found"
@@ -63,8 +53,8 @@ def test_every_results_row_names_its_json_commit_and_isa_and_holds_its_figures()
             if commit:
                 assert f"at {commit[:7]}" in row, f"{rel} was measured at {commit[:7]}: " \
                                                   f"the row must say so ({row[:60]})"
-            isa = _isa(res)
-            if isa:
+            isa = describe(PACKAGE_ROOT / rel)["isa"]
+            if isa != NOT_RECORDED:
                 assert isa in named_isas, f"{rel} ran {isa}; the row names {named_isas}"
         values = [v for res in results.values() for v in _numbers(res)]
         for shown in BOLD.findall(row):
