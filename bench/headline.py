@@ -7,9 +7,11 @@ back in a rotating order:
 
 - memspec, lookup-only, general-static and target-only through the three processes (one
   `memspec up` per policy and kernel path, so no policy learns from another's requests);
-- llama.cpp on the same GGUF (its C API, greedy, every core) and llama-cpp-python with its
-  prompt lookup: one build for both kernel paths (an AVX2 row's llama.cpp is the CPU's own
-  build; the JSON says so).
+- llama.cpp on the same GGUF (its C API, greedy) and llama-cpp-python with its prompt
+  lookup, at the thread count that is its fastest under the load: every core when quiet, one
+  fewer beside a busy core (2 threads ran 28-37 tok/s there, 1 thread 72-78; issue 69's
+  table). One build for both kernel paths (an AVX2 row's llama.cpp is the CPU's own build;
+  the JSON says so).
 
 Every clock runs from the call to the last token (prefill included; an end-of-generation
 token not counted). Ratios are geometric means over prompts with 95% intervals (prompts
@@ -42,6 +44,7 @@ from memspec.common.provenance import result_provenance
 POLICIES = ("memspec", "lookup-only", "general-static", "target-only")
 PLAIN, LOOKUP = "llama.cpp", "llama.cpp+lookup"
 LOADS = ("quiet", "busy1")
+BUSY_CORES = {"quiet": 0, "busy1": 1}  # what each load takes: llama.cpp leaves it those cores
 # memspec over each: the headline's rows, per kernel path and load
 RATIOS: dict[str, tuple[str, str]] = {
     "memspec_over_target_only": ("memspec", "target-only"),
@@ -109,6 +112,12 @@ def summarise(rows: Sequence[dict[str, Any]], paths: Sequence[str], loads: Seque
     return out
 
 
+def llama_threads(load: str, cores: int | None = None) -> int:
+    """llama.cpp's threads under `load`: the cores the load leaves (its fastest setting; a
+    thread on a core the spin loop holds waits at every barrier)."""
+    return max(1, (cores or os.cpu_count() or 1) - BUSY_CORES[load])
+
+
 def _key(name: str, path: str) -> str:
     """A run's key in a row: ours per kernel path, llama.cpp's one build for all."""
     return name if name in (PLAIN, LOOKUP) else f"{name}@{path}"
@@ -146,14 +155,18 @@ def run(pool: str | None, split: str, per_domain: int | None, max_new: int,
                     s = Ours(name.replace("@", "-"), pool, tmp, {"MEMSPEC_ISA": path})
                     s.policy = pol
                     servers[name] = s
-            plain = Peer(os.cpu_count() or 1, cfg.gamma)
-            llama = plain.llama  # one llama.cpp: plain through its C API, and its lookup
-            peers = {PLAIN: plain, LOOKUP: LookupPeer(llama)}
+            by_threads: dict[int, dict[str, Any]] = {}
+            for n in sorted({llama_threads(load) for load in loads}):
+                plain = Peer(n, cfg.gamma)  # plain through its C API, and its lookup
+                by_threads[n] = {PLAIN: plain, LOOKUP: LookupPeer(plain.llama)}
+            peers_of = {load: by_threads[llama_threads(load)] for load in loads}
+            llama = next(iter(by_threads.values()))[PLAIN].llama
             warm = prompts[0]["prompt"]
             for s in servers.values():  # each server's first request: its warm-up
                 s.run(warm, 8, eos, False)
-            for p in peers.values():
-                p.run(encode_prompt(tok, warm), 8, eos)
+            for ps in by_threads.values():
+                for p in ps.values():
+                    p.run(encode_prompt(tok, warm), 8, eos)
             for name, s in servers.items():
                 settle(s.rt, f"the {name} server")
             t_start = time.perf_counter()
@@ -161,6 +174,7 @@ def run(pool: str | None, split: str, per_domain: int | None, max_new: int,
                 ids = encode_prompt(tok, r["prompt"])
                 row: dict[str, Any] = {"id": r["id"], "domain": r["domain"], "runs": {}}
                 for load in order(i, loads):
+                    peers = peers_of[load]
                     got: dict[str, list[dict[str, Any]]] = {e: [] for e in entries}
                     ld = Load(load)
                     try:
@@ -190,7 +204,8 @@ def run(pool: str | None, split: str, per_domain: int | None, max_new: int,
             "prompts": len(rows), "per_domain": per_domain, "max_new_tokens": max_new,
             "kernel_paths": list(paths), "native_kernel_path": isa_mod.native_isa(),
             "loads": list(loads), "repeats": repeats, "policies": list(POLICIES),
-            "llama_cpp": {"threads": llama.threads, "version": llama.lc.__version__,
+            "llama_cpp": {"threads": {load: llama_threads(load) for load in loads},
+                          "version": llama.lc.__version__,
                           "gguf": llama.gguf.name, "system_info": llama.system_info(),
                           "note": "one build for every kernel path: an avx2 row compares "
                                   "our forced avx2 path with the CPU's own llama.cpp build"},

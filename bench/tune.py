@@ -4,7 +4,9 @@ Writes tuned.json (read by the runtime through common/tuned.py): per knob its va
 grid it was chosen from, and the dev figure that chose it. Test prompts are never read.
 
 - **gate** (ALPHA, FIRST_LOOK, NEAR_MISS, STOP_INSIDE, PROBE_SHARE, PRIOR_TAU): `bench gate`'s sweep
-  (bench/gate_sweep.py), on a grid that brackets each value it chose before;
+  (bench/gate_sweep.py), on a grid that brackets each value it chose before, and then its
+  choice against the committed constants in real runs on dev (bench/tune_gate_check.py:
+  the simulator has mispredicted this gate three times); the winner ships;
 - **ranking** (RANK_HORIZON, PREDICTOR_SHARE): when memspec asks the predictor again, and
   how much of a request's decode time its encoding may take; replayed with the predictor's
   own rankings at every position (sim/scores.py);
@@ -34,6 +36,11 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   real runs, as head_vocab.
 - **plan_budget** (oracle.PLAN_BUDGET): how wide oracle-dynamic's plan search may go, its
   search time counted beside the plan it finds (bench/tune_plan.py).
+
+The real-run sections run in that order, each on the values chosen before it in the same
+run (`SoFar`). head.VOCAB and head.STOP key the acceptance tables, so where this run chose
+others, head_prior and plan_budget read dev tables traced again with them (`tables_home`),
+and the pool's tables are re-made by `memspec trace` before the new tuned.json ships.
 
 The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
 model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
@@ -338,13 +345,12 @@ def tune_prefill_chunk(pool: PoolConfig, prompts: Sequence[str]) -> dict[str, An
 def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """tuned.json's knobs: value, grid, and the dev figure that chose it."""
     out: dict[str, dict[str, Any]] = {}
+    from memspec.bench.tune_gate_check import gate_dev_figure
+
     g = res["gate"]
-    fig = g["figure"]
     for k, v in g["chosen"].items():
         out[f"gate.{k}"] = {"value": v, "grid": g["grid"][k], "chosen_by": "gate",
-                            "dev": f"memspec / target-only e2e {fig['over_scales']:.3f} over "
-                                   f"the scales (worst mean {fig['worst_gmean']:.3f}, worst "
-                                   f"prompt {fig['worst_prompt']:.3f})"}
+                            "dev": gate_dev_figure(g)}
     r = res["ranking"]
     for i, k in enumerate(("gate.RANK_HORIZON", "loop.PREDICTOR_SHARE")):
         name = k.split(".")[1]
@@ -482,6 +488,49 @@ class SoFar:
             os.environ[TUNED_ENV] = self.before
 
 
+READS_TABLES = ("head_prior", "plan_budget")  # sections that read the dev tables in-process
+
+
+@contextlib.contextmanager
+def tables_home(pool_file: Path, per_domain: int, folder: Path, reads: bool
+                ) -> Iterator[None]:
+    """Where a section that reads the dev tables finds tables made with this run's values.
+
+    The tables are keyed by the head's knobs (``tables_format``: head.VOCAB, head.STOP), so
+    once this run chose other values the pool's own tables no longer load (the first full
+    re-tune stopped there, at head_prior). Then the dev prompts are traced again under the
+    values so far, into a scratch artefact folder, and the section reads those."""
+    from memspec.bench.evaluation import load_pool_tables
+    from memspec.procs.decoder.oracle.tablefiles import tables_format
+
+    if not reads:
+        yield
+        return
+    try:
+        load_pool_tables(load_pool(str(pool_file)), "dev")
+        have = True
+    except ConfigError:
+        have = False
+    if have:
+        yield
+        return
+    root = folder / f"home-{time.monotonic_ns()}"
+    root.mkdir()
+    home = _scratch_home(root)
+    _log(f"the dev tables for this run's head knobs ({tables_format()}): tracing dev:"
+         f"{per_domain} into a scratch folder")
+    cmd = [sys.executable, "-m", "memspec", "trace", "--pool", str(pool_file), "--sets",
+           f"dev:{per_domain}", "--check-per-domain", "0"]
+    done = subprocess.run(cmd, env=dict(os.environ, **{HOME_ENV: str(home)}),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise ConfigError(f"tracing dev for this run's head knobs failed: "
+                          f"{done.stderr.strip().splitlines()[-1:]}",
+                          "run `memspec trace --sets dev:4` alone to see why")
+    with home_env(home):
+        yield
+
+
 def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         only: Sequence[str] | None = None, previous: Mapping[str, Any] | None = None,
         repeats: int = 1) -> dict[str, Any]:
@@ -504,7 +553,10 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
     if want & {"ranking", "chunked_wait"}:
         scored = traced_requests(pool, "dev", per_domain, scores=True)
     if "gate" in want:
-        res["gate"] = tune_gate(plain, cost, cfg, pool.general)
+        from memspec.bench.tune_gate_check import check_gate
+
+        res["gate"] = check_gate(pool_file, per_domain, max_new, repeats,
+                                 tune_gate(plain, cost, cfg, pool.general))
     with gate_constants(res["gate"]["chosen"]) if "gate" in res else contextlib.nullcontext():
         if "ranking" in want:
             res["ranking"] = tune_ranking(scored, cost, cfg, pool.general)
@@ -539,24 +591,24 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         "lookup_first": lambda: tune_lookup_first(pool_file, per_domain, max_new, repeats),
         "head_prior": lambda: tune_head_prior(pool_file, per_domain, max_new, repeats),
     }
+    from memspec.bench.tune_plan import tune_plan_budget
+    from memspec.procs.decoder.oracle import oracle
+
+    ids = [p["id"] for p in set_prompts(pool, "dev", per_domain)]
+    real["plan_budget"] = lambda: tune_plan_budget(pool, ids, cost, oracle.PLAN_BUDGET)
     if want & set(real):
         so_far = SoFar(json.loads(TUNED_FILE.read_text()),
                        Path(tempfile.mkdtemp(prefix="memspec-tune-so-far-")))
         try:
             for name, section in real.items():
                 if name in want:
-                    _log(f"{name}: real runs from {so_far.apply(res).name} (the values "
-                         "chosen so far in this run)")
-                    res[name] = section()
+                    _log(f"{name}: from {so_far.apply(res).name} (the values chosen so far "
+                         "in this run)")
+                    with tables_home(pool_file, per_domain, so_far.folder, name in READS_TABLES):
+                        res[name] = section()
         finally:
             so_far.restore()
             shutil.rmtree(so_far.folder, ignore_errors=True)
-    if "plan_budget" in want:
-        from memspec.bench.tune_plan import tune_plan_budget
-        from memspec.procs.decoder.oracle import oracle
-
-        ids = [p["id"] for p in set_prompts(pool, "dev", per_domain)]
-        res["plan_budget"] = tune_plan_budget(pool, ids, cost, oracle.PLAN_BUDGET)
     stamp_sections(res, want, stamp)
     missing = set(SECTIONS) - set(res)
     if missing:

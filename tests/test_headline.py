@@ -69,3 +69,13 @@ def test_a_bad_request_is_one_line_not_a_run():
     args.loads, args.repeats = None, 0
     with pytest.raises(ConfigError, match="below 1"):
         headline.main_bench_headline(args)
+
+
+def test_llama_cpp_runs_at_its_fastest_threads_under_each_load():
+    """Every baseline at its fastest setting: beside a busy core llama.cpp on every core
+    waits for the descheduled one (28-37 tok/s on 2 threads, 72-78 on 1), so it leaves the
+    load its core."""
+    assert headline.llama_threads("quiet", 2) == 2
+    assert headline.llama_threads("busy1", 2) == 1
+    assert headline.llama_threads("busy1", 1) == 1
+    assert set(headline.BUSY_CORES) == set(headline.LOADS)

@@ -169,3 +169,83 @@ def test_real_sections_build_on_the_values_chosen_before_them(tmp_path, monkeypa
     assert so_far.apply({"gate": gate}) != path  # a new file: readers cache by path
     so_far.restore()
     assert TUNED_ENV not in os.environ
+
+
+def _fig(g):
+    return {"gmean": g, "ci95": [g - 0.05, g + 0.05], "min": 0.95, "paired_gmean": g,
+            "mean_acceptance_length": 2.0}
+
+
+@pytest.mark.parametrize("sim_wins", [False, True])
+def test_the_simulated_gate_ships_only_where_real_runs_prefer_it(monkeypatch, sim_wins):
+    """The simulator chose gates that real runs then lost with (fb6b9f0): its choice goes up
+    against the committed constants on dev, and a loss or a tie keeps the committed ones."""
+    from memspec.bench import tune_gate_check as gc
+
+    committed = json.loads(TUNED_FILE.read_text())
+    now = gc.committed_gate(["PRIOR_TAU", "ALPHA"], committed)
+    sim = {"PRIOR_TAU": 1000000 if now["PRIOR_TAU"] != 1000000 else 0.0, "ALPHA": now["ALPHA"]}
+    seen = {}
+
+    def fake_run(settings, rows, max_new, repeats, log):
+        seen.update(settings)
+        path = settings[gc.SIMULATED].env[tune.TUNED_ENV]
+        seen["sim_tau"] = tuned_knobs(path)["gate.PRIOR_TAU"]["value"]
+        hi, lo = _fig(1.2), _fig(1.1)
+        return {"summary": {gc.SIMULATED: hi if sim_wins else lo,
+                            gc.COMMITTED: lo if sim_wins else hi},
+                "identical_tokens": True}
+
+    monkeypatch.setattr(gc, "run_settings", fake_run)
+    section = {"chosen": sim, "grid": {}, "figure": {"over_scales": 1.3, "worst_gmean": 1.0,
+                                                     "worst_prompt": 0.9}}
+    out = gc.check_gate(DEFAULT_POOL, 1, 8, 1, section)
+    assert seen["sim_tau"] == sim["PRIOR_TAU"]  # the simulated server ran the simulated gate
+    assert gc.COMMITTED in seen and "target-only" in seen
+    assert out["chosen"] == (sim if sim_wins else now)
+    assert out["simulated_choice"] == sim and out["committed"] == now
+    line = gc.gate_dev_figure(out)
+    assert ("kept the simulated" if sim_wins else "kept the committed") in line
+    assert "1.300" in line  # the simulator's own figure stays on the record
+
+
+def test_a_simulated_gate_equal_to_the_committed_one_runs_nothing(monkeypatch):
+    from memspec.bench import tune_gate_check as gc
+
+    committed = json.loads(TUNED_FILE.read_text())
+    now = gc.committed_gate(["PRIOR_TAU"], committed)
+    monkeypatch.setattr(gc, "run_settings", lambda *a: pytest.fail("ran real runs"))
+    out = gc.check_gate(DEFAULT_POOL, 1, 8, 1, {"chosen": now, "figure": {}})
+    assert out["chosen"] == now and out["real_check"] is None
+
+
+def test_a_section_reading_tables_gets_tables_made_with_this_runs_head_knobs(
+        tmp_path, monkeypatch):
+    """head.STOP and head.VOCAB key the tables: once the run chose others, the pool's own
+    tables do not load (the first full re-tune stopped there) and the dev prompts are
+    traced again into a scratch folder the section reads."""
+    from memspec.bench import evaluation
+    from memspec.common.paths import HOME_ENV
+
+    calls = []
+    monkeypatch.setattr(tune.subprocess, "run", lambda cmd, **kw: calls.append((cmd, kw)) or
+                        type("Done", (), {"returncode": 0, "stderr": ""})())
+    before = os.environ.get(HOME_ENV)
+    with tune.tables_home(DEFAULT_POOL, 2, tmp_path, reads=False):
+        pass
+    monkeypatch.setattr(evaluation, "load_pool_tables", lambda pool, which: object())
+    with tune.tables_home(DEFAULT_POOL, 2, tmp_path, reads=True):
+        assert os.environ.get(HOME_ENV) == before
+    assert calls == []  # nothing to make: neither section reads tables it lacks
+
+    def missing(pool, which):
+        raise ConfigError("no acceptance tables for this pool's drafts")
+
+    monkeypatch.setattr(evaluation, "load_pool_tables", missing)
+    with tune.tables_home(DEFAULT_POOL, 2, tmp_path, reads=True):
+        home = os.environ[HOME_ENV]
+        assert home != before and home.startswith(str(tmp_path))
+    assert os.environ.get(HOME_ENV) == before
+    (cmd, kw), = calls
+    assert cmd[2:4] == ["memspec", "trace"] and "dev:2" in cmd
+    assert kw["env"][HOME_ENV] == home
