@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -249,3 +250,27 @@ def test_a_section_reading_tables_gets_tables_made_with_this_runs_head_knobs(
     (cmd, kw), = calls
     assert cmd[2:4] == ["memspec", "trace"] and "dev:2" in cmd
     assert kw["env"][HOME_ENV] == home
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=TUNED_FILE.parent, capture_output=True, text=True)
+
+
+def test_every_section_was_chosen_on_the_drafts_that_ship():
+    """Each section of tuned.json names the commit, clean tree, pool and date it was chosen
+    on, and that commit holds the drafts that ship (a knob tuned for older heads says so by
+    failing here); the drafts' bytes it ran are the pool's now."""
+    from memspec.common.provenance import pool_identity
+
+    data = json.loads(TUNED_FILE.read_text())
+    drafts_commit = _git("log", "-1", "--format=%H", "--", "drafts/").stdout.strip()
+    here = pool_identity(DEFAULT_POOL).get("drafts_sha256")
+    for name, sec in data["sections"].items():
+        prov = sec.get("provenance")
+        assert prov and prov.get("commit") and prov.get("clean") is True, name
+        assert prov.get("date") and prov.get("isa"), name
+        if drafts_commit and _git("cat-file", "-e", prov["commit"]).returncode == 0:
+            assert _git("merge-base", "--is-ancestor", drafts_commit,
+                        prov["commit"]).returncode == 0, f"{name}: tuned before the drafts"
+        if here:
+            assert prov["pool"]["drafts_sha256"] == here, f"{name}: tuned on other drafts"
