@@ -200,7 +200,10 @@ def run(pool: str | None, split: str, per_domain: int | None, max_new: int,
         finally:
             for s in servers.values():
                 s.stop()
+    from memspec.bench.evaluation import split_info
+
     return {"provenance": prov, "split": split, "held_out_reads": reads,
+            "splits": {**split_info(), "measured_on": [split]},  # disjoint by source?
             "prompts": len(rows), "per_domain": per_domain, "max_new_tokens": max_new,
             "kernel_paths": list(paths), "native_kernel_path": isa_mod.native_isa(),
             "loads": list(loads), "repeats": repeats, "policies": list(POLICIES),

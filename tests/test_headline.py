@@ -79,3 +79,18 @@ def test_llama_cpp_runs_at_its_fastest_threads_under_each_load():
     assert headline.llama_threads("busy1", 2) == 1
     assert headline.llama_threads("busy1", 1) == 1
     assert set(headline.BUSY_CORES) == set(headline.LOADS)
+
+
+def test_the_round_headline_read_test2_once_and_says_the_sets_are_disjoint():
+    """The round's one read of test2: its JSON counts that read and records that no source
+    of test2 is in any other set."""
+    import json
+
+    from memspec.common.paths import PACKAGE_ROOT
+
+    res = json.loads((PACKAGE_ROOT / "docs/results/headline_test2_avx512_xeon.json").read_text())
+    assert res["split"] == "test2" and res["held_out_reads"] == 1
+    assert res["splits"]["disjoint"] and res["splits"]["measured_on"] == ["test2"]
+    assert all(v == 0 for k, v in res["splits"]["shared_sources"].items() if "test2" in k)
+    assert all(s["prompts_with_tokens_unlike_target_only"] == 0
+               for s in res["summary"].values())
