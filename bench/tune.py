@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -263,6 +264,19 @@ def _pool_with_lookup(pool_file: Path, lookup: int, folder: Path) -> Path:
     return out
 
 
+def trace_dev(pool_file: Path, per_domain: int, home: Path, what: str) -> None:
+    """`memspec trace` of the first `per_domain` dev prompts per domain into the artefact
+    folder `home` (a scratch one: the pool's own traces stay as they are)."""
+    cmd = [sys.executable, "-m", "memspec", "trace", "--pool", str(pool_file), "--sets",
+           f"dev:{per_domain}", "--check-per-domain", "0"]
+    done = subprocess.run(cmd, env=dict(os.environ, **{HOME_ENV: str(home)}),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise ConfigError(f"tracing dev {what} failed: "
+                          f"{done.stderr.strip().splitlines()[-1:]}",
+                          f"run `memspec trace --sets dev:{per_domain}` alone to see why")
+
+
 def tune_lookup(pool_file: Path, per_domain: int, cost: CostModel, max_new: int,
                 current: int) -> dict[str, Any]:
     from memspec.bench.evaluation import sim_config, traced_requests
@@ -273,17 +287,9 @@ def tune_lookup(pool_file: Path, per_domain: int, cost: CostModel, max_new: int,
         for n in LOOKUP:
             t0 = time.perf_counter()
             path = _pool_with_lookup(pool_file, n, Path(tmp))
-            env = dict(os.environ, **{HOME_ENV: str(home)})
             if n != current:  # the current setting's dev traces are the pool's own
                 shutil.rmtree(home / "traces", ignore_errors=True)
-                cmd = [sys.executable, "-m", "memspec", "trace", "--pool", str(path), "--sets",
-                       f"dev:{per_domain}", "--check-per-domain", "0"]
-                done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True)
-                if done.returncode:
-                    raise ConfigError(f"tracing dev with lookup = {n} failed: "
-                                      f"{done.stderr.strip().splitlines()[-1:]}",
-                                      "run `memspec trace --sets dev:4` alone to see why")
+                trace_dev(path, per_domain, home, f"with lookup = {n}")
             with home_env(home if n != current else None):
                 pool = load_pool(str(path))
                 reqs = traced_requests(pool, "dev", per_domain, scores=False)
@@ -514,19 +520,15 @@ def tables_home(pool_file: Path, per_domain: int, folder: Path, reads: bool
     if have:
         yield
         return
-    root = folder / f"home-{time.monotonic_ns()}"
-    root.mkdir()
-    home = _scratch_home(root)
-    _log(f"the dev tables for this run's head knobs ({tables_format()}): tracing dev:"
-         f"{per_domain} into a scratch folder")
-    cmd = [sys.executable, "-m", "memspec", "trace", "--pool", str(pool_file), "--sets",
-           f"dev:{per_domain}", "--check-per-domain", "0"]
-    done = subprocess.run(cmd, env=dict(os.environ, **{HOME_ENV: str(home)}),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        raise ConfigError(f"tracing dev for this run's head knobs failed: "
-                          f"{done.stderr.strip().splitlines()[-1:]}",
-                          "run `memspec trace --sets dev:4` alone to see why")
+    fmt = tables_format()
+    root = folder / ("home-" + re.sub(r"[^A-Za-z0-9.]+", "-", fmt))  # one per head knobs
+    home = root / "home"
+    if not home.is_dir():  # (plan_budget reads the tables head_prior's trace made)
+        root.mkdir()
+        home = _scratch_home(root)
+        _log(f"the dev tables for this run's head knobs ({fmt}): tracing dev:{per_domain} "
+             "into a scratch folder")
+        trace_dev(pool_file, per_domain, home, "for this run's head knobs")
     with home_env(home):
         yield
 
