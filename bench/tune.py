@@ -29,6 +29,8 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   scores, in real runs, one warm server per setting (bench/tune_head.py);
 - **head_stop** (head.STOP): the top probability below which a head's own proposal ends an
   iteration's proposals, likewise (bench/tune_head.py);
+- **head_first** (head.FIRST): the top probability below which a head proposes nothing
+  and its iteration is a target step, likewise;
 - **lookup_first** (engine.LOOKUP_FIRST): the shortest context-suffix match at which a
   head's iteration runs the lookup alone (0: never); real runs, as head_vocab.
 - **head_prior** (gate.HEAD_PRIOR): with LOOKUP_FIRST, the prior a head's record in the
@@ -38,9 +40,9 @@ grid it was chosen from, and the dev figure that chose it. Test prompts are neve
   search time counted beside the plan it finds (bench/tune_plan.py).
 
 The real-run sections run in that order, each on the values chosen before it in the same
-run (`SoFar`). head.VOCAB and head.STOP key the acceptance tables, so where this run chose
-others, head_prior and plan_budget read dev tables traced again with them (`tables_home`),
-and the pool's tables are re-made by `memspec trace` before the new tuned.json ships.
+run (`SoFar`). head.VOCAB, head.STOP and head.FIRST key the acceptance tables, so where
+this run chose others, head_prior and plan_budget read dev tables traced again with them
+(`tables_home`), and the pool's tables are re-made by `memspec trace` before the new tuned.json ships.
 
 The simulator replays the runtime's own loop on the traced dev prompts at the measured cost
 model and at cheaper iterations (SPEC_SCALES), as `bench gate` does; it is deterministic,
@@ -406,6 +408,15 @@ def knobs_from(res: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                f"against {ungated.get(0.0, float('nan')):.3f} at 0; memspec {f['gmean']:.3f} "
                f"[{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real "
                f"runs, {hs['prompts']} prompts x {hs['repeats']})"}
+    hf = res["head_first"]
+    f = hf["figure"]
+    ungated = {r["value"]: r["general_static_ungated"]["gmean"] for r in hf["rows"]}
+    out["head.FIRST"] = {
+        "value": hf["chosen"], "grid": hf["grid"]["FIRST"], "chosen_by": "head_first",
+        "dev": f"general-static without the gate / target-only e2e {ungated[hf['chosen']]:.3f} "
+               f"against {ungated.get(0.0, float('nan')):.3f} at 0; memspec {f['gmean']:.3f} "
+               f"[{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}], worst prompt {f['min']:.3f} (real "
+               f"runs, {hf['prompts']} prompts x {hf['repeats']})"}
     lf = res["lookup_first"]
     ungated = {r["value"]: r["general_static_ungated"]["gmean"] for r in lf["rows"]}
     out["engine.LOOKUP_FIRST"] = _real_run_knob(
@@ -442,7 +453,8 @@ def _real_run_knob(res: Mapping[str, Any], section: str, name: str, more: str = 
 
 
 SECTIONS = ("gate", "ranking", "ucb_c", "chunked_wait", "lookup", "prefill_chunk", "lookup_gate",
-            "lookup_depth", "head_vocab", "head_stop", "lookup_first", "head_prior",
+            "lookup_depth", "head_vocab", "head_stop", "head_first", "lookup_first",
+            "head_prior",
             "plan_budget")
 
 
@@ -502,8 +514,8 @@ def tables_home(pool_file: Path, per_domain: int, folder: Path, reads: bool
                 ) -> Iterator[None]:
     """Where a section that reads the dev tables finds tables made with this run's values.
 
-    The tables are keyed by the head's knobs (``tables_format``: head.VOCAB, head.STOP), so
-    once this run chose other values the pool's own tables no longer load (the first full
+    The tables are keyed by the head's knobs (``tables_format``: head.VOCAB, head.STOP,
+    head.FIRST), so once this run chose other values the pool's own tables no longer load (the first full
     re-tune stopped there, at head_prior). Then the dev prompts are traced again under the
     values so far, into a scratch artefact folder, and the section reads those."""
     from memspec.bench.evaluation import load_pool_tables
@@ -576,6 +588,7 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
         res["prefill_chunk"] = tune_prefill_chunk(pool, texts)
         _log(f"prefill chunk: {res['prefill_chunk']['chosen']}")
     from memspec.bench.tune_head import (
+        tune_head_first,
         tune_head_prior,
         tune_head_stop,
         tune_head_vocab,
@@ -590,6 +603,7 @@ def run(pool_file: Path, cost_path: str, per_domain: int, max_new: int,
                                                   pool.gamma),
         "head_vocab": lambda: tune_head_vocab(pool_file, per_domain, max_new, repeats),
         "head_stop": lambda: tune_head_stop(pool_file, per_domain, max_new, repeats),
+        "head_first": lambda: tune_head_first(pool_file, per_domain, max_new, repeats),
         "lookup_first": lambda: tune_lookup_first(pool_file, per_domain, max_new, repeats),
         "head_prior": lambda: tune_head_prior(pool_file, per_domain, max_new, repeats),
     }
@@ -639,7 +653,7 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     s = res["sections"]
-    fig, axes = plt.subplots(1, 12, figsize=(38, 3.4))
+    fig, axes = plt.subplots(1, 13, figsize=(41, 3.4))
     ax = axes[0]
     for share in s["ranking"]["grid"]["PREDICTOR_SHARE"]:
         rows = [r for r in s["ranking"]["rows"] if r["value"][1] == share]
@@ -687,7 +701,9 @@ def _plot(res: Mapping[str, Any], folder: Path) -> Path:
     _head_rows(axes[11], [{**r, "value": None if r["value"] is None else r["value"][1]}
                           for r in s.get("head_prior", {}).get("rows", [])],
                "gate.HEAD_PRIOR weight (real runs; all: none)")
-    for ax in (*axes[:4], *axes[5:9], axes[10], axes[11]):
+    _head_rows(axes[12], s.get("head_first", {}).get("rows", []),
+               "head.FIRST floor (real runs; 0 off)")
+    for ax in (*axes[:4], *axes[5:9], *axes[10:]):
         ax.axhline(1.0, color="k", lw=0.6)
     ax = axes[9]
     rows = s.get("plan_budget", {}).get("rows", [])

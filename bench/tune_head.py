@@ -10,6 +10,9 @@
   another verify row (a 5-row int4 verify costs ~2 target steps on AVX2), and most
   rejected proposals were proposed unsure, so stopping there trades a few accepted
   tokens for cheaper iterations.
+- **head_first** (``head.FIRST``): the top probability below which a head proposes nothing
+  (its iteration a target step). The first proposal costs no draft step, only a second
+  verify row, so its floor is lower than head.STOP's, and chosen the same way.
 
 - **lookup_first** (``engine.LOOKUP_FIRST``): the shortest context-suffix match at which a
   head's iteration runs the lookup alone (0: never). Where the context repeats, the lookup
@@ -49,6 +52,7 @@ FIRSTS = (0, 2, 3, 4, 6)  # 0: off; 2 is the pool's shortest lookup suffix
 # 0: always gamma proposals (a first grid, to 0.7, chose its edge; 0.9 was never chosen, and
 # with Q4_1 heads a proposal costs less, so 0.4 took its place)
 STOPS = (0.0, 0.4, 0.55, 0.7, 0.8)
+FIRST_FLOORS = (0.0, 0.2, 0.35, 0.5)  # 0: a head always proposes one
 # (a server per policy and setting: three processes each, ~1.2 GB; 11 fit in 24 GB)
 COMPARED = ("memspec", "general-static-ungated")
 
@@ -110,7 +114,7 @@ def choose_stop(by_value: ByValue, prefer: Callable[[Any], Any]) -> float:
     runs the heads only where they pay (mostly the lookup runs), so two sweeps chose 0.7
     and 0.0 with every value inside the others' intervals, while the heads' own
     iterations gained 10-20% at every floor from 0.55 up in both."""
-    low = by_value[0.0]["memspec"]["ci95"][0]
+    low = by_value[0.0]["memspec"]["ci95"][0]  # (0.0: the floor off, in both grids)
     scores = {v: s["general-static-ungated"]["gmean"] for v, s in by_value.items()
               if s["memspec"]["gmean"] >= low}
     top = max(scores.values())
@@ -122,6 +126,13 @@ def tune_head_stop(pool_file: Path, per_domain: int, max_new: int, repeats: int
     # ties go to the lower floor: fewer changes to what a head proposes
     return sweep_head_knob("head.STOP", STOPS, lambda s: -s, pool_file, per_domain, max_new,
                            repeats, choose=choose_stop)
+
+
+def tune_head_first(pool_file: Path, per_domain: int, max_new: int, repeats: int
+                    ) -> dict[str, Any]:
+    # as head.STOP: the fastest head iterations that keep memspec within its interval at 0
+    return sweep_head_knob("head.FIRST", FIRST_FLOORS, lambda s: -s, pool_file, per_domain,
+                           max_new, repeats, choose=choose_stop)
 
 
 def tune_lookup_first(pool_file: Path, per_domain: int, max_new: int, repeats: int

@@ -354,30 +354,35 @@ def tiny_head(tmp_path_factory):
     return make_tiny_head(tmp_path_factory.mktemp("rt-head") / "h", seed=3)
 
 
-def _with_knob(tmp_path, monkeypatch, name: str, value) -> None:
-    """Knob `name` set to `value` in a scratch tuned.json the runtime reads (MEMSPEC_TUNED)."""
+def _with_knob(tmp_path, monkeypatch, name: str, value, **more) -> None:
+    """Knob `name` set to `value` in a scratch tuned.json the runtime reads (MEMSPEC_TUNED);
+    `more`: other knobs, by their name after ``head.`` (e.g. ``FIRST=0.2``)."""
     from memspec.common.tuned import TUNED_ENV, TUNED_FILE
 
     data = json.loads(TUNED_FILE.read_text())
-    data["knobs"][name]["value"] = value
-    scratch = tmp_path / f"tuned-{name}-{value}.json"
+    for key, v in {name: value, **{f"head.{k}": v for k, v in more.items()}}.items():
+        data["knobs"][key]["value"] = v
+    scratch = tmp_path / f"tuned-{name}-{value}-{sorted(more.items())}.json"
     scratch.write_text(json.dumps(data))
     monkeypatch.setenv(TUNED_ENV, str(scratch))
 
 
-@pytest.mark.parametrize(("dtype", "lookup", "stop"),
-                         [("int4", 0, 0.0), ("bfloat16", 0, 0.0), ("int8-torch", 0, 0.0),
-                          ("int4", 1, 0.0), ("int8-torch", 3, 0.0), ("int4", 0, STOP),
-                          ("int4", 1, STOP)])
+@pytest.mark.parametrize(("dtype", "lookup", "stop", "first"),
+                         [("int4", 0, 0.0, 0.0), ("bfloat16", 0, 0.0, 0.0),
+                          ("int8-torch", 0, 0.0, 0.0), ("int4", 1, 0.0, 0.0),
+                          ("int8-torch", 3, 0.0, 0.0), ("int4", 0, STOP, 0.0),
+                          ("int4", 1, STOP, 0.0), ("int4", 0, 0.0, STOP),
+                          ("int4", 1, STOP, STOP)])
 def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lookup, stop,
-                                                  tmp_path, monkeypatch):
+                                                  first, tmp_path, monkeypatch):
     """Tables from the engine's own runners (model drafts and heads) replay every
     iteration's accepted count of real runs, static and switching schedules alike, with
-    the context lookup off and on, and with heads that stop proposing where unsure."""
+    the context lookup off and on, and with heads that stop proposing where unsure
+    (head.STOP) or propose nothing (head.FIRST: the iteration is a target step)."""
     from memspec.procs.decoder.models import build_target
     from memspec.zoo.tables import runtime_table
 
-    _with_knob(tmp_path, monkeypatch, "head.STOP", stop)
+    _with_knob(tmp_path, monkeypatch, "head.STOP", stop, FIRST=first)
     fmt, _, path = dtype.partition("-")
     gamma = 3
     eng = SpecEngine(build_target(tiny_dir / "target", fmt, fast=path != "torch"), (),
@@ -388,7 +393,7 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
     eng.add_draft(load_into_slot("head", tiny_head, SlotBuffer(1 << 20), TINY_VOCAB,
                                  eng.target_parts))
     names = [*DRAFTS, "head"]
-    stopped: set[int] = set()
+    stopped: set[int] = set()  # a head's proposal counts below gamma
     for prompt in PROMPTS:
         tokens, _ = eng.generate(prompt, MAX_NEW)
         tables = {n: runtime_table(eng, eng.drafts[n], prompt, tokens) for n in names}
@@ -409,7 +414,8 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
         assert {r.draft for r in recs} == set(names)
         head_props = {r.proposed for r in recs if r.draft == "head"}
         stopped |= head_props - {gamma}
-    assert bool(stopped) == bool(stop)  # an unsure head proposed fewer than gamma
+    assert bool(stopped - {0}) == bool(stop)  # an unsure head proposed fewer than gamma
+    assert (0 in stopped) == bool(first)  # ... or, unsure of its first, nothing
 
 
 def test_tables_made_with_another_head_stop_are_stale(tmp_path, monkeypatch):
@@ -425,6 +431,21 @@ def test_tables_made_with_another_head_stop_are_stale(tmp_path, monkeypatch):
     write_tables(path, tt)
     assert read_tables(path, 4, fp, "int4") is not None
     _with_knob(tmp_path, monkeypatch, "head.STOP", STOP)
+    assert read_tables(path, 4, fp, "int4") is None
+
+
+def test_tables_made_with_another_head_first_are_stale(tmp_path, monkeypatch):
+    """Where a head proposes nothing (``head.FIRST``) changes its accepted counts too."""
+    from memspec.procs.decoder.oracle.tablefiles import TraceTables, read_tables, write_tables
+
+    fp = {"general": "a" * 64}
+    tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
+                                                "tables": {"general": [1, 0]}}}, "int4")
+    path = tmp_path / "tables-dev.json"
+    _with_knob(tmp_path, monkeypatch, "head.FIRST", 0.0)
+    write_tables(path, tt)
+    assert read_tables(path, 4, fp, "int4") is not None
+    _with_knob(tmp_path, monkeypatch, "head.FIRST", STOP)
     assert read_tables(path, 4, fp, "int4") is None
 
 
@@ -453,9 +474,10 @@ def test_a_head_stops_only_where_rows_cost():
     """On a GPU a verify's extra rows are free: a head there always proposes gamma (its
     tables likewise), whatever ``head.STOP`` says for CPUs."""
     from memspec.common.tuned import knob
-    from memspec.procs.decoder.drafts.head import stop_floor, unsure
+    from memspec.procs.decoder.drafts.head import first_floor, stop_floor, unsure
 
-    assert stop_floor("cuda") == 0.0
+    assert stop_floor("cuda") == first_floor("cuda") == 0.0
     assert stop_floor("cpu") == float(knob("head.STOP") or 0.0)
+    assert first_floor("cpu") == float(knob("head.FIRST") or 0.0)
     row = torch.tensor([2.0, 0.0, 0.0, 0.0])  # top probability 0.71
     assert unsure(row, 0.8) and not unsure(row, 0.7) and not unsure(row, 0.0)

@@ -16,7 +16,7 @@ from memspec.common.errors import ConfigError
 from memspec.common.paths import DEFAULT_POOL
 from memspec.common.tuned import TUNED_FILE, knob, tuned_knobs
 from memspec.procs.decoder import engine
-from memspec.procs.decoder.drafts.head import scored_rows, stop_floor
+from memspec.procs.decoder.drafts.head import first_floor, scored_rows, stop_floor
 from memspec.procs.decoder.drafts.lookup_depth import LookupDepth
 from memspec.procs.decoder.oracle.oracle import DynamicPlan
 from memspec.procs.decoder.sched import loop
@@ -44,6 +44,7 @@ RUNTIME = {  # knob -> the value the runtime runs
     "lookup.DEPTH_WEIGHT": lambda: LookupDepth.WEIGHT,
     "head.VOCAB": lambda: _head_rows(),
     "head.STOP": lambda: stop_floor("cpu"),
+    "head.FIRST": lambda: first_floor("cpu"),
     "oracle.PLAN_BUDGET": lambda: DynamicPlan({"a": [0]}, 4, 4, 1, PlanCosts.uniform(("a",), 1.0),
                                               lambda: 0).budget,
 }

@@ -296,9 +296,9 @@ class DevSet:
                         bound.runner.arch.hidden)
         with torch.inference_mode():
             # all gamma proposals: early stopping judges what the head predicts; how many
-            # of them a CPU verifies (head.STOP) is tuned for the head training produced
+            # of them a CPU verifies (head.STOP, head.FIRST) is tuned for the head training made
             return [head_table(bound, r.feat[:, cols].contiguous(), r.ids, r.P, r.tokens,
-                               GAMMA, stop=0.0) for r in self.rows_in(domains)]
+                               GAMMA, stop=0.0, first=0.0) for r in self.rows_in(domains)]
 
     def score(self, name: str, head_dir: Path, domains: Sequence[str]) -> dict[str, float]:
         """Mean acceptance length per domain (pooled over its prompts, gamma=4)."""

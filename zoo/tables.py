@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from memspec.procs.decoder.drafts.datastore import DATASTORE_KIND, Datastore, tail_width
-from memspec.procs.decoder.drafts.head import HEAD_KIND, stop_floor, unsure
+from memspec.procs.decoder.drafts.head import HEAD_KIND, first_floor, stop_floor, unsure
 from memspec.procs.decoder.drafts.lookup import NgramIndex
 
 # --------------------------------------------------------------------------- model pass
@@ -191,18 +191,21 @@ def target_features(engine, ids: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def head_table(bound, feat: torch.Tensor, ids: torch.Tensor, P: int, tokens: Sequence[int],
                gamma: int, lookup: Sequence[Sequence[int | None]] | None = None,
-               stop: float | None = None) -> list[int]:
+               stop: float | None = None, first: float | None = None) -> list[int]:
     """A head's A_d(t) given the target's feature rows of positions 0..len(ids)-2 (the
     rows :func:`runtime_table` computes; training reuses them across checkpoints).
     ``ids`` is prompt + tokens on the engine's device, ``P`` the prompt length;
     ``lookup``: :func:`lookup_rows` when the engine's context lookup is on; ``stop``: the
-    floor under which the head stops proposing (None: the engine's, ``stop_floor``)."""
+    floor under which the head stops proposing (None: the engine's, ``stop_floor``);
+    ``first``: the floor under which it proposes nothing (None: ``first_floor``)."""
     n = len(tokens)
     head, to_target = bound.runner, bound.to_target
     cache = bound.new_cache(len(ids) + gamma + 1)
     zero = torch.zeros_like(feat[:1])
     if stop is None:  # where the engine stops proposing (unsure proposals)
         stop = stop_floor(ids.device)
+    if first is None:  # ... and where it proposes nothing (an unsure first proposal)
+        first = first_floor(ids.device)
     out = []
     logits, hidden = head.teacher(ids[:P], 0, cache, torch.cat([zero, feat[:P - 1]]))
     for t in range(n):
@@ -212,7 +215,7 @@ def head_table(bound, feat: torch.Tensor, ids: torch.Tensor, P: int, tokens: Seq
         a, lg, hid = 0, logits, hidden
         for k in range(min(gamma, n - t)):
             c = lookup[t][k] if lookup is not None else None
-            if c is None and k and unsure(lg[-1], stop):
+            if c is None and unsure(lg[-1], stop if k else first):
                 break
             if (c if c is not None else int(to_target[lg[-1].argmax()])) != tokens[t + k]:
                 break

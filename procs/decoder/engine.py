@@ -33,7 +33,13 @@ from memspec.procs.decoder.drafts.datastore import (
     led_chain,
     tail_width,
 )
-from memspec.procs.decoder.drafts.head import HEAD_KIND, TargetParts, stop_floor, unsure
+from memspec.procs.decoder.drafts.head import (
+    HEAD_KIND,
+    TargetParts,
+    first_floor,
+    stop_floor,
+    unsure,
+)
 from memspec.procs.decoder.drafts.lookup import NgramIndex
 from memspec.procs.decoder.drafts.lookup_depth import LookupDepth
 from memspec.procs.decoder.forward.runners import Runner, as_runner, set_feature_layers
@@ -270,6 +276,8 @@ class Session:
         self._drafts: dict[str, _DraftCache] = {}
         # greedy heads stop proposing where they are unsure (sampling drafts gamma)
         self._head_stop = stop_floor(engine.device) if params.greedy else 0.0
+        self._head_first = first_floor(engine.device) if params.greedy else 0.0  # (its
+        # first proposal: below it a head's iteration is a target step)
         self._lookup_first = engine.lookup_first if self._ngrams is not None else 0
         self._last_draft: str | None = None  # the last draft that ran (switch count)
         self._prev: str | None = None  # the draft the previous iteration ran (None: the
@@ -533,7 +541,7 @@ class Session:
         qs: list[torch.Tensor] = []
         ng = self._ngrams
         tail = self.tokens[-ng.n_max:] if ng is not None else []
-        stop = self._head_stop if head else 0.0
+        stop, first = (self._head_stop, self._head_first) if head else (0.0, 0.0)
         limit = g if self.propose is None else \
             max(1, min(g, self.propose(name, L - self.prompt_len)))
         grammar = self.constraint
@@ -549,13 +557,13 @@ class Session:
                     # (output) vocabulary as well as any other
                     t_id = torch.tensor([tok], dtype=torch.long, device=self._dev)
                 elif d_idx is None:
-                    if i and unsure(row, stop):
+                    if unsure(row, stop if i else first):
                         break
                     d_idx = argmax_index(row)
                     tok = int(d_idx) if to_target is None else int(to_target[d_idx])
                 tail.append(tok)
             elif self.params.greedy:
-                if i and unsure(row, stop):
+                if unsure(row, stop if i else first):
                     break
                 d_idx = argmax_index(row)
             else:  # sampling runs on the CPU generator: seeded runs repeat on any device
@@ -571,10 +579,13 @@ class Session:
             props.append(t_id)
             if i < limit - 1:
                 draft.next(d_idx, t_id, L + i)
-        if not props:  # (its first proposal was illegal: a target step, after its catch-up)
-            rec = self._target_step(t0)
-            rec.draft, rec.t_catchup = name, t_catch - t0
-            rec.t_verify -= rec.t_catchup
+        if not props:  # its first proposal illegal (a grammar) or unsure (head.FIRST): a
+            rec = self._target_step(t0)  # target step after the draft's own pass, booked
+            own = t_catch - t0  # as its iterations' are (draft time, or catch-up where it
+            catch = own if name != self._prev else 0.0  # resumed) so the gate prices it
+            rec.draft, rec.t_draft, rec.t_catchup = name, own - catch, catch
+            rec.catchup_tokens = n_missing if catch else 0
+            rec.t_verify -= own
             return rec
         prop = torch.cat(props)
         self._sync()

@@ -130,6 +130,18 @@ def stop_floor(device: torch.device | str = "cpu") -> float:
     return float(knob("head.STOP") or 0.0)
 
 
+def first_floor(device: torch.device | str = "cpu") -> float:
+    """``head.FIRST`` (tuned.json, chosen on dev): a head whose *first* proposal's top
+    probability is below it proposes nothing, and the iteration is a target step (0: a head
+    always proposes one). That proposal costs no draft step (the head's catch-up computed
+    it) but a second verify row: ~a fifth of a target step on a 2-core CPU, paid back only
+    where it is accepted, and most first proposals a head makes unsure are rejected. Free
+    on a GPU, as ``head.STOP``."""
+    if torch.device(device).type != "cpu":
+        return 0.0
+    return float(knob("head.FIRST") or 0.0)
+
+
 def unsure(row: torch.Tensor, floor: float) -> bool:
     """The head's top probability over the rows it scores is below ``floor``. The engine
     and the tables ask it of the same row bits, so they stop at the same proposal."""

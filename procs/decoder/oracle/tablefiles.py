@@ -37,11 +37,12 @@ TABLES_PREFIX = "tables-"
 
 
 def tables_format() -> str:
-    """The format, plus the rows a head scores when ``head.VOCAB`` cuts them and where it
-    stops proposing (``head.STOP``): tables made with another setting propose otherwise
-    and are re-made."""
-    rows, stop = knob("head.VOCAB"), knob("head.STOP")
-    return FORMAT + (f"+head-rows-{rows}" if rows else "") + (f"+head-stop-{stop}" if stop else "")
+    """The format, plus the rows a head scores when ``head.VOCAB`` cuts them, where it
+    stops proposing (``head.STOP``) and where it proposes nothing (``head.FIRST``): tables
+    made with another setting propose otherwise and are re-made."""
+    rows, stop, first = knob("head.VOCAB"), knob("head.STOP"), knob("head.FIRST")
+    return FORMAT + (f"+head-rows-{rows}" if rows else "") + \
+        (f"+head-stop-{stop}" if stop else "") + (f"+head-first-{first}" if first else "")
 
 
 def traces_dir(dtype: str | None = None) -> Path:
