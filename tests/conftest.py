@@ -35,6 +35,28 @@ def tiny_heads(tiny_dir, tmp_path_factory):
     return [make_tiny_head(root / f"head{i}", seed=10 + i, q8=i == 0) for i in range(2)]
 
 
+@pytest.fixture
+def knobs(tmp_path, monkeypatch):
+    """``knobs({"head.FIRST": 0.0, ...})``: the runtime reads those tuned values (a scratch
+    tuned.json named by MEMSPEC_TUNED), every other knob as committed."""
+    import json
+
+    from memspec.common.tuned import TUNED_ENV, TUNED_FILE
+
+    made = [0]
+
+    def use(values: dict) -> None:
+        data = json.loads(TUNED_FILE.read_text())
+        for name, value in values.items():
+            data["knobs"][name]["value"] = value
+        made[0] += 1  # a new name each time: a reader caches a file's knobs by its path
+        scratch = tmp_path / f"tuned-{made[0]}.json"
+        scratch.write_text(json.dumps(data))
+        monkeypatch.setenv(TUNED_ENV, str(scratch))
+
+    return use
+
+
 # ZeroMQ contexts a test body made and left open (a test that failed half-way) are
 # destroyed with linger 0 as the test ends. Otherwise one is garbage-collected in some later
 # test, and closing it there can block forever on a socket still holding a message: the

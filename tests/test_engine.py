@@ -516,22 +516,14 @@ def test_lookup_depth_keeps_output_identical_and_follows_the_row_cost(tiny_dir, 
 
 
 def test_a_head_scores_the_tuned_cut_of_its_vocabulary_and_stays_lossless(
-        tiny_dir, tmp_path, monkeypatch):
+        tiny_dir, tmp_path, knobs):
     """``head.VOCAB`` (tuned.json) keeps a head's first rows, the commonest ids: a bind
     builds LM rows for those alone, and output stays the target's greedy output with the
     context lookup on or off."""
-    import json
-
-    from memspec.common.tuned import TUNED_ENV, TUNED_FILE
-
-    data = json.loads(TUNED_FILE.read_text())
-    data["knobs"]["head.VOCAB"]["value"] = 6
-    scratch = tmp_path / "tuned.json"
-    scratch.write_text(json.dumps(data))
     head = make_tiny_head(tmp_path / "h", seed=6, vocab=48)
     full = load_into_slot("h", head, SlotBuffer(1 << 20), TINY_VOCAB,
                           engine_with(tiny_dir, [], dtype="int4").target_parts)
-    monkeypatch.setenv(TUNED_ENV, str(scratch))
+    knobs({"head.VOCAB": 6})
     for lookup in (0, 1):
         eng = engine_with(tiny_dir, [], dtype="int4", lookup=lookup)
         bound = load_into_slot("h", head, SlotBuffer(1 << 20), TINY_VOCAB, eng.target_parts)

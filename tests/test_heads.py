@@ -82,7 +82,7 @@ def _responses(rt, n: int, length: int) -> list[dict]:
     return rows
 
 
-def test_training_learns_and_the_head_stays_lossless(tiny_dir, rt, tmp_path):
+def test_training_learns_and_the_head_stays_lossless(tiny_dir, rt, tmp_path, knobs):
     rows = _responses(rt, 12, 24)
     shard = build_shard(rt, [r["prompt_ids"] + r["tokens"] for r in rows],
                         [len(r["prompt_ids"]) - 1 for r in rows], [r["domain"] for r in rows],
@@ -101,6 +101,8 @@ def test_training_learns_and_the_head_stays_lossless(tiny_dir, rt, tmp_path):
     assert rec["evals"][0]["dev"] == 0.0  # a fresh head is scored from the first checkpoint
     # greedy tiny-target text is learnable: later checkpoints beat the first clearly
     assert rec["best_dev"] > max(1.6, rec["evals"][1]["dev"] + 0.3), rec["evals"]
+    knobs({"head.FIRST": 0.0})  # (a tiny head is unsure of most first proposals: this counts
+    # what it learned, not where a CPU's floor would have it propose)
     eng = SpecEngine(build_target(tiny_dir / "target", "bfloat16"), (), gamma=4)  # as served
     eng.add_draft(load_into_slot("general", tmp_path / "heads" / "general", SlotBuffer(1 << 20),
                                  TINY_VOCAB, eng.target_parts))

@@ -354,19 +354,6 @@ def tiny_head(tmp_path_factory):
     return make_tiny_head(tmp_path_factory.mktemp("rt-head") / "h", seed=3)
 
 
-def _with_knob(tmp_path, monkeypatch, name: str, value, **more) -> None:
-    """Knob `name` set to `value` in a scratch tuned.json the runtime reads (MEMSPEC_TUNED);
-    `more`: other knobs, by their name after ``head.`` (e.g. ``FIRST=0.2``)."""
-    from memspec.common.tuned import TUNED_ENV, TUNED_FILE
-
-    data = json.loads(TUNED_FILE.read_text())
-    for key, v in {name: value, **{f"head.{k}": v for k, v in more.items()}}.items():
-        data["knobs"][key]["value"] = v
-    scratch = tmp_path / f"tuned-{name}-{value}-{sorted(more.items())}.json"
-    scratch.write_text(json.dumps(data))
-    monkeypatch.setenv(TUNED_ENV, str(scratch))
-
-
 @pytest.mark.parametrize(("dtype", "lookup", "stop", "first"),
                          [("int4", 0, 0.0, 0.0), ("bfloat16", 0, 0.0, 0.0),
                           ("int8-torch", 0, 0.0, 0.0), ("int4", 1, 0.0, 0.0),
@@ -374,7 +361,7 @@ def _with_knob(tmp_path, monkeypatch, name: str, value, **more) -> None:
                           ("int4", 1, STOP, 0.0), ("int4", 0, 0.0, STOP),
                           ("int4", 1, STOP, STOP)])
 def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lookup, stop,
-                                                  first, tmp_path, monkeypatch):
+                                                  first, knobs):
     """Tables from the engine's own runners (model drafts and heads) replay every
     iteration's accepted count of real runs, static and switching schedules alike, with
     the context lookup off and on, and with heads that stop proposing where unsure
@@ -382,7 +369,7 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
     from memspec.procs.decoder.models import build_target
     from memspec.zoo.tables import runtime_table
 
-    _with_knob(tmp_path, monkeypatch, "head.STOP", stop, FIRST=first)
+    knobs({"head.STOP": stop, "head.FIRST": first})
     fmt, _, path = dtype.partition("-")
     gamma = 3
     eng = SpecEngine(build_target(tiny_dir / "target", fmt, fast=path != "torch"), (),
@@ -418,53 +405,23 @@ def test_runtime_tables_replay_the_engine_exactly(tiny_dir, tiny_head, dtype, lo
     assert (0 in stopped) == bool(first)  # ... or, unsure of its first, nothing
 
 
-def test_tables_made_with_another_head_stop_are_stale(tmp_path, monkeypatch):
-    """Where a head stops proposing (``head.STOP``) changes its accepted counts: tables
-    written under one floor are re-made under another."""
+@pytest.mark.parametrize(("name", "value"),
+                         [("head.STOP", STOP), ("head.FIRST", STOP), ("head.VOCAB", 4096)])
+def test_tables_made_with_other_head_knobs_are_stale(tmp_path, knobs, name, value):
+    """Where a head stops proposing (``head.STOP``), where it proposes nothing
+    (``head.FIRST``) and how many rows it scores (``head.VOCAB``) change its accepted
+    counts: tables written under one setting are re-made under another, never replayed."""
+    from memspec.common.tuned import knob
     from memspec.procs.decoder.oracle.tablefiles import TraceTables, read_tables, write_tables
 
-    fp = {"general": "a" * 64}
-    tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
-                                                "tables": {"general": [1, 0]}}}, "int4")
-    path = tmp_path / "tables-dev.json"
-    _with_knob(tmp_path, monkeypatch, "head.STOP", 0.0)
-    write_tables(path, tt)
-    assert read_tables(path, 4, fp, "int4") is not None
-    _with_knob(tmp_path, monkeypatch, "head.STOP", STOP)
-    assert read_tables(path, 4, fp, "int4") is None
-
-
-def test_tables_made_with_another_head_first_are_stale(tmp_path, monkeypatch):
-    """Where a head proposes nothing (``head.FIRST``) changes its accepted counts too."""
-    from memspec.procs.decoder.oracle.tablefiles import TraceTables, read_tables, write_tables
-
-    fp = {"general": "a" * 64}
-    tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
-                                                "tables": {"general": [1, 0]}}}, "int4")
-    path = tmp_path / "tables-dev.json"
-    _with_knob(tmp_path, monkeypatch, "head.FIRST", 0.0)
-    write_tables(path, tt)
-    assert read_tables(path, 4, fp, "int4") is not None
-    _with_knob(tmp_path, monkeypatch, "head.FIRST", STOP)
-    assert read_tables(path, 4, fp, "int4") is None
-
-
-def test_tables_made_with_another_head_cut_are_stale(tmp_path, monkeypatch):
-    """A head scoring fewer rows (``head.VOCAB``) proposes otherwise: tables written under
-    one cut are re-made under another, never replayed."""
-    from memspec.common.tuned import TUNED_ENV, TUNED_FILE
-    from memspec.procs.decoder.oracle.tablefiles import TraceTables, read_tables, write_tables
-
+    assert knob(name) != value  # (the committed setting is another)
     fp = {"general": "a" * 64}
     tt = TraceTables(4, ["general"], fp, {"x": {"domain": "general",
                                                 "tables": {"general": [1, 0]}}}, "int4")
     path = tmp_path / "tables-dev.json"
     write_tables(path, tt)
     assert read_tables(path, 4, fp, "int4") is not None
-    data = json.loads(TUNED_FILE.read_text())
-    data["knobs"]["head.VOCAB"]["value"] = 4096
-    (tmp_path / "tuned.json").write_text(json.dumps(data))
-    monkeypatch.setenv(TUNED_ENV, str(tmp_path / "tuned.json"))
+    knobs({name: value})
     assert read_tables(path, 4, fp, "int4") is None
     write_tables(path, tt)
     assert read_tables(path, 4, fp, "int4") is not None
