@@ -2,20 +2,22 @@
 
 1. A cost model measured on the real runtime (traced calibration requests, train prompts).
 2. UCB's c for the MAB baselines swept on **dev** (`bench tune`'s grid, 0.001-3, which brackets it);
-   nothing is tuned on test.
+   nothing is tuned on dev2 (the old test split, read by many runs: a second dev set) or
+   test2 (read once, only by an explicit `--split test2`).
 3. The replay simulator (the decoder's own loop, policies and cache manager over the
-   engine's acceptance tables, priced by the cost model) runs every policy on the test
-   prompts of every domain and on the mixed workload: per-domain tables, the exact optimum
-   (the relaxed bound), oracle checks (oracle-dynamic >= oracle-static and >= every online
-   policy, per domain), time breakdowns, time to the first draft token, sweeps.
-4. Real runs through the three processes on a subset of test and of mixed, policies
+   engine's acceptance tables, priced by the cost model) runs every policy on the dev2
+   (or test2) prompts of every domain and on the mixed workload: per-domain tables, the
+   exact optimum (the relaxed bound), oracle checks (oracle-dynamic >= oracle-static and
+   >= every online policy, per domain), time breakdowns, time to the first draft token,
+   sweeps.
+4. Real runs through the three processes on a subset of dev2 and of mixed, policies
    interleaved per prompt, several repeats, target-only always beside, every drafting
    baseline with the speculation gate and (general-static, mab-async, memspec) without
    it, and lookup-only: GMEAN of per-prompt ratios, end to end (the headline: request
    start to last token, prefill and binds included) and steady, each with a bootstrap 95%
    interval; each policy's wall time split into parts that add up to it; the simulator's
    value of the steady statistic on the same prompts next to it (`sim_vs_real`).
-5. The predictor's Table 2 (trained on train + dev, measured on test and mixed) from the
+5. The predictor's Table 2 (trained on train + dev, measured on dev2 and mixed) from the
    sidecar of the head the pool ranks with, beside the prompt's-domain rule and the
    majority rule.
 
@@ -69,7 +71,7 @@ from memspec.sim.optimum import optimum
 from memspec.sim.scores import position_scores
 from memspec.sim.simulate import SimConfig, SimRequest, simulate
 from memspec.zoo.evaluate import pool_domains
-from memspec.zoo.prompts import SPLITS, load_prompts, row_sources
+from memspec.zoo.prompts import SPLITS, load_prompts, row_sources, split_name
 from memspec.zoo.tablestore import (
     load_pool_tables,
     pool_fingerprint,
@@ -105,22 +107,26 @@ SWEEP_RATIO = (1.0, 2.7, 5.0, 10.0)
 SPLIT = ("pre", "prefill", "draft", "catchup", "verify", "target_gated", "target_fallback",
          "load_wait", "bind", "prediction", "sched", "other")
 SPLIT_GAP = 0.02  # the measured parts must explain the wall time of every run to this
-EVAL_SETS = ("test", "mixed")
+EVAL_SETS = ("dev2", "mixed")
+# what `memspec bench --split` may name: dev2 (the default) or test2, read once and counted
+HELD_OUT = ("dev2", "test2")
 
 
 @dataclass(frozen=True)
 class Sizes:
     """How much of each prompt set a bench reads; the defaults are the full run."""
 
-    sim_per_domain: int = 40  # test prompts per domain in the simulator
+    sim_per_domain: int = 40  # dev2 (or test2) prompts per domain in the simulator
     sim_mixed: int = 60  # mixed prompts in the simulator
     dev_per_domain: int = 20  # dev prompts per domain for UCB's c
-    real_per_domain: int = 10  # test prompts per domain run for real (0: no real runs)
+    real_per_domain: int = 10  # dev2 prompts per domain run for real (0: no real runs)
     real_mixed: int = 30  # mixed prompts run for real
     repeats: int = 2  # real runs per (prompt, policy)
-    sweep_per_domain: int = 10  # test prompts per domain in the sweeps
-    peers_per_domain: int = 4  # test prompts per domain run beside llama.cpp (0: none)
-    held_out: str = "test"  # the held-out set the figures are of ("test2": read once)
+    sweep_per_domain: int = 10  # dev2 prompts per domain in the sweeps
+    peers_per_domain: int = 4  # dev2 prompts per domain run beside llama.cpp (0: none)
+    # the set the figures are of besides mixed: dev2, a second dev set many runs read (the
+    # key keeps its old name, "held_out"); test2 is read once, only when named
+    held_out: str = "dev2"
 
     def trace_command(self) -> str:
         return (f"memspec trace --sets {self.held_out}:{self.sim_per_domain},"
@@ -177,7 +183,7 @@ def traced_requests(pool: PoolConfig, which: str, count: int, scores: bool = Tru
 
 # kept for callers of the old name
 def heldout_requests(pool: PoolConfig, per_domain: int, scores: bool = True,
-                     which: str = "test") -> list[SimRequest]:
+                     which: str = "dev2") -> list[SimRequest]:
     return traced_requests(pool, which, per_domain, scores)
 
 
@@ -197,9 +203,9 @@ def split_info(sizes: Sizes | None = None) -> dict[str, Any]:
         counts[s] = len(rows)
         for r in rows:
             sources[s].update(row_sources(r))
-    # mixed prompts are built from test sources by design: test/mixed may share
+    # mixed prompts are built from dev2 sources by design: dev2/mixed may share
     shared = {f"{a}/{b}": len(sources[a] & sources[b]) for i, a in enumerate(SPLITS)
-              for b in SPLITS[i + 1:] if {a, b} != {"test", "mixed"}}
+              for b in SPLITS[i + 1:] if {a, b} != {"dev2", "mixed"}}
     out: dict[str, Any] = {"kind": "source-disjoint", "counts": counts,
                            "shared_sources": shared,
                            "disjoint": all(v == 0 for v in shared.values()),
@@ -523,9 +529,10 @@ def headroom(reqs: Sequence[SimRequest], gamma: int, general: str) -> dict[str, 
 
 
 def sweep_variants(pool: PoolConfig, reqs: Sequence[SimRequest], cfg: SimConfig,
-                   cost: CostModel, per_domain: int) -> list[Variant]:
+                   cost: CostModel, per_domain: int, which: str = "dev2") -> list[Variant]:
     """N, output length, K and load/iteration; lengths beyond the traces need longer ones
-    (`memspec trace --sets test:N --max-new-tokens 256`), skipped with a note if absent."""
+    of the same set `which` (`memspec trace --sets dev2:N --max-new-tokens 256`), skipped
+    with a note if absent."""
     ref = pool.general
     out: list[Variant] = [("N", n, reqs, replace(cfg, N=n), cost) for n in SWEEP_N]
     traced = max(r.length for r in reqs)
@@ -534,8 +541,8 @@ def sweep_variants(pool: PoolConfig, reqs: Sequence[SimRequest], cfg: SimConfig,
             out.append(("max_new_tokens", n, reqs, replace(cfg, max_new_tokens=n), cost))
             continue
         try:
-            long = traced_requests(pool, f"test-L{n}", per_domain,
-                                   fix=f"memspec trace --sets test:{per_domain} "
+            long = traced_requests(pool, f"{which}-L{n}", per_domain,
+                                   fix=f"memspec trace --sets {which}:{per_domain} "
                                        f"--max-new-tokens {n}")
         except ConfigError as exc:
             _log(f"sweep max_new_tokens={n} skipped: {exc}")
@@ -579,7 +586,8 @@ def head_provenance(pool: PoolConfig, info: Mapping[str, Any]) -> dict[str, Any]
 
 def predictor_metrics(pool: PoolConfig) -> dict[str, Any]:
     """Table 2 rows per evaluation set from the sidecar of the head this pool ranks with
-    (procs/predictor/ranker.py `head_path_for`; trained on train + dev)."""
+    (procs/predictor/ranker.py `head_path_for`; trained on train + dev). A sidecar from
+    before the rename names dev2 "test"."""
     try:
         info = read_info(head_path_for(pool))
     except MemspecError as exc:
@@ -587,8 +595,9 @@ def predictor_metrics(pool: PoolConfig) -> dict[str, Any]:
     prov = head_provenance(pool, info)
     ev = info.get("evaluation")
     if not isinstance(ev, dict):
-        return {**prov, "note": "the head predates train/dev/test evaluation; "
+        return {**prov, "note": "the head predates its evaluation on held-out sets; "
                                 "run `memspec predictor train`"}
+    ev = {split_name(k): v for k, v in ev.items()}
     keep = ("prompt_only", "recent_only", "prompt_recent", "domain_rule", "majority",
             "runtime_head")
     out: dict[str, Any] = {"trained_on": info.get("train_set"), **prov}
@@ -811,7 +820,7 @@ def run(pool_path: str | None, sizes: Sizes, max_new: int, recalibrate: bool = F
         t = time.perf_counter()
         sub = first_per_domain(sets[held], sizes.sweep_per_domain)
         result["sweeps"] = sweep(best_c, sweep_variants(pool, sub, cfg, cost,
-                                                        sizes.sweep_per_domain))
+                                                        sizes.sweep_per_domain, held))
         wall["sweeps"] = time.perf_counter() - t
     if sizes.real_per_domain > 0 or sizes.real_mixed > 0:
         t = time.perf_counter()
@@ -861,7 +870,8 @@ def real_runs(pool: PoolConfig, real_pool: str | None, sets: Mapping[str, list[S
     e2e = [r.stats.time.e2e for r in rows.values()]
     out["real_request_s"] = statistics.fmean(e2e) if e2e else None
     # the real runs above share one decoder (slots emptied per request); beside them,
-    # memspec as a fresh decoder's first request, on the test set's first prompt per domain
+    # memspec as a fresh decoder's first request, on the held-out set's first prompt per
+    # domain
     first = [prompts[r.prompt_id] for r in first_per_domain(subsets.get(held, []), 1)]
     if first:
         from memspec.bench.floor import first_requests
@@ -941,10 +951,10 @@ def main_bench(args) -> int:
                       peers_per_domain=getattr(args, "peers_per_domain",
                                                Sizes().peers_per_domain),
                       sweep_per_domain=min(Sizes().sweep_per_domain, args.prompts_per_domain),
-                      held_out=getattr(args, "split", None) or "test")
-        if sizes.held_out not in ("test", "test2"):
-            raise ConfigError(f"memspec bench measures a held-out set, not {sizes.held_out}",
-                              "use --split test (the default) or --split test2 (read once)")
+                      held_out=getattr(args, "split", None) or "dev2")
+        if sizes.held_out not in HELD_OUT:
+            raise ConfigError(f"memspec bench measures dev2 or test2, not {sizes.held_out}",
+                              "use --split dev2 (the default) or --split test2 (read once)")
         if sizes.repeats < 1:
             raise ConfigError(f"--repeats {sizes.repeats} is below 1", "use --repeats 2")
         if sizes.peers_per_domain < 0:

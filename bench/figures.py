@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memspec.bench.heldout import current_names
 from memspec.bench.stats import HEADLINE
 from memspec.common.plotting import pyplot
 
@@ -125,12 +126,12 @@ def sim_throughput(result: dict[str, Any], out: Path, key: str = "normalised_ste
     for i, p in enumerate(pols):
         ax.bar([j + i * w for j in range(len(names))], [cols[p].get(c, 0.0) for c in names], w,
                label=p)
-    test = sim.get(result.get("held_out") or "test", {})
-    if key == "normalised_steady" and "optimum_steady" in test:
-        base = test["steady"]["general-static"]
-        xs = [j for j, c in enumerate(names) if c in test["optimum_steady"]]
+    held = sim.get(current_names(result)["held_out"], {})
+    if key == "normalised_steady" and "optimum_steady" in held:
+        base = held["steady"]["general-static"]
+        xs = [j for j, c in enumerate(names) if c in held["optimum_steady"]]
         ax.scatter([j + 0.4 - w / 2 for j in xs],
-                   [test["optimum_steady"][names[j]] / base[names[j]] for j in xs], marker="_",
+                   [held["optimum_steady"][names[j]] / base[names[j]] for j in xs], marker="_",
                    s=400, color="black", label="optimum (DP)", zorder=3)
     ax.set_xticks([j + 0.4 - w / 2 for j in range(len(names))], names)
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -189,7 +190,7 @@ def sweeps(result: dict[str, Any], out: Path) -> Path | None:
             ax.set_xscale("log", base=2)
     axes[0].set_ylabel("GMEAN steady-state ratio")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Sensitivity (simulator, {result.get('held_out') or 'test'} prompts)"
+    fig.suptitle(f"Sensitivity (simulator, {current_names(result)['held_out']} prompts)"
                  f"{_tag(result)}")
     return _save(fig, out / "sweeps.png")
 
@@ -237,6 +238,8 @@ FIGURES = (real_ratios, real_throughput, sim_throughput, breakdown, sweeps, sim_
 
 
 def draw_all(result: dict[str, Any], out: Path) -> list[Path]:
+    """Every figure of a `memspec bench` result (an old one read in today's set names)."""
     out.mkdir(parents=True, exist_ok=True)
+    result = current_names(result)
     paths = [f(result, out) for f in FIGURES]
     return [p for p in paths if p is not None]

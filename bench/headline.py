@@ -17,7 +17,8 @@ Every clock runs from the call to the last token (prefill included; an end-of-ge
 token not counted). Ratios are geometric means over prompts with 95% intervals (prompts
 resampled within domains). ``--split test2`` reads the set that is read once: the run is
 entered in ``prompts/test2_reads.jsonl`` before anything is measured, and the JSON counts
-the runs that read it. The default split is dev, so a trial run reads nothing held out.
+the runs that read it. The default split is dev, so a trial run reads nothing held out;
+``--split dev2`` (the old test split, read by many runs) is a second dev set.
 """
 
 from __future__ import annotations
@@ -265,9 +266,10 @@ def plot(res: dict[str, Any], path: Path) -> Path:
 
 def main_bench_headline(args: Any) -> int:
     split = args.split or "dev"
-    if split not in ("dev", "test", "test2"):
+    if split not in ("dev", "dev2", "test2"):
         raise ConfigError(f"--split {split} is not a set the headline reads",
-                          "use dev (a trial), test (a second dev set) or test2 (read once)")
+                          "use dev (a trial), dev2 (the old test split: a second dev set) "
+                          "or test2 (read once)")
     loads = [x.strip() for x in (args.loads or ",".join(LOADS)).split(",") if x.strip()]
     bad = [x for x in loads if x not in LOADS]
     if bad:

@@ -11,7 +11,7 @@ setting learns from another's requests), beside target-only, lookup-only and gen
 on theirs, every dev prompt's variants back to back in an alternating order; per variant the
 end-to-end speed over target-only (geometric mean, its 95% interval, the worst prompt).
 The chosen horizon scores most with no prompt below FLOOR of target-only (ties: the larger
-horizon, fewer rankings); test prompts are never read.
+horizon, fewer rankings); dev2 and test2 prompts are never read.
 """
 
 from __future__ import annotations

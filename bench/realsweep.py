@@ -7,7 +7,7 @@ setting learns from another's requests. Every dev prompt's variants run back to 
 an alternating order (the host's speed drifts over minutes) beside the baselines on
 theirs; per variant the end-to-end speed over target-only on its own server (geometric
 mean, its 95% interval, the worst prompt): servers with the same settings differ by a few
-percent. Test prompts are never read.
+percent. dev2 and test2 prompts are never read.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from memspec.bench.figures import POLICY_ORDER, RATIO_LABELS, SPLIT_LABELS
+from memspec.bench.heldout import current_names
 
 README_BEGIN = "<!-- memspec bench: begin -->"
 README_END = "<!-- memspec bench: end -->"
@@ -24,16 +25,19 @@ PAPER_PREDICTOR = {"prompt_only": (0.319, 0.558), "recent_only": (0.571, 0.793),
 
 
 BY_SET = ("real", "sim", "sim_vs_real")  # sections keyed by prompt set
+# MUST_HOLD rows name `memspec bench`'s default set; they read a result's own (test2)
+HELD = "dev2"
 
 
 def held_out(result: dict[str, Any]) -> str:
-    """The held-out set a result's figures are of (results before test2: "test")."""
-    return str(result.get("held_out") or "test")
+    """The set a result's figures are of besides mixed (dev2, or test2 read once)."""
+    return str(current_names(result)["held_out"])
 
 
 def _get(result: dict[str, Any], path: tuple[str, ...]) -> Any:
-    """`path` in `result`; a per-set section's "test" is the result's own held-out set."""
-    if len(path) > 1 and path[0] in BY_SET and path[1] == "test":
+    """`path` in `result` (in today's set names); a per-set section's HELD is the result's
+    own held-out set."""
+    if len(path) > 1 and path[0] in BY_SET and path[1] == HELD:
         path = (path[0], held_out(result), *path[2:])
     cur: Any = result
     for k in path:
@@ -116,15 +120,15 @@ def _head_for_pool(r: dict[str, Any]) -> float | None:
 
 
 def _peer_row(label: str, key: str, op: str, bound: float) -> Bound:
-    """memspec beside what a user would run instead, same GGUF and test prompts, end to
+    """memspec beside what a user would run instead, same GGUF and dev2 prompts, end to
     end (bench/peers.py)."""
-    return Bound(f"test: {label}, end to end on the same GGUF", lambda r: _num(
+    return Bound(f"{HELD}: {label}, end to end on the same GGUF", lambda r: _num(
         r, "peers", "gmean", key), op, bound, lambda r: _get(r, ("peers", "ci95", key)))
 
 
 # issue #10's must-hold list, issue #11's bench figures, then issue #22's
 MUST_HOLD: tuple[Bound, ...] = (
-    Bound("prompt sets disjoint by source (train/dev/test/mixed)",
+    Bound("prompt sets disjoint by source (train/dev/dev2/mixed)",
           lambda r: 1.0 if _get(r, ("split", "disjoint")) else 0.0, "==", 1.0),
     _ratio("mixed: oracle-dynamic / oracle-static (real, steady)", "mixed",
            "oracle_dynamic_over_oracle_static", ">=", 1.10),
@@ -134,48 +138,48 @@ MUST_HOLD: tuple[Bound, ...] = (
     Bound("mixed: predictor prompt+recent top-1 minus the domain rule's",
           lambda r: _margin(_num(r, "predictor", "mixed", "prompt_recent", "top1"),
                             _num(r, "predictor", "mixed", "domain_rule", "top1")), ">", 0.0),
-    _ratio("test: memspec / oracle-dynamic (real, steady)", "test",
+    _ratio(f"{HELD}: memspec / oracle-dynamic (real, steady)", HELD,
            "memspec_over_oracle_dynamic", ">=", 0.95),
     _ratio("mixed: memspec / oracle-dynamic (real, steady)", "mixed",
            "memspec_over_oracle_dynamic", ">=", 0.95),
-    Bound("test: memspec fallback incl. target alone while loading, share of decode (real)",
-          lambda r: _num(r, "real", "test", "breakdown", "memspec", "fallback_of_decode"),
+    Bound(f"{HELD}: memspec fallback incl. target alone while loading, share of decode (real)",
+          lambda r: _num(r, "real", HELD, "breakdown", "memspec", "fallback_of_decode"),
           "<", 0.055),
     Bound("mixed: memspec fallback incl. target alone while loading, share of decode (real)",
           lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "fallback_of_decode"),
           "<", 0.055),
-    Bound("test: memspec prediction on the critical path, share of decode (real)",
-          lambda r: _num(r, "real", "test", "breakdown", "memspec", "prediction_of_decode"),
+    Bound(f"{HELD}: memspec prediction on the critical path, share of decode (real)",
+          lambda r: _num(r, "real", HELD, "breakdown", "memspec", "prediction_of_decode"),
           "<", 0.039),
     Bound("mixed: memspec prediction on the critical path, share of decode (real)",
           lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "prediction_of_decode"),
           "<", 0.039),
-    Bound("test: the predictor's own encoding, share of memspec's decode (real)",
-          lambda r: _num(r, "real", "test", "breakdown", "memspec", "predictor_of_decode"),
+    Bound(f"{HELD}: the predictor's own encoding, share of memspec's decode (real)",
+          lambda r: _num(r, "real", HELD, "breakdown", "memspec", "predictor_of_decode"),
           "<=", 0.05),
     Bound("mixed: the predictor's own encoding, share of memspec's decode (real)",
           lambda r: _num(r, "real", "mixed", "breakdown", "memspec", "predictor_of_decode"),
           "<=", 0.05),
     # the gate keeps gated memspec from ranking on a CPU where heads do not pay: the bound
     # is also held where the predictor does work, with the gate off
-    Bound("test: the predictor's own encoding, share of memspec-ungated's decode (real)",
-          lambda r: _num(r, "real", "test", "breakdown", "memspec-ungated",
+    Bound(f"{HELD}: the predictor's own encoding, share of memspec-ungated's decode (real)",
+          lambda r: _num(r, "real", HELD, "breakdown", "memspec-ungated",
                          "predictor_of_decode"), "<=", 0.05),
     Bound("mixed: the predictor's own encoding, share of memspec-ungated's decode (real)",
           lambda r: _num(r, "real", "mixed", "breakdown", "memspec-ungated",
                          "predictor_of_decode"), "<=", 0.05),
     Bound("every headline ratio: |simulator / real - 1| (steady)",
           lambda r: _num(r, "sim_vs_real", "max_rel_error"), "<=", 0.03),
-    _ratio("#11 test: memspec / target-only (real, steady)", "test",
+    _ratio(f"#11 {HELD}: memspec / target-only (real, steady)", HELD,
            "memspec_over_target_only", ">=", 1.5),
-    _ratio("#11 test: memspec / general-static (real, steady)", "test",
+    _ratio(f"#11 {HELD}: memspec / general-static (real, steady)", HELD,
            "memspec_over_general_static", ">=", 1.3),
-    _ratio("#11 test: memspec / mab-async (real, steady)", "test",
+    _ratio(f"#11 {HELD}: memspec / mab-async (real, steady)", HELD,
            "memspec_over_mab_async", ">=", 1.25),
-    _oracle_row("test"),
+    _oracle_row(HELD),
     _oracle_row("mixed"),
-    Bound("test: time split parts add up to the wall time (worst run, every policy)",
-          lambda r: _split_gap(r, "test"), "<=", 0.02),
+    Bound(f"{HELD}: time split parts add up to the wall time (worst run, every policy)",
+          lambda r: _split_gap(r, HELD), "<=", 0.02),
     Bound("mixed: time split parts add up to the wall time (worst run, every policy)",
           lambda r: _split_gap(r, "mixed"), "<=", 0.02),
     Bound("mixed: predictor prompt+recent top-1 minus recent-only top-1",
@@ -197,10 +201,11 @@ def _interval(ci: Any) -> list[float] | None:
 
 
 def check(row: Bound, result: dict[str, Any]) -> Check:
+    result = current_names(result)
     held = held_out(result)
-    if held != "test":  # a row's "test" is the result's held-out set (_get reads it)
-        row = row._replace(label=row.label.replace("test:", f"{held}:", 1)
-                           .replace("test prompts", f"{held} prompts"))
+    if held != HELD:  # a row's HELD is the result's held-out set (_get reads it)
+        row = row._replace(label=row.label.replace(f"{HELD}:", f"{held}:", 1)
+                           .replace(f"{HELD} prompts", f"{held} prompts"))
     v = row.get(result)
     if v is None:
         return Check(row.label, None, row.op, row.bound, False, None, "no value")
@@ -214,6 +219,7 @@ def check(row: Bound, result: dict[str, Any]) -> Check:
 
 
 def checks(result: dict[str, Any]) -> list[Check]:
+    result = current_names(result)
     return [check(row, result) for row in MUST_HOLD]
 
 
@@ -284,6 +290,7 @@ def check_line(c: Check) -> str:
 
 
 def summary_text(r: dict[str, Any]) -> str:
+    r = current_names(r)
     lines = [f"memspec bench{' [SMOKE RUN]' if r.get('smoke') else ''}: K={r['K']} N={r['N']} "
              f"gamma={r['gamma']} {r['max_new_tokens']} tokens, target {r.get('dtype', '?')}, "
              f"{r['storage']} (load/iteration {r['load_over_iteration']:.2f})"
@@ -325,8 +332,8 @@ def provenance_text(r: dict[str, Any]) -> str:
 
 
 def predictor_lines(r: dict[str, Any]) -> list[str]:
-    pred = r.get("predictor") or {}
-    sets = [s for s in ("test", "mixed") if isinstance(pred.get(s), dict)]
+    pred = current_names(r).get("predictor") or {}
+    sets = [s for s in ("dev2", "mixed") if isinstance(pred.get(s), dict)]
     if not sets:
         return [pred.get("note", "no predictor figures")] if pred else []
     rows = ("prompt_only", "recent_only", "prompt_recent", "domain_rule", "majority")
@@ -450,6 +457,9 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
                   drawn: Sequence[Path] = (), source: Path | None = None) -> None:
     """docs/RESULTS.md; figures are linked only when this run drew them (`drawn`);
     `source`: the JSON the figures are in (a run on another machine keeps its own)."""
+    renamed = current_names(r)
+    old_names = renamed.get("sim") != r.get("sim") or renamed.get("real") != r.get("real")
+    r = renamed
     m = r.get("machine", {})
     sp = r.get("split", {})
     used = sp.get("used", {})
@@ -481,6 +491,9 @@ def write_results(r: dict[str, Any], path: Path, plots: Path | None,
           f"repeats, policies interleaved per prompt"]
     if r.get("provenance"):
         L.append(f"- code:{provenance_text(r)[1:]}")
+    if old_names:
+        L.append("- set names: the JSON predates the rename of the test split to dev2 (a "
+                 "second dev set, read by many runs); its \"test\" sections are dev2's")
     L += ["", "## Must hold", ""] + must_hold_lines(r)
     L += ["", "## Headline: real three-process runs", "",
           "GMEAN over prompts of per-prompt tokens/s ratios (each policy pooled over its "
@@ -586,6 +599,7 @@ def readme_block(r: dict[str, Any], readme: Path, plots: Path | None,
                  drawn: Sequence[Path] = ()) -> str:
     """The README's figures: headline table (end to end first, steady beside) and the
     plots this run drew, between the bench markers."""
+    r = current_names(r)
     L = [README_BEGIN,
          "Regenerated by `memspec bench ... --readme README.md` from docs/results/bench.json"
          + (" (**SMOKE RUN**: fewer prompts or repeats than the full run; docs/RESULTS.md "

@@ -1,7 +1,8 @@
 """`memspec bench tune`: every knob the runtime uses, chosen on dev by one committed sweep.
 
 Writes tuned.json (read by the runtime through common/tuned.py): per knob its value, the
-grid it was chosen from, and the dev figure that chose it. Test prompts are never read.
+grid it was chosen from, and the dev figure that chose it. dev2 and test2 prompts are never
+read.
 
 - **gate** (ALPHA, FIRST_LOOK, NEAR_MISS, STOP_INSIDE, PROBE_SHARE, PRIOR_TAU): `bench gate`'s sweep
   (bench/gate_sweep.py), on a grid that brackets each value it chose before, and then its

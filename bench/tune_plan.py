@@ -36,7 +36,7 @@ def tune_plan_budget(pool: PoolConfig, prompt_ids: Sequence[str], cost: CostMode
     """Per budget over the dev prompts `prompt_ids` (traced): mean plan seconds, mean plan
     value in seconds, and their sum, which chooses."""
     numerics = runtime_key(pool)
-    index = oracle_index(pool, numerics, sets=("dev",))  # (test is never read)
+    index = oracle_index(pool, numerics, sets=("dev",))  # (dev2, test2 are never read)
     rows = trajectory_rows(trajectories_path(pool, "dev", numerics), list(prompt_ids))
     traced = [r["prompt_ids"] for r in rows.values() if tuple(r["prompt_ids"]) in index]
     tables = [prompt_tables(index, "oracle-dynamic", ids, True, pool.lookup, pool.gamma)

@@ -531,21 +531,24 @@ BENCH_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "target": _opt("--target", default=None,
                    help="target model folder or GGUF file (default: the pool's)"),
     "prompts_per_domain": _opt("--prompts-per-domain", type=int, default=40,
-                               help="test prompts per domain in the simulator"),
+                               help="dev2 (or --split's) prompts per domain in the "
+                                    "simulator"),
     "mixed": _opt("--mixed", type=int, default=60, help="mixed prompts in the simulator"),
     "dev_per_domain": _opt("--dev-per-domain", type=int, default=20,
                            help="dev prompts per domain for UCB's c"),
     "real_per_domain": _opt("--real-per-domain", type=int, default=10,
-                            help="test prompts per domain run for real (0 with --real-mixed 0: "
-                                 "no real runs)"),
+                            help="dev2 (or --split's) prompts per domain run for real (0 "
+                                 "with --real-mixed 0: no real runs)"),
     "real_mixed": _opt("--real-mixed", type=int, default=30, help="mixed prompts run for real"),
     "peers_per_domain": _opt("--peers-per-domain", type=int, default=4,
-                             help="test prompts per domain run beside llama.cpp on the same "
-                                  "GGUF (plain, and its prompt lookup; 0: none)"),
-    "split": _opt("--split", choices=["dev", "test", "test2"], default=None,
-                  help="the prompt set the figures are of: test (eval's default; read by "
-                       "many runs, a second dev set), test2 (read once: each run is counted "
-                       "in prompts/test2_reads.jsonl) or dev (headline's default: a trial)"),
+                             help="dev2 (or --split's) prompts per domain run beside "
+                                  "llama.cpp on the same GGUF (plain, and its prompt lookup; "
+                                  "0: none)"),
+    "split": _opt("--split", choices=["dev", "dev2", "test2"], default=None,
+                  help="the prompt set the figures are of: dev2 (eval's default; the old "
+                       "test split, read by many runs: a second dev set), test2 (read once: "
+                       "each run is counted in prompts/test2_reads.jsonl) or dev (headline's "
+                       "default: a trial)"),
     "isas": _opt("--isas", default=None,
                  help="comma-separated kernel paths (default: the CPU's own and avx2 forced "
                       "beside it)"),
@@ -725,8 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     ze = zsub.add_parser("eval", help="acceptance of every draft on every domain")
     _add_pool(ze)
     ze.add_argument("--prompts-per-domain", type=int, default=20)
-    ze.add_argument("--split", choices=["dev", "test", "mixed"], default="dev",
-                    help="prompt split to measure on (test: final figures only)")
+    ze.add_argument("--split", choices=["dev", "dev2", "mixed"], default="dev",
+                    help="prompt split to measure on (dev2: the old test split, read by many "
+                         "runs: a second dev set, for the figures)")
     ze.add_argument("--json", action="store_true")
     zv = zsub.add_parser("curves", help="each head's dev acceptance against its training time")
     _add_pool(zv)
@@ -736,13 +740,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("trace", help="greedy trajectories + per-draft acceptance tables")
     _add_pool(t)
-    t.add_argument("--sets", default="train,dev,test,mixed",
+    t.add_argument("--sets", default="train,dev,dev2,mixed",
                    help="prompt splits to trace (prompts/<split>.jsonl)")
     t.add_argument("--per-domain", type=int, default=None,
                    help="only the first N prompts of each domain (mixed: N in all); "
                         "default every prompt")
     t.add_argument("--check-per-domain", type=int, default=1,
-                   help="test prompts per domain re-run through the engine, per draft")
+                   help="dev2 prompts per domain re-run through the engine, per draft "
+                        "(without dev2 in --sets: dev's, else mixed's, else train's)")
     t.add_argument("--max-new-tokens", type=int, default=128,
                    help="trajectory length (not 128: separate <set>-L<n> files, for sweeps)")
     t.add_argument("--json", action="store_true", help="one-line JSON report")

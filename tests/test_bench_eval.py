@@ -202,7 +202,7 @@ MISMATCH = RealRequest("general-static", "general-0", "general", "", 64).key
 def result():
     """A bench result as `memspec bench --json` writes it, from simulated stand-ins; one
     test run (MISMATCH) decoded a wrong token."""
-    sets = {"test": requests(1), "mixed": mixed_requests()}
+    sets = {"dev2": requests(1), "mixed": mixed_requests()}
     sim, real, beside = {}, {}, {}
     for which, reqs in sets.items():
         sim[which], _ = sim_section(reqs, COST, CFG, {}, 4, "general", with_optimum=False)
@@ -212,7 +212,7 @@ def result():
     beside["max_rel_error"] = max_rel_error(beside)
     sizes = Sizes(sim_per_domain=1, sim_mixed=3, dev_per_domain=1, real_per_domain=1,
                   real_mixed=3, repeats=2, sweep_per_domain=1)
-    rows = sweep({}, [("N", n, sets["test"], replace(CFG, N=n), COST) for n in (2, 8)])
+    rows = sweep({}, [("N", n, sets["dev2"], replace(CFG, N=n), COST) for n in (2, 8)])
     out = {"machine": {"cpu": "test"}, "storage": "edge-emulated", "dtype": "int4",
            "K": 2, "N": 4, "gamma": 4, "max_new_tokens": 64, "load_over_iteration": 2.7,
            "drafts": list(DRAFTS), "draft_kinds": ["model"], "split": split_info(sizes),
@@ -225,7 +225,7 @@ def result():
                          "head_for_this_pool": True, **{s: {
                              k: {"top1": 0.5, "top2": 0.8, "n": 10}
                              for k in ("prompt_only", "recent_only", "prompt_recent",
-                                       "domain_rule", "majority")} for s in ("test", "mixed")}},
+                                       "domain_rule", "majority")} for s in ("dev2", "mixed")}},
            "wall_s": {"simulator": 2.0, "sweeps": 1.0, "calibration": 5.0},
            "real_request_s": 1.5}
     out["estimate_full_run"] = estimate(out, sizes)
@@ -234,8 +234,10 @@ def result():
 
 def test_bench_json_holds_the_issues_must_hold_keys(result):
     assert result["split"]["kind"] == "source-disjoint" and result["split"]["disjoint"]
-    assert set(result["split"]["counts"]) == {"train", "dev", "test", "mixed", "test2"}
-    for which in ("test", "mixed"):
+    assert set(result["split"]["counts"]) == {"train", "dev", "dev2", "mixed", "test2"}
+    assert result["split"]["measured_on"] == ["dev2", "mixed"]
+    assert "dev2/mixed" not in result["split"]["shared_sources"]  # mixed quotes dev2 sources
+    for which in ("dev2", "mixed"):
         sec = result["real"][which]
         # end to end and steady, each ratio with its interval
         for gm, ci in (("gmean_e2e", "ci95_e2e"), ("gmean", "ci95")):
@@ -265,7 +267,7 @@ def test_bench_json_holds_the_issues_must_hold_keys(result):
             assert set(result["predictor"][which][row]) >= {"top1", "top2"}
         assert result["sim"][which]["oracle_checks"]["ok"]
     # the one run built with a wrong token is counted, on its set only
-    assert result["real"]["test"]["token_mismatches"] == 1
+    assert result["real"]["dev2"]["token_mismatches"] == 1
     assert result["real"]["mixed"]["token_mismatches"] == 0
     assert 0 < result["sim_vs_real"]["max_rel_error"] < 0.2  # slower "real" iterations
     # mixed answers switch domains: a plan that loads ahead beats the best single draft
@@ -301,11 +303,24 @@ def test_report_readme_and_figures_link_only_what_this_run_drew(result, tmp_path
     body = readme.read_text()
     assert "old" not in body and "before" in body and "after" in body
     assert body.count(README_BEGIN) == 1 and "memspec / mab-async-ungated" in body
-    assert "| test end to end [95% CI] | test steady [95% CI] |" in body  # e2e first
+    assert "| dev2 end to end [95% CI] | dev2 steady [95% CI] |" in body  # e2e first
     assert "![real_ratios](plots/real_ratios.png)" in body
     text = summary_text(result)
     assert "mixed end to end [95% CI] | mixed steady [95% CI]" in text
     assert "[ok] prompt sets disjoint" in text and "its CI95 too" in text
+    # a result from before the rename keys dev2 "test" and has no "held_out": it reads,
+    # and its documents are written, as dev2 (the committed JSONs stay as they are)
+    old = json.loads(json.dumps({k: v for k, v in no_sweeps.items() if k != "held_out"})
+                     .replace('"dev2"', '"test"'))
+    assert "dev2" not in old["real"] and "test" in old["predictor"]
+    write_results(old, tmp_path / "R3.md", plots, paths)
+    lines = (tmp_path / "R3.md").read_text().replace("R3.md", "RESULTS.md").splitlines()
+    said = [ln for ln in lines if ln.startswith("- set names: the JSON predates the rename")]
+    assert len(said) == 1 and "set names" not in (tmp_path / "RESULTS.md").read_text()
+    assert "\n".join(ln for ln in lines if ln not in said) + "\n" \
+        == (tmp_path / "RESULTS.md").read_text()
+    assert summary_text(old) == summary_text(no_sweeps)
+    assert {p.name for p in draw_all(old, tmp_path / "old_plots")} == {p.name for p in paths}
 
 
 def _with(result: dict, path: tuple[str, ...], value) -> dict:
@@ -318,8 +333,8 @@ def _with(result: dict, path: tuple[str, ...], value) -> dict:
 
 
 def test_a_bound_is_met_only_when_its_interval_clears_it(result):
-    label = "#11 test: memspec / mab-async (real, steady)"
-    key = ("real", "test")
+    label = "#11 dev2: memspec / mab-async (real, steady)"
+    key = ("real", "dev2")
 
     def verdict(r: dict):
         return next(c for c in checks(r) if c.label == label)
@@ -333,16 +348,16 @@ def test_a_bound_is_met_only_when_its_interval_clears_it(result):
     c = verdict(_with(r, (*key, "ci95", "memspec_over_mab_async"), [None, None]))
     assert not c.ok and c.note == "no CI"
     # oracle-dynamic above every online policy: the worst upper bound must stay <= 1
-    oracle = "test: oracle-dynamic >= every online policy (real, end to end; the worst " \
+    oracle = "dev2: oracle-dynamic >= every online policy (real, end to end; the worst " \
              "policy / oracle-dynamic)"
-    worst = ("real", "test", "oracle_bound", "e2e", "worst")
+    worst = ("real", "dev2", "oracle_bound", "e2e", "worst")
     low = _with(result, worst, {"ratio": "x", "gmean": 0.9, "ci95": [0.85, 0.99]})
     high = _with(result, worst, {"ratio": "x", "gmean": 0.97, "ci95": [0.9, 1.02]})
     assert next(c for c in checks(low) if c.label == oracle).ok
     assert not next(c for c in checks(high) if c.label == oracle).ok
     got = {c.label: c.ok for c in checks(result)}
-    assert got["prompt sets disjoint by source (train/dev/test/mixed)"] is True
-    assert got["test: time split parts add up to the wall time (worst run, every policy)"]
+    assert got["prompt sets disjoint by source (train/dev/dev2/mixed)"] is True
+    assert got["dev2: time split parts add up to the wall time (worst run, every policy)"]
     assert got["predictor Table 2 is of a head trained for the runs' pool"]
     assert not got["mixed: predictor prompt+recent top-1 minus the domain rule's"]  # 0.5 - 0.5
 

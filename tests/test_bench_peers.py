@@ -42,7 +42,7 @@ class FakeLlama:
         return {"prefill_ms": 4.0, "prefill_tokens": 20, "decode_ms": 16.0, "decode_tokens": 8}
 
 
-ROWS = [{"id": f"test-{d}-{i}", "domain": d, "prompt": f"{d} prompt {i}"}
+ROWS = [{"id": f"dev2-{d}-{i}", "domain": d, "prompt": f"{d} prompt {i}"}
         for d in ("code", "math") for i in range(3)]
 
 

@@ -69,7 +69,7 @@ def test_a_retrained_head_is_a_new_real_run_key(tmp_path):
 
 def test_table_2_is_of_the_head_the_pool_ranks_with(tmp_path):
     evaluation = {s: {"prompt_recent": {"top1": 0.61, "top2": 0.9, "n": 12}}
-                  for s in ("test", "mixed")}
+                  for s in ("dev2", "mixed")}
     pool_path = _pool_with_head(tmp_path, tmp_path / "h.safetensors")
     pool = load_pool(pool_path, check=False)
     from memspec.procs.decoder.oracle.tablefiles import pool_fingerprint
@@ -78,6 +78,7 @@ def test_table_2_is_of_the_head_the_pool_ranks_with(tmp_path):
           pool_fingerprint=pool_fingerprint(pool))
     got = predictor_metrics(pool)
     assert got["mixed"]["prompt_recent"]["top1"] == 0.61  # not the committed head's figures
+    assert got["dev2"]["prompt_recent"]["n"] == 12
     assert got["head"] == "h.safetensors"  # outside the checkout: its name only
     assert got["head_for_this_pool"] is True
     assert got["head_pool_fingerprint"] == got["pool_fingerprint"]
@@ -86,8 +87,13 @@ def test_table_2_is_of_the_head_the_pool_ranks_with(tmp_path):
     assert predictor_metrics(pool)["head_for_this_pool"] is False
     _head(tmp_path / "h.safetensors", b"w", evaluation=evaluation)
     assert predictor_metrics(pool)["head_for_this_pool"] is None  # the sidecar does not say
+    # a sidecar from before the rename measured dev2 under its old name, "test"
+    old = {("test" if s == "dev2" else s): v for s, v in evaluation.items()}
+    _head(tmp_path / "h.safetensors", b"w", evaluation=old)
+    assert predictor_metrics(pool)["dev2"]["prompt_recent"]["top1"] == 0.61
     committed = predictor_metrics(load_pool(None, check=False))
     assert committed.get("head", "").startswith("predictor/") or "note" in committed
+    assert "note" in committed or committed["dev2"]  # predictor/head.json still says "test"
 
 
 def test_the_cost_model_and_pool_copy_are_never_another_pools(tmp_path):

@@ -32,8 +32,8 @@ from memspec.zoo.prompttext import (
 from memspec.zoo.shingles import load_fingerprint, sampled_hits
 from memspec.zoo.splits import assign_sources
 
-EVAL = ("dev", "test", "mixed", "test2")
-MIN_PER_DOMAIN = {"train": 100, "dev": 30, "test": 50, "test2": 10}
+EVAL = ("dev", "dev2", "mixed", "test2")
+MIN_PER_DOMAIN = {"train": 100, "dev": 30, "dev2": 50, "test2": 10}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_rows_layout_and_unique_ids(sets) -> None:
                 assert r["domain"] in DOMAINS and isinstance(r["source"], str)
 
 
-@pytest.mark.parametrize("split", ["train", "dev", "test", "test2"])
+@pytest.mark.parametrize("split", ["train", "dev", "dev2", "test2"])
 def test_enough_prompts_per_domain(sets, split: str) -> None:
     for domain in DOMAINS:
         n = sum(r["domain"] == domain for r in sets[split])
@@ -97,18 +97,18 @@ def test_mixed_workload(sets) -> None:
 def test_sets_disjoint_by_source(sets, manifest) -> None:
     lists = {d: {s: set(v) for s, v in manifest["domains"][d].items()} for d in DOMAINS}
     for d in DOMAINS:
-        for a, b in combinations(("train", "dev", "test", "test2"), 2):
+        for a, b in combinations(("train", "dev", "dev2", "test2"), 2):
             assert not lists[d][a] & lists[d][b], (d, a, b, sorted(lists[d][a] & lists[d][b])[:5])
-    for split in ("train", "dev", "test", "test2"):
+    for split in ("train", "dev", "dev2", "test2"):
         for r in sets[split]:
             assert r["source"] in lists[r["domain"]][split], (r["id"], r["source"])
-    test_sources = set().union(*(lists[d]["test"] for d in DOMAINS))
+    dev2_sources = set().union(*(lists[d]["dev2"] for d in DOMAINS))
     for r in sets["mixed"]:
-        assert set(r["source"]) <= test_sources, r["id"]
+        assert set(r["source"]) <= dev2_sources, r["id"]
     # and straight from the files, whatever the manifest says
     used = {s: {x for r in rows for x in row_sources(r)} for s, rows in sets.items()}
     for a, b in combinations(SPLITS, 2):
-        if {a, b} != {"test", "mixed"}:  # mixed is built from test sources on purpose
+        if {a, b} != {"dev2", "mixed"}:  # mixed is built from dev2 sources on purpose
             assert not used[a] & used[b], (a, b, sorted(used[a] & used[b])[:5])
 
 
@@ -188,11 +188,11 @@ def test_math_templates_are_one_source() -> None:
     for doc_id, split in plan.doc_split.items():
         by_template.setdefault(doc_id[:6], set()).add(split)
     assert all(len(s) == 1 for s in by_template.values())
-    assert sorted(len(plan.keys[s]) for s in ("dev", "test")) == [3, 6]
+    assert sorted(len(plan.keys[s]) for s in ("dev", "dev2")) == [3, 6]
 
 
 def test_load_prompts_api() -> None:
-    rows = load_prompts("test", ["law", "code"], per_domain=2)
+    rows = load_prompts("dev2", ["law", "code"], per_domain=2)
     assert [r["domain"] for r in rows] == ["law", "law", "code", "code"]
     assert len(load_prompts("mixed", per_domain=5)) == 5
 

@@ -63,6 +63,9 @@ def test_a_bad_request_is_one_line_not_a_run():
                               max_new_tokens=8, isas=None, json=None, plots=None)
     with pytest.raises(ConfigError, match="not a set"):
         headline.main_bench_headline(args)
+    args.split = "test"  # the old name of dev2
+    with pytest.raises(ConfigError, match="not a set"):
+        headline.main_bench_headline(args)
     args.split, args.loads = "dev", "busy9"
     with pytest.raises(ConfigError, match="not in the headline"):
         headline.main_bench_headline(args)

@@ -334,14 +334,16 @@ def test_split_prompts_and_traces_path(monkeypatch, tmp_path):
     assert all(r["split"] == "dev" for r in rows)
     assert len(split_prompts("mixed", ["general"], 4)) == 4  # mixed ignores the domains
     with pytest.raises(ConfigError, match="nosuchdomain"):
-        split_prompts("test", ["nosuchdomain"], 1)
+        split_prompts("dev2", ["nosuchdomain"], 1)
     with pytest.raises(ConfigError, match="evaluation split"):
         split_prompts("train", ["general"], 1)
+    with pytest.raises(ConfigError, match="evaluation split"):
+        split_prompts("test2", ["general"], 1)  # read once, by a headline bench only
     monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path))
     pool = PoolConfig(target=default_target_dir(), drafts=())
     assert traces_path(pool, "dev") == tmp_path / "traces" / "dev.jsonl"
     other = PoolConfig(target=tmp_path / "other-target", drafts=())
-    assert traces_path(other, "test").name == "test-other-target.jsonl"
+    assert traces_path(other, "dev2").name == "dev2-other-target.jsonl"
 
 
 # --------------------------------------------------------------------------- runtime tables

@@ -13,8 +13,8 @@ Layout written by :func:`build_corpora`::
     out_dir/stats.json
 
 :mod:`memspec.zoo.promptsets` then derives the committed prompt files: train prompts from
-train groups, dev and test prompts from held-out groups (:mod:`memspec.zoo.splits` decides
-which), and the mixed-domain workload from test groups only.
+train groups, dev, dev2 and test2 prompts from held-out groups (:mod:`memspec.zoo.splits`
+decides which), and the mixed-domain workload from dev2 groups only.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ RESERVE_SKIP = ("index", "changelog")  # a table of contents; a list of issue nu
 def reserve_docs(domain: str) -> list[Doc]:
     """Documents of the same inputs that no corpus holds, kept for the ``test2`` prompts
     (:func:`memspec.zoo.promptsets.build_test2`) where every held-out source of a domain
-    already feeds dev or test: the Python docs' "What's New" pages (general; the corpus
+    already feeds dev or dev2: the Python docs' "What's New" pages (general; the corpus
     reads tutorial, howto, faq and using) and the GSM templates reasoning-gym marks as
     needing a fix (math; a prompt is the question, which reads well, never the answer).
     Never training text, so the drafts have not seen them; the prompt builder's leak guard

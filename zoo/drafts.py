@@ -179,7 +179,8 @@ def ensure_trajectories(prompts: list[dict], out: Path, target_dir: Path,
 
 
 def dev_prompts(per_domain: int = DEV_PROMPTS_PER_DOMAIN) -> list[dict]:
-    """The first dev prompts of each domain: drafts are chosen on dev, never on test."""
+    """The first dev prompts of each domain: drafts are chosen on dev, never on a set that
+    measures them (dev2, test2)."""
     return load_prompts("dev", DOMAINS, per_domain)
 
 

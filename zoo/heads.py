@@ -11,7 +11,8 @@ Steps, each cached under ``$MEMSPEC_HOME/head_work`` (``--force`` retrains the h
   e. every checkpoint scored on dev prompts by mean acceptance length through the
      engine's own runners (zoo/tables.py:head_table), the best kept; model cards written.
 
-Test prompts are never read here: `memspec zoo eval --split test` measures the result.
+dev2 and test2 prompts are never read here: `memspec zoo eval --split dev2` measures the
+result.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from memspec.zoo.heads_data import (
     response_shards,
     work_dir,
 )
-from memspec.zoo.prompts import load_prompts
+from memspec.zoo.prompts import load_prompts, split_name
 from memspec.zoo.tables import head_table
 
 HEAD_NAMES: tuple[str, ...] = ("general", "code", "math", "law", "medical")
@@ -613,7 +614,7 @@ def _acc_table(rep: dict, name: str) -> str:
 
 
 def write_card(name: str, rec: dict, out_dir: Path, dev: dict | None,
-               test: dict | None) -> None:
+               measured: dict | None) -> None:
     """README.md: what a reader needs to trust (or redo) the head."""
     plan, arch, data = rec["plan"], rec["arch"], rec["data"]
     mix = ", ".join(f"{src} ({'all domains' if dom == ALL else dom}) {w:.2f}"
@@ -646,7 +647,7 @@ target ids (frequency-ranked, `memspec.draft_to_target`), {rec.get('stored', STO
 
 ## Data
 All from the runtime target ({data.get('target_dtype', '?')} weights, the precision the
-decoder runs on this machine), never from dev or test prompts:
+decoder runs on this machine), never from dev, dev2 or test2 prompts:
 - the target's greedy responses (engine, batch 1, up to {RESPONSE_TOKENS} new tokens) to
   {data['train_prompts']} train prompts ({sources}): {data['response_tokens']:,}
   response tokens; {data['response_rows']:,} teacher-forced rows with the prompts
@@ -679,31 +680,34 @@ acceptance length (1 + accepted / iterations):
 
 {_acc_table(dev, name)}
 """)
-    if test:
-        sections.append(f"""## Measured acceptance: test (`memspec zoo eval --split test`)
-{test.get('prompts_per_domain')} test prompts per domain, greedy, gamma = 4, the
-{test.get('target_dtype', '')} target's own trajectories, up to {test.get('max_new_tokens')}
+    if measured:
+        split = split_name(measured.get("split") or "dev2")  # an older eval says "test"
+        n, most = measured.get("prompts_per_domain"), measured.get("max_new_tokens")
+        sections.append(f"""## Measured acceptance: {split} (`memspec zoo eval --split {split}`)
+{n} {split} prompts per domain, greedy, gamma = 4, the
+{measured.get('target_dtype', '')} target's own trajectories, up to {most}
 new tokens:
 
-{_acc_table(test, name)}
+{_acc_table(measured, name)}
 """)
     (out_dir / "README.md").write_text("\n".join(sections))
 
 
 def write_cards(dirs: dict[str, Path], names: Sequence[str], dev: dict | None,
-                test_report: Path | None = None) -> None:
-    """Cards for every head with a training record; the test table only when the eval
-    report was made with these very weights."""
+                eval_report: Path | None = None) -> None:
+    """Cards for every head with a training record; the `memspec zoo eval` table (dev2)
+    only when its report was made with these very weights."""
     from memspec.common.files import sha256_file
 
-    test = None
-    if test_report is not None and test_report.is_file():
-        test = json.loads(test_report.read_text())
+    measured = None
+    if eval_report is not None and eval_report.is_file():
+        measured = json.loads(eval_report.read_text())
     for name in names:
         path = dirs[name] / "training.json"  # committed beside the weights
         if not path.is_file():
             continue
         rec = json.loads(path.read_text())
         sha = sha256_file(dirs[name] / "model.safetensors")
-        use = test if test and test.get("fingerprint", {}).get(name) == sha else None
+        use = measured if measured and measured.get("fingerprint", {}).get(name) == sha \
+            else None
         write_card(name, rec, dirs[name], dev, use)

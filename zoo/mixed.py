@@ -4,9 +4,10 @@ Single-domain sets keep the best draft fixed for a whole answer; a runtime that 
 drafts can only show its worth when the text it must predict changes character midway.
 Each pattern asks for one kind of text first and another after it ("explain this
 clinical feature, then write a Python function for the dose"), on real material from
-test sources only (a test-split HPO term, licence excerpt, speech passage, GSM template
-instance or HumanEval task). The target is a 135M instruct model, so the instructions
-are explicit about the order of the parts.
+dev2 sources only (a dev2 HPO term, licence excerpt, speech passage, GSM template
+instance or HumanEval task; dev2 is the old test split the set was drawn from). The
+target is a 135M instruct model, so the instructions are explicit about the order of the
+parts.
 
 Rows: ``{"id", "domain": "mixed", "domains": [...in answer order], "prompt", "source":
 [every contributing source], "split": "mixed"}``.
@@ -38,7 +39,7 @@ MAX_MATERIAL_CHARS = {"code": 420, "math": 340, "medical": 300}
 
 @dataclass(frozen=True)
 class Material:
-    """A piece of test-split text a mixed prompt quotes."""
+    """A piece of dev2 text a mixed prompt quotes."""
 
     domain: str
     source: str
@@ -253,12 +254,12 @@ def _function_name(stub: str) -> str | None:
 
 
 def _candidates(domain: str, doc: Doc, k: int) -> Material | None:
-    """The k-th piece of material a test document offers (None: nothing usable)."""
+    """The k-th piece of material a dev2 document offers (None: nothing usable)."""
     limit = MAX_MATERIAL_CHARS.get(domain, EXCERPT_CHARS)
     meta = doc.get("meta", {})
     if domain in ("general", "law"):
         body = doc["text"].split("\n\n", 1)[-1] if domain == "law" else doc["text"]
-        # k + 7: other passages than the test prompts' (which start at k = 0)
+        # k + 7: other passages than the dev2 prompts' (which start at k = 0)
         text = excerpt(body, ("mixed", doc["id"]), k + 7, chars=EXCERPT_CHARS)
         return Material(domain, doc["group"], text) if len(text) >= 120 else None
     if domain == "code" and doc["id"].startswith("stdlib:"):
@@ -285,8 +286,8 @@ def _candidates(domain: str, doc: Doc, k: int) -> Material | None:
 
 def material_stream(domain: str, docs: Sequence[Doc], plan: DomainSplit,
                     accept: Callable[[str], bool]) -> Iterator[Material]:
-    """Test-split material of one domain, spread over sources, each piece once."""
-    pool = [d for d in docs if plan.doc_split.get(d["id"]) == "test"
+    """dev2 material of one domain, spread over sources, each piece once."""
+    pool = [d for d in docs if plan.doc_split.get(d["id"]) == "dev2"
             and (domain != "math" or d["id"].startswith("gsm:"))]
     seen: set[str] = set()
     for doc, k in round_robin(pool, f"mixed/{domain}"):
@@ -316,7 +317,7 @@ def build_mixed(heldout: Mapping[str, Sequence[Doc]], plans: Mapping[str, Domain
         try:
             mats = {d: next(streams[d]) for d in pattern.needs}
         except StopIteration as exc:
-            raise RuntimeError(f"mixed: ran out of test material for {pattern.name}") from exc
+            raise RuntimeError(f"mixed: ran out of dev2 material for {pattern.name}") from exc
         prompt = pattern.write(Random(stable_hash("mixed", len(rows), pattern.name)), mats)
         if len(prompt) > MAX_PROMPT_CHARS or not fresh(flat_text(prompt)):
             misses += 1  # too long, or quoting another set as framed: next pattern's turn

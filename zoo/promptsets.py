@@ -4,18 +4,22 @@ Layout (one JSON object per line, ids unique across all files)::
 
     prompts/train.jsonl   {"id", "domain", "prompt", "source", "split"}  drafts, predictor
     prompts/dev.jsonl     same                                            every knob
-    prompts/test.jsonl    same                 read only by `zoo eval --split test`, bench
+    prompts/dev2.jsonl    same           `zoo eval --split dev2`, bench: a second dev set
     prompts/mixed.jsonl   + "domains"; "source" is a list   answers that cross domains
-    prompts/test2.jsonl   as test                  read once, by a round's headline bench
+    prompts/test2.jsonl   as dev2                  read once, by a round's headline bench
     prompts/sources.json  which source keys each split holds, per domain
     prompts/train_shingles.bin  sampled shingle hashes of the drafts' training text
 
-Train prompts come from training groups; dev and test prompts from held-out sources
+Train prompts come from training groups; dev and dev2 prompts from held-out sources
 that :mod:`memspec.zoo.splits` sends there, and only if their text is not training text:
 at most ``MAX_OVERLAP`` of a prompt body's 8-word shingles may occur anywhere in the
 training corpora (all domains: the general draft trains on all of them), none of three
 64-character windows may, and the committed fingerprint must agree (the rule CI checks).
-Mixed prompts (:mod:`memspec.zoo.mixed`) use test sources only, under the same rules.
+Mixed prompts (:mod:`memspec.zoo.mixed`) use dev2 sources only, under the same rules.
+
+dev2 was built as ``test`` (read by many bench runs since, so a second dev set now): its
+prompts are drawn in the seeded order of that name (`DRAWN_AS`), and only the ids and the
+``split`` field say dev2, so the committed files still rebuild byte for byte.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from memspec.zoo.corpora import DOMAINS, Doc, load_corpus, reserve_docs, stable_hash, write_jsonl
-from memspec.zoo.prompts import row_sources
+from memspec.zoo.prompts import OLD_NAMES, row_sources
 from memspec.zoo.prompttext import (
     MAX_OVERLAP,
     MAX_PROMPT_CHARS,
@@ -42,18 +46,20 @@ from memspec.zoo.prompttext import (
 from memspec.zoo.shingles import SAMPLE_MOD, WORDS, save_fingerprint
 from memspec.zoo.splits import DomainSplit, assign_sources
 
-N_PROMPTS = {"train": 100, "dev": 40, "test": 80}
+N_PROMPTS = {"train": 100, "dev": 40, "dev2": 80}
 N_MIXED = 120
 N_TEST2 = 20  # per domain, where the unused held-out sources offer as many
 SOURCES_FILE = "sources.json"
 FINGERPRINT_FILE = "train_shingles.bin"
 FORMAT = "memspec-prompt-sources/1"
-# Which documents may feed (dev/test, train) prompts; others stay corpus-only.
+# a set's seeded draw order uses the name it was first built under (dev2: "test")
+DRAWN_AS = {new: old for old, new in OLD_NAMES.items()}
+# Which documents may feed (dev/dev2, train) prompts; others stay corpus-only.
 PROMPT_SOURCES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "code": (("humaneval:",), ("stdlib:",)),  # HumanEval to measure, stdlib stubs to train
     "math": (("gsm:", "champ:"), ("gsm:",)),
 }
-# Share of each kind in a dev/test domain set, where round-robin over sources would
+# Share of each kind in a dev/dev2 domain set, where round-robin over sources would
 # tilt it (each CHAMP problem is its own source, a GSM template has 150 instances).
 KIND_SHARES: dict[str, dict[str, float]] = {"math": {"gsm": 2 / 3, "champ": 1 / 3}}
 
@@ -181,7 +187,7 @@ def interleave(groups: Sequence[Sequence[Any]]) -> list[Any]:
 def more_train_prompts(corpus_dir: Path, per_domain: int, taken: Sequence[dict]
                        ) -> list[dict]:
     """Train prompts beyond the committed set, for draft training only: the same makers on
-    the same training groups (so as disjoint by source from dev and test as train is), none
+    the same training groups (so as disjoint by source from dev and dev2 as train is), none
     whose body a committed prompt (``taken``) already has. Deterministic, so cached
     responses stay valid; domains interleaved, so any prefix is mixed."""
     seen = {prompt_body(r["prompt"]) for r in taken}
@@ -220,12 +226,12 @@ def _heldout_set(domain: str, docs: Sequence[Doc], plan: DomainSplit, split: str
                  seen: set[str], guard: LeakGuard,
                  accept: Callable[[str], bool] | None = None, strict: bool = True
                  ) -> list[tuple[str, Doc]]:
-    """Dev or test prompts of one domain, kinds mixed as KIND_SHARES asks."""
+    """Held-out (dev, dev2, test2) prompts of one domain, kinds mixed as KIND_SHARES asks."""
     prefixes = PROMPT_SOURCES.get(domain, (("",), ("",)))[0]
     pool = [d for d in docs if plan.doc_split.get(d["id"]) == split
             and d["id"].startswith(prefixes)]
     shares = KIND_SHARES.get(domain)
-    salt = f"{domain}/{split}"
+    salt = f"{domain}/{DRAWN_AS.get(split, split)}"
     accept = accept or guard.clean
     if not shares:
         return select_prompts(domain, pool, n, seen, accept, salt, strict=strict)
@@ -259,7 +265,7 @@ def build_prompt_sets(corpus_dir: Path, prompts_dir: Path, progress: bool = True
         train_docs = load_corpus(corpus_dir, domain, "train")
         heldout[domain] = load_corpus(corpus_dir, domain, "heldout")
         plan = plans[domain] = assign_sources(domain, train_docs, heldout[domain])
-        for split in ("dev", "test"):
+        for split in ("dev", "dev2"):
             chosen = _heldout_set(domain, heldout[domain], plan, split, N_PROMPTS[split],
                                   seen, guard)
             sets[split] += _rows(split, domain, chosen)
@@ -297,8 +303,8 @@ def build_test2(heldout: dict[str, list[Doc]], reserve: dict[str, list[Doc]],
                 plans: dict[str, DomainSplit], taken: Sequence[Sequence[dict]], seen: set[str],
                 guard: LeakGuard, per_domain: int) -> list[dict]:
     """A test set no earlier one touches: every held-out component that no prompt of
-    `taken` (train, dev, test, mixed) drew from moves to ``test2`` (the manifest says so),
-    with the `reserve` documents no corpus holds (corpora.reserve_docs: where dev and test
+    `taken` (train, dev, dev2, mixed) drew from moves to ``test2`` (the manifest says so),
+    with the `reserve` documents no corpus holds (corpora.reserve_docs: where dev and dev2
     use every held-out source of a domain), and up to `per_domain` prompts per domain come
     from those, none quoting another set's text (a 64-character window either way)."""
     used = {x for rows in taken for r in rows for x in row_sources(r)}

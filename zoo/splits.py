@@ -1,4 +1,4 @@
-"""Which origins (documents, templates, families) feed train, dev and test prompts.
+"""Which origins (documents, templates, families) feed train, dev, dev2 and test2 prompts.
 
 The corpora (:mod:`memspec.zoo.corpora`) put every group wholly in the drafts' training
 text or held out. A prompt's *source* is finer or coarser than a group depending on the
@@ -19,7 +19,9 @@ shared in more than one way:
 Training documents claim their keys for ``train``. Held-out documents are joined into
 components through shared keys; a component with any key claimed by training text is
 unused, the others go whole to ``dev`` (every third in seeded-hash order, per kind of
-source so that both sets see the same mix) or ``test``. Once every other set is built, the
+source so that both sets see the same mix) or ``dev2``. dev2 was the ``test`` split until
+many bench runs had read it, so it is a second dev set now; its name changed, not its
+sources (the seeded order does not depend on the name). Once every other set is built, the
 components none of their prompts used move whole to ``test2`` (`DomainSplit.reserve`): a
 test set read by nothing before it.
 """
@@ -32,8 +34,8 @@ from dataclasses import dataclass, field
 
 from memspec.zoo.corpora import Doc, licence_family, stable_hash
 
-SPLITS = ("train", "dev", "test", "test2")
-DEV_EVERY = 3  # rank % DEV_EVERY == 0 -> dev: a third of the held-out sources, the rest test
+SPLITS = ("train", "dev", "dev2", "test2")
+DEV_EVERY = 3  # rank % DEV_EVERY == 0 -> dev: a third of the held-out sources, the rest dev2
 
 
 def source_keys(domain: str, doc: Doc) -> tuple[list[str], list[str]]:
@@ -78,7 +80,7 @@ class DomainSplit:
 
     domain: str
     keys: dict[str, set[str]] = field(default_factory=lambda: {s: set() for s in SPLITS})
-    doc_split: dict[str, str] = field(default_factory=dict)  # usable held-out doc -> dev|test
+    doc_split: dict[str, str] = field(default_factory=dict)  # usable held-out doc -> dev|dev2
     unused_docs: int = 0
     doc_root: dict[str, str] = field(default_factory=dict)  # usable held-out doc -> component
     members: dict[str, list[str]] = field(default_factory=dict)  # component -> its keys
@@ -123,7 +125,7 @@ def assign_sources(domain: str, train: Sequence[Doc], heldout: Sequence[Doc]) ->
     for _, roots in sorted(by_kind.items()):
         ranked = sorted(roots, key=lambda r: (stable_hash("source-split", domain, r), r))
         for rank, root in enumerate(ranked):
-            split = "dev" if rank % DEV_EVERY == 0 else "test"
+            split = "dev" if rank % DEV_EVERY == 0 else "dev2"
             split_of[root] = split
             out.keys[split].update(members[root])
     for doc, keys, near in held:

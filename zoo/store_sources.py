@@ -12,7 +12,7 @@ and walked by the engine's own proposal chain (context lookup first, gamma as th
 - responses with the target's own next token after corpus prefixes added (teacher-forced
   labels: what the target says after domain text, ~3x cheaper per token than generating).
 
-Dev only; test is never read here. Reads the cached responses `memspec zoo stores` made.
+Dev only; dev2 and test2 are never read here. Reads the cached responses `memspec zoo stores` made.
 """
 
 from __future__ import annotations

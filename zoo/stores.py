@@ -5,7 +5,8 @@ train prompts (the same cached responses the heads are distilled from, generated
 engine in the decoder's precision), prompts included. Its parameters (longest context,
 minimum count and share of the best continuation) are chosen on dev, on the measured cost
 of a verify of k+1 rows on this machine, not on a guess: a proposal that is seldom right
-costs a wider verify. Test prompts are never read here (`memspec zoo eval --split test`).
+costs a wider verify. dev2 and test2 prompts are never read here (`memspec zoo eval
+--split dev2`).
 
 Writes ``$MEMSPEC_HOME/stores/<domain>/`` (model.safetensors: the tables; config.json;
 README.md, the card: data, size, build time, dev acceptance per domain; manifest.json) and

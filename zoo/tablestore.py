@@ -24,8 +24,9 @@ from memspec.procs.decoder.oracle.tablefiles import (  # noqa: F401 - the offlin
     trajectory_rows,
     write_tables,
 )
+from memspec.zoo.prompts import SPLITS
 
-SETS = ("train", "dev", "test", "mixed", "test2")  # the prompt splits, see memspec.zoo.prompts
+SETS = SPLITS  # the prompt splits, see memspec.zoo.prompts
 
 
 def load_pool_tables(pool: PoolConfig, which: str,

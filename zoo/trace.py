@@ -7,9 +7,9 @@ a time, and tables come from the engine's runners (zoo/tables.py:runtime_table),
 model drafts and heads alike. Files live in ``$MEMSPEC_HOME/traces/<dtype>/``.
 
 Who needs what (trace only that): the predictor trains on ``train`` and ``dev`` and is
-measured on ``test`` and ``mixed``; `memspec bench` simulates ``test`` and ``mixed`` and
+measured on ``dev2`` and ``mixed``; `memspec bench` simulates ``dev2`` and ``mixed`` and
 tunes UCB's c on ``dev``; oracle policies in real runs need their prompts traced. A set
-takes a count: ``--sets test:10,mixed:30,dev:8`` traces the first 10 test prompts per
+takes a count: ``--sets dev2:10,mixed:30,dev:8`` traces the first 10 dev2 prompts per
 domain, 30 mixed prompts and 8 dev prompts per domain (``--per-domain`` is the default
 count). The work is per prompt (trajectory, then every draft's table), so an interrupted
 trace keeps every finished prompt and resumes where it stopped; progress and the time left
@@ -57,7 +57,7 @@ def prompt_set(pool: PoolConfig, which: str, per_domain: int | None = None) -> l
 
 
 def parse_sets(spec: str, per_domain: int | None) -> list[tuple[str, int | None]]:
-    """``"test:10,mixed:30,dev"`` -> [("test", 10), ("mixed", 30), ("dev", per_domain)]."""
+    """``"dev2:10,mixed:30,dev"`` -> [("dev2", 10), ("mixed", 30), ("dev", per_domain)]."""
     out = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -70,7 +70,7 @@ def parse_sets(spec: str, per_domain: int | None) -> list[tuple[str, int | None]
             n = int(count) if count else per_domain
         except ValueError:
             raise ConfigError(f"bad count in --sets item '{item}'",
-                              "write name:count, e.g. test:10") from None
+                              "write name:count, e.g. dev2:10") from None
         if n is not None and n < 1:
             raise ConfigError(f"count {n} in --sets item '{item}' is not positive",
                               "give at least 1, or leave the count out for every prompt")
@@ -168,7 +168,8 @@ def run_trace(pool: PoolConfig, sets: Sequence[tuple[str, int | None]],
     report: dict[str, Any] = {"gamma": pool.gamma, "dtype": tracer.dtype,
                               "drafts": [d.name for d in pool.drafts], "sets": {}}
     names = [s for s, _ in sets]
-    checked = next((s for s in ("test", "dev", "mixed", "train") if s in names), None)
+    # the engine check runs on the set the figures come from (dev2 first, as bench reads it)
+    checked = next((s for s in ("dev2", "dev", "mixed", "train") if s in names), None)
     for base, count in sets:
         # longer traces (output-length sweeps) live beside the default ones
         which = base if max_new_tokens == MAX_NEW_TOKENS else f"{base}-L{max_new_tokens}"

@@ -7,8 +7,9 @@ next 4 intervals); points where every draft ties exactly teach nothing and are s
 Three inputs are compared as in the paper's Table 2 (prompt only, recent tokens only,
 prompt + recent), one frozen-encoder head each. Honest data only: every choice (the loss,
 the head's width) is made by training on `train` and measuring on `dev`; the final heads
-are then fitted on `train` + `dev` and measured on `test` and on the `mixed` workload
-(answers that cross domains), sets no choice ever looked at. Tables and trajectories are
+are then fitted on `train` + `dev` and measured on `dev2` (the old test split, a second
+dev set now) and on the `mixed` workload (answers that cross domains), sets no choice here
+ever looked at. Tables and trajectories are
 the engine's, in the runtime's target precision (`memspec trace`). Beside the heads: the
 "prompt's domain draft" rule (mixed prompts: their listed domains in order, then the
 general draft) and the majority rule. The runtime head (what the predictor process loads)
@@ -63,6 +64,7 @@ from memspec.procs.predictor.encoder import (
     recent_text,
 )
 from memspec.procs.predictor.head import VIEWS, RankHead, save_head, split_input
+from memspec.zoo.prompts import READ_ONCE
 from memspec.zoo.tablestore import (
     TraceTables,
     load_pool_tables,
@@ -447,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-set", default="train,dev",
                     help="traced prompt sets the final heads learn from, comma-separated "
                          "(choices are made training on the first and measuring on `dev`)")
-    ap.add_argument("--eval-sets", default="test,mixed",
+    ap.add_argument("--eval-sets", default="dev2,mixed",
                     help="traced sets the final heads are measured on (never tuned on)")
     ap.add_argument("--T", type=int, default=None, help="recent window (default: pool.T)")
     ap.add_argument("--interval", type=int, default=None,
@@ -731,12 +733,12 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
         raise ConfigError("the pool has fewer than two drafts: nothing to rank",
                           "add drafts to pool.toml")
     fit_sets = [w for w in args.train_set.split(",") if w]
-    if "test" in fit_sets or "mixed" in fit_sets:
-        raise ConfigError("the predictor must not train on test or mixed prompts",
-                          "use --train-set train,dev")
+    if {"dev2", "mixed", *READ_ONCE} & set(fit_sets):
+        raise ConfigError("the predictor must not train on the sets it is measured on "
+                          "(dev2, mixed) or on test2", "use --train-set train,dev")
     eval_sets = [w for w in args.eval_sets.split(",") if w]
     if not eval_sets:
-        raise ConfigError("no evaluation set", "use --eval-sets test,mixed")
+        raise ConfigError("no evaluation set", "use --eval-sets dev2,mixed")
     sets = _load_sets(args, pool, names, fit_sets, eval_sets)
     base = TrainConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
                        seed=args.seed)

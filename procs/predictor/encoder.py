@@ -40,7 +40,7 @@ _trim_chars = trim_chars  # its name here before framing.py (tests/test_limits.p
 def encoder_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """``auto``: bfloat16 where the chosen kernel path has native bf16 (AVX512-BF16, see
     ``memspec.common.isa``; ~1.7x faster than fp32 and half the memory traffic next to the
-    decoder; rankings agree with fp32 on 600 of 600 test/mixed snapshots' top-1), float32
+    decoder; rankings agree with fp32 on 600 of 600 dev2/mixed snapshots' top-1), float32
     elsewhere (emulated bf16 is slower). ``MEMSPEC_ISA`` lowers it like the decoder's."""
     if name not in ENCODER_DTYPES:
         raise ModelError(f"unknown encoder dtype {name!r}", f"use one of {ENCODER_DTYPES}")
