@@ -312,15 +312,14 @@ def tune_lookup(pool_file: Path, per_domain: int, cost: CostModel, max_new: int,
 def tune_prefill_chunk(pool: PoolConfig, prompts: Sequence[str]) -> dict[str, Any]:
     """Chunked against whole prefills of the same prompts, interleaved per prompt (the
     VM's speed drifts over minutes); per chunk the median of per-prompt ratios."""
-    import torch
-
-    from memspec.procs.decoder.forward.threads import decoder_threads
+    from memspec.procs.decoder.forward.threads import apply_threads, decoder_threads
     from memspec.procs.decoder.inprocess import build_local
     from memspec.procs.decoder.models import encode_prompt
     from memspec.procs.decoder.sched.acceptance import SamplingParams
 
-    torch.set_num_threads(decoder_threads()[0])
     rt = build_local(pool, with_drafts=False)
+    # threads as the decoder sets them (PyTorch's only where the forward calls its kernels)
+    apply_threads(decoder_threads()[0], torch_ops=not rt.engine.exact_chunks)
     ids = [encode_prompt(rt.tokenizer, p) for p in prompts]
 
     def prefill(tokens: list[int], chunk: int) -> float:

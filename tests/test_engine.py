@@ -24,9 +24,14 @@ PROMPTS = [[1, 5, 9, 22], [1, 40, 41, 42, 43, 44, 45], [1, 7]]
 DTYPES = ["float32", "bfloat16", "int8", "int4", "bfloat16-torch", "int8-torch", "int4-torch"]
 
 
-def engine_with(tiny_dir, names, gamma=4, eos=(), dtype="float32", lookup=0):
+def engine_with(tiny_dir, names, gamma=4, eos=(), dtype="float32", lookup=0, home=None):
+    """`dtype` "int4-prepared" (with `home`): the target as the decoder opens it, its
+    packed blocks read from a prepared cache (built by a first open, read by a second)."""
     fmt, _, path = dtype.partition("-")
-    target = build_target(tiny_dir / "target", fmt, fast=path != "torch")
+    prepared = home if path == "prepared" else None
+    if prepared is not None:
+        build_target(tiny_dir / "target", fmt, prepared=prepared)
+    target = build_target(tiny_dir / "target", fmt, fast=path != "torch", prepared=prepared)
     eng = SpecEngine(target, eos, gamma=gamma, lookup=lookup)
     for name in names:
         eng.add_draft(load_into_slot(name, tiny_dir / name, SlotBuffer(1 << 20), TINY_VOCAB))
@@ -190,15 +195,19 @@ def _prompt_rows(cache, n: int) -> list[torch.Tensor]:
     return rows + ([cache.feat[:n]] if cache.feat is not None else [])
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "int4-torch"])
-def test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "int4-torch", "int4-prepared",
+                                   "int8-prepared"])
+def test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype, monkeypatch, tmp_path):
     """A caller waiting on the first ranking gets `between` calls during the prefill; the
     native forward chunks (every PREFILL_CHUNK tokens while asked) and its cache rows
     (head features included) and output stay bit-identical, so when a ranking lands never
-    changes a token. A runner that cannot promise that prefills in one piece."""
+    changes a token. A runner that cannot promise that prefills in one piece. The
+    decoder's own target (a prepared cache's packed blocks) chunks too: it once did not
+    (its kinds were missing from ROW_EXACT_KINDS), so it prefilled whole and PyTorch's
+    OpenMP threads spun beside the forward's pool."""
     chunk = 32  # whatever the tuned chunk is: several chunks within the tiny context
     monkeypatch.setattr(engine_module, "PREFILL_CHUNK", chunk)
-    eng = engine_with(tiny_dir, ["small"], dtype=dtype)
+    eng = engine_with(tiny_dir, ["small"], dtype=dtype, home=tmp_path / "home")
     eng.use_features([0, 1])  # what a head draft reads
     native = type(eng.target).__name__ == "NativeLM"
     assert getattr(eng.target, "exact_chunks", False) == native

@@ -40,8 +40,11 @@ HEADERS = [CSRC / "qgemm.h", CSRC / "qkernels.h", CSRC / "pool.h",
 _EXT: dict[str, Any] = {}
 DENSE_PAD_ROWS = 8  # decode calls (a step, a verify of up to 8 tokens) as 8 rows: lossless
 # kinds whose rows are computed each on its own (qgemm.cpp): a prompt prefilled in chunks
-# leaves the same cache bit for bit; BLAS (0) and PyTorch's int4 kernel (2) do not promise it
-ROW_EXACT_KINDS = frozenset({3, 4, 5})
+# leaves the same cache bit for bit; BLAS (0) and PyTorch's int4 kernel (2) do not promise it.
+# 6 and 7 (a prepared target's packed blocks) run as 4 and 3; without them the decoder's own
+# target prefilled whole and left PyTorch its threads (apply_threads), whose OpenMP workers
+# spun beside the pool's: its prefill took 8-10% longer than with MEMSPEC_POOL=openmp
+ROW_EXACT_KINDS = frozenset({3, 4, 5, 6, 7})
 
 
 @functools.lru_cache(maxsize=1)
