@@ -168,13 +168,14 @@ def test_greedy_identical_per_path(tiny_dir, path, dtype):
     test_engine.test_switching_every_iteration_never_changes_a_token(tiny_dir, dtype)
 
 
-def test_heads_and_chunked_prefill_per_path(tiny_dir, tiny_heads, path, monkeypatch):
+def test_heads_and_chunked_prefill_per_path(tiny_dir, tiny_heads, path, monkeypatch, tmp_path):
     test_engine.test_head_drafts_are_lossless_and_switch_with_model_drafts(tiny_dir, tiny_heads,
                                                                            "int4")
     for stored in (0, 1):  # a packed Q8_0 head, a bf16 one
         test_engine.test_native_head_matches_the_pytorch_reference(tiny_dir, tiny_heads, stored)
-    test_engine.test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, "int4", monkeypatch)
-    test_engine.test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, "bfloat16", monkeypatch)
+    for dtype in ("int4", "bfloat16", "int4-prepared"):  # (prepared: the decoder's target)
+        test_engine.test_prefill_in_chunks_leaves_the_same_cache(tiny_dir, dtype, monkeypatch,
+                                                                 tmp_path / dtype)
 
 
 def test_verify_rows_equal_single_steps_per_path(tiny_dir, path):
