@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from memspec.bench.figures import POLICY_ORDER, RATIO_LABELS, SPLIT_LABELS
 from memspec.bench.heldout import current_names
+from memspec.zoo.prompts import split_name
 
 README_BEGIN = "<!-- memspec bench: begin -->"
 README_END = "<!-- memspec bench: end -->"
@@ -31,7 +32,7 @@ HELD = "dev2"
 
 def held_out(result: dict[str, Any]) -> str:
     """The set a result's figures are of besides mixed (dev2, or test2 read once)."""
-    return str(current_names(result)["held_out"])
+    return split_name(str(result.get("held_out") or "test"))  # (as `current_names` reads it)
 
 
 def _get(result: dict[str, Any], path: tuple[str, ...]) -> Any:

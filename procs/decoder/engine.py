@@ -537,6 +537,10 @@ class Session:
         draft = self._head_proposals(bound, dc, L) if head else \
             self._model_proposals(bound, dc, L)
         t_catch = time.perf_counter()
+        # (re)activation: the draft's cache catches up on what it did not see through its
+        # own last iteration (a switch, or target steps since: a gate's probe pays this)
+        resumed = name != self._prev
+        catch = t_catch - t0 if resumed else 0.0
         props: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         ng = self._ngrams
@@ -581,10 +585,9 @@ class Session:
                 draft.next(d_idx, t_id, L + i)
         if not props:  # its first proposal illegal (a grammar) or unsure (head.FIRST): a
             rec = self._target_step(t0)  # target step after the draft's own pass, booked
-            own = t_catch - t0  # as its iterations' are (draft time, or catch-up where it
-            catch = own if name != self._prev else 0.0  # resumed) so the gate prices it
+            own = t_catch - t0  # as its iterations' are, so the gate prices it
             rec.draft, rec.t_draft, rec.t_catchup = name, own - catch, catch
-            rec.catchup_tokens = n_missing if catch else 0
+            rec.catchup_tokens = n_missing if resumed else 0
             rec.t_verify -= own
             return rec
         prop = torch.cat(props)
@@ -611,10 +614,6 @@ class Session:
         dc.length = L if head else min(L + min(n, limit - 1), len(self.tokens) - 1)
         self._sync()
         t1 = time.perf_counter()
-        # (re)activation: the draft's cache catches up on what it did not see through its
-        # own last iteration (a switch, or target steps since: a gate's probe pays this)
-        resumed = name != self._prev
-        catch = t_catch - t0 if resumed else 0.0
         return IterationRecord(name, len(proposals), n, emitted, t0,
                                t_draft=(t_draft_end - t0) - catch,
                                t_verify=t1 - t_draft_end, t_catchup=catch,
