@@ -49,10 +49,25 @@ def start(proc: str) -> None:
             sys.exit(0)
     nice = os.environ.get(NICE_ENV, "")
     if nice.isdigit() and int(nice) > 0:
+        # relative to the parent's: the supervisor already set it right after the spawn
+        # (`renice`), so the imports before this ran at it too; this is then a no-op
         try:
-            os.nice(int(nice))
+            base = os.getpriority(os.PRIO_PROCESS, int(parent) if parent.isdigit() else 0)
+            target = min(19, base + int(nice))
+            if os.getpriority(os.PRIO_PROCESS, 0) < target:
+                os.setpriority(os.PRIO_PROCESS, 0, target)
         except OSError:
             pass
+
+
+def renice(pid: int, increment: int) -> None:
+    """A child's niceness, `increment` above ours, from the parent right after the spawn
+    (not in the child: a preexec_fn can deadlock a process with threads)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0)
+                                                 + increment))
+    except OSError:
+        pass  # gone already, or not ours to change: the child sets its own at start
 
 
 def freeze_heap(collect: bool = True) -> None:

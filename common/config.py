@@ -40,6 +40,7 @@ POLICIES = (
     "memspec",
     "oracle-dynamic",
 )
+ORACLE_POLICIES = ("oracle-static", "oracle-dynamic")  # they read the pool's traced tables
 STORAGE_PROFILES = ("native", "edge-emulated")
 # target precision: auto = fastest on the device (procs/decoder/forward/precision.py)
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")

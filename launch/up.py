@@ -9,6 +9,7 @@ import signal
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from memspec.common.config import ORACLE_POLICIES
 from memspec.common.errors import MemspecError
 from memspec.common.limits import check_request
 from memspec.common.messages import Done, Error, Message, Submit, Tokens
@@ -189,7 +190,8 @@ def generate(pool: str | None, prompt: str, stream: bool, cold_start: bool = Fal
         if out is not None:
             return out
     stop = StopSignals()
-    sup = Supervisor(pool, cold_start=cold_start)
+    sup = Supervisor(pool, cold_start=cold_start,  # ("": the pool's policy, which may be one)
+                     oracle_tables=not req.policy or req.policy in ORACLE_POLICIES)
     done = None
     try:
         if sup.start(stop=stop):

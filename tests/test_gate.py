@@ -819,6 +819,7 @@ def test_a_calibration_cached_on_a_busy_machine_is_measured_again(tiny_dir, tmp_
     assert at(again.target, CONTEXTS[0]) < at(tuple(slow), CONTEXTS[0]) / 2
     assert json.loads(path.read_text())["step"] != slow
     assert at(first.target, CONTEXTS[0]) > 0
-    # the prefill's line comes with them: a longer prompt takes longer, read back as cached
-    assert first.prefill is not None and first.prefill[1] > 0
+    # the prefill's line comes with them, read back as cached (its slope is a timing: a
+    # tiny model's 48- and 304-token prefills can time alike beside the suite's load)
+    assert first.prefill is not None and min(first.prefill) >= 0 and sum(first.prefill) > 0
     assert again.prefill == tuple(json.loads(path.read_text())["prefill"])

@@ -72,7 +72,9 @@ def test_children_are_spawned_without_preexec_fn_and_told_what_to_apply(tmp_path
         def poll(self):
             return None
 
+    reniced: list[int] = []
     monkeypatch.setattr(sup_mod.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(sup_mod, "renice", lambda pid, inc: reniced.append(inc))
     (tmp_path / "run").mkdir()
     sup = Supervisor(run_dir=tmp_path / "run", log_level="debug")
     try:
@@ -88,6 +90,41 @@ def test_children_are_spawned_without_preexec_fn_and_told_what_to_apply(tmp_path
         env = kw["env"]
         assert env[child.PARENT_ENV] == str(os.getpid()) and env[logs.LEVEL_ENV] == "debug"
         assert env[child.NICE_ENV] == ("0" if name == "decoder" else str(sup_mod.HELPER_NICE))
+        # the decoder alone: its numpy starts no spinning BLAS thread, its block is sized
+        assert ("OPENBLAS_NUM_THREADS" in env) == (name == "decoder")
+        assert ("MEMSPEC_ARENA" in env) == (name == "decoder")
+    assert reniced == [sup_mod.HELPER_NICE] * 2  # each helper from its first instruction
+
+
+@pytest.mark.parametrize("policy, reads", [("memspec", False), ("oracle-static", True),
+                                           ("", True)])  # "": the pool's, maybe an oracle
+def test_a_private_run_reads_the_oracle_tables_only_for_an_oracle_request(policy, reads,
+                                                                           monkeypatch):
+    from memspec.launch import up
+
+    made: list[Supervisor] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(*args, **kw):
+        made.append(Supervisor(*args, **kw))
+        raise Stop
+
+    monkeypatch.setattr(up, "Supervisor", fake)
+    with pytest.raises(Stop):
+        up.generate(None, "hi", stream=False, fresh=True, policy=policy, max_new_tokens=4)
+    assert ("--no-oracle-tables" not in made[0]._cmd("decoder", "t")) is reads
+
+
+def test_a_helper_reniced_at_spawn_does_not_take_its_niceness_twice():
+    code = ("import os, time; from memspec.common import child; "
+            "time.sleep(0.5); child.start('loader'); print(os.nice(0))")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, **{child.NICE_ENV: "5",
+                                                 child.PARENT_ENV: str(os.getpid())}))
+    child.renice(p.pid, 5)
+    assert int(p.communicate(timeout=60)[0]) == min(19, os.nice(0) + 5)
 
 
 def _python(code: str, **env: str) -> subprocess.Popen:

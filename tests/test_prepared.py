@@ -92,3 +92,46 @@ def test_the_lm_head_is_held_once_packed(tiny_dir, tmp_path):
         with pytest.raises(RuntimeError, match="out of range"):
             cached.model.embed(torch.tensor([lean.vocab]))
     assert "q" not in vars(head) and "d" not in vars(head)  # nothing was unpacked
+
+
+def test_a_block_faulted_in_beforehand_holds_the_weights(tmp_path, monkeypatch):
+    """The supervisor sizes the decoder's weight block from its last start (arena.py): the
+    block is faulted in beside the imports, the native model writes its weights into it when
+    it is exactly the size needed (the same logits), and the size is recorded for the next
+    start; a block of another size is left alone and the model allocates its own."""
+    import ctypes
+
+    from memspec.procs.decoder.forward import arena
+    from tests.tinymodels import make_tiny, save_model
+
+    monkeypatch.setattr(arena, "_record_path", lambda: tmp_path / "arena.json")
+    target = save_model(make_tiny(3, layers=2, hidden=512), tmp_path / "target")
+    home = tmp_path / "home"
+    build_target(target, "int4", prepared=home)  # quantised and written; nothing recorded
+    assert not (tmp_path / "arena.json").exists()
+
+    def started(size: int):
+        monkeypatch.setenv(arena.ARENA_ENV, f"pool-a:{size}")
+        arena.start_from_env()
+        return arena._state["pending"]
+
+    assert started(0) is None
+    first = build_target(target, "int4", prepared=home)
+    if not isinstance(first, NativeLM):
+        pytest.skip("no native build")
+    size = first.model.block_bytes()
+    assert size > 0 and size % arena.HUGE == 0
+    assert arena.env_for("pool-a") == {arena.ARENA_ENV: f"pool-a:{size}"}
+    assert arena.env_for("pool-b") == {arena.ARENA_ENV: "pool-b:0"}
+
+    def inside(runner, pending) -> bool:
+        start = ctypes.addressof(pending._view) + pending.offset
+        return start <= runner.model.head_parts()[0].data_ptr() < start + pending.nbytes
+
+    for offered, taken in ((size, True), (size + arena.HUGE, False)):
+        pending = started(offered)
+        again = build_target(target, "int4", prepared=home)
+        assert inside(again, pending) is taken
+        assert again.model.block_bytes() == size
+        assert torch.equal(_logits(again), _logits(first))
+    assert arena.env_for("pool-a") == {arena.ARENA_ENV: f"pool-a:{size}"}

@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     handles = [m.handle for m in mems]
     slots = EngineSlots(pool, engine, buffers, handles, transport, files, bandwidth)
     service = DecoderService(pool, engine, tokenizer, slots, channels,
-                             cold_start=args.cold_start, quarantined=quarantined)
+                             cold_start=args.cold_start, quarantined=quarantined,
+                             oracle_tables=args.oracle_tables)
     clock.mark("calibration")
     service.controller.loads_busy = bandwidth <= 0
     preloaded = False
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-token", default=None)
     ap.add_argument("--cold-start", action="store_true",
                     help="empty the slots before every request (the paper's evaluation method)")
+    ap.add_argument("--no-oracle-tables", dest="oracle_tables", action="store_false",
+                    help="leave a traced pool's oracle tables unread until an oracle request")
     ap.add_argument("--standby", action="store_true",
                     help="do the start-up work that does not depend on the run, then wait on "
                          "stdin for the supervisor's go (standby.py)")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memspec.common.config import PoolConfig
+from memspec.common.config import ORACLE_POLICIES, PoolConfig
 from memspec.common.draftfiles import draft_weights_file
 from memspec.common.errors import MemspecError, ModelError, RequestError
 from memspec.common.limits import check_request, echo_id, rank_text
@@ -66,7 +66,6 @@ from memspec.procs.decoder.models import check_template_roles, encode_chat, enco
 from memspec.procs.decoder.oracle.calibration import gate_costs as calibrated_gate_costs
 from memspec.procs.decoder.oracle.draft_prices import price_drafts
 from memspec.procs.decoder.oracle.oracle import (
-    ORACLE_POLICIES,
     OracleIndex,
     PlanCostMeter,
     exact_depth,
@@ -348,7 +347,7 @@ class DecoderService:
     def __init__(self, pool: PoolConfig, engine: SpecEngine, tokenizer: Any,
                  slots: EngineSlots, channels: Channels, cold_start: bool = False,
                  quarantined: dict[str, str] | None = None,
-                 gate_costs: GateCosts | None = None) -> None:
+                 gate_costs: GateCosts | None = None, oracle_tables: bool = True) -> None:
         self.pool, self.engine, self.tokenizer = pool, engine, tokenizer
         self.clock = MonotonicClock()
         self.controller = Controller(
@@ -368,9 +367,10 @@ class DecoderService:
         self.plan_meters: dict[str, PlanCostMeter] = {}
         # the oracle policies' tables, read at start where this pool was traced (a benchmark
         # machine; ~2 ms a traced prompt, seconds for every set, which the first oracle
-        # request would otherwise pay on its clock); elsewhere on the first oracle request
+        # request would otherwise pay on its clock); elsewhere, or where `oracle_tables` is
+        # False (a private run of one request of another policy), on the first oracle request
         self._oracles: OracleIndex | None = self._oracle_index() \
-            if traced_sets(pool, runtime_key(pool, engine.device)) else None
+            if oracle_tables and traced_sets(pool, runtime_key(pool, engine.device)) else None
         if self.gate_costs is not None and self.gate_costs.verify is not None:
             engine.depth_costs = (self.gate_costs.target, self.gate_costs.verify)
         self.crash_on = os.environ.get(CRASH_ON_ENV, "")

@@ -27,7 +27,7 @@ import torch
 from memspec.common import isa as isa_mod
 from memspec.common.errors import ConfigError
 from memspec.common.paths import memspec_home
-from memspec.procs.decoder.forward import q8blocks
+from memspec.procs.decoder.forward import arena, q8blocks
 from memspec.procs.decoder.forward.lean import KVCache, LeanLM, alloc_cache
 from memspec.procs.decoder.forward.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, Linear
 from memspec.procs.decoder.forward.q4blocks import PackedInt4Linear
@@ -196,10 +196,21 @@ class NativeLM:
         layers = [(L.ln1, L.ln2, [lin(p) for p in L.qkv], lin(L.o),
                    [lin(p) for p in L.gate_up], lin(L.down)) for L in lean.layers]
         tied = lean.tied_rows  # the embedding is the packed LM head's rows: C++ reads them
-        self.model = ext.Model((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.eps),
-                               None if tied else lean.embed_w,
-                               None if tied else lean.embed_scale, layers, lean.norm,
-                               lin(lean.lm_head), a.rope_theta)
+        # The model copies every packed block (joined, then into huge pages), reading a
+        # prepared target's file mapping page fault by page fault: on one thread, as two
+        # PyTorch threads faulting the same mapping took 4x as long (0.05 s -> 0.2 s of a
+        # fresh start on 2 cores)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self.model = ext.Model((a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate,
+                                    a.eps),
+                                   None if tied else lean.embed_w,
+                                   None if tied else lean.embed_scale, layers, lean.norm,
+                                   lin(lean.lm_head), a.rope_theta, arena=arena.take())
+        finally:
+            torch.set_num_threads(threads)
+        arena.remember(self.model.block_bytes())  # the next start's block (arena.py)
         if isinstance(lean.lm_head, PackedInt8Linear):  # Python reads the C++ copy's rows
             lean.lm_head.parts = dict(zip(q8blocks.PARTS, self.model.head_parts(), strict=True))
         self.act_dtype = torch.float32  # the C++ forward's rows between kernels

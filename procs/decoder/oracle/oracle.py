@@ -52,7 +52,6 @@ from memspec.procs.decoder.sched.costs import LOOKUP, PlanCosts
 from memspec.procs.decoder.sched.gate import GateCosts
 from memspec.procs.decoder.sched.policies import Decision, OraclePlan, SchedView
 
-ORACLE_POLICIES = ("oracle-static", "oracle-dynamic")
 PLAN_BUDGET = knob("oracle.PLAN_BUDGET")  # states one plan search may expand past the
 # narrowest: the plan runs on the request's end-to-end clock, so `memspec bench tune` counts
 # the search's time beside the plan it finds (tuned.json)

@@ -49,6 +49,9 @@ struct Lin {
   at::Tensor w, aux, bias;
   memspec::PackedQ4 q4;
   memspec::PackedQ8 q8;
+  // a join's parts (joined) until to_huge_pages writes them side by side into its block:
+  // concatenated first, they took a copy of their own in fresh memory (~70 MB of the target)
+  std::vector<Lin> parts;
 
   int64_t pad_rows = 0;  // dense: run up to this many rows as exactly this many (see below)
 
@@ -107,48 +110,109 @@ Lin make_lin(const py::tuple& t) {
   return l;
 }
 
+// a packed Lin's arrays, in one order per format
+std::vector<at::Tensor*> packed_arrays(Lin& l) {
+  if (l.kind == 3) return {&l.q4.nib, &l.q4.d, &l.q4.m};
+  if (l.kind == 4) return {&l.q8.w, &l.q8.d, &l.q8.c, &l.q8.s};
+  return {};
+}
+
+// a join's parts concatenated where no block takes them: their rows in turn
+void concat_parts(Lin& l) {
+  if (l.parts.empty()) return;
+  const auto arrays = packed_arrays(l);
+  for (size_t f = 0; f < arrays.size(); ++f) {
+    std::vector<at::Tensor> ps;
+    for (auto& p : l.parts) ps.push_back(*packed_arrays(p)[f]);
+    *arrays[f] = at::cat(ps, 0);
+  }
+  l.parts.clear();
+}
+
 // The target's packed weights moved into one 2 MB-aligned block, advised as huge pages
 // where the kernel takes the advice (Linux THP in "madvise" mode, a common default): a
 // decode step streams all ~70 MB of them, and on 4 KiB pages every page is a TLB miss and a
 // boundary the hardware prefetchers stop at. Same bytes, other addresses: the same bits.
-void to_huge_pages(std::vector<Lin*> lins) {
+// A join's parts are written one after another into its place, which is their concatenation.
+// `arena`: a block faulted in beforehand (forward/arena.py), taken when it is exactly the
+// size needed and aligned. Returns the block's size (0: nothing moved).
+size_t to_huge_pages(std::vector<Lin*> lins, const at::Tensor& arena = at::Tensor()) {
   constexpr size_t HUGE = size_t(2) << 20, ALIGN = 64;
-  std::vector<at::Tensor*> ts;
+  struct Dest {
+    at::Tensor* t;
+    std::vector<at::Tensor> src;  // one array, or the parts' arrays in turn
+    std::vector<int64_t> sizes;
+    size_t bytes = 0;
+  };
+  std::vector<Dest> dests;
+  bool movable = true;
   for (Lin* l : lins) {
-    if (l->kind == 3) ts.insert(ts.end(), {&l->q4.nib, &l->q4.d, &l->q4.m});
-    if (l->kind == 4) ts.insert(ts.end(), {&l->q8.w, &l->q8.d, &l->q8.c, &l->q8.s});
+    const auto arrays = packed_arrays(*l);
+    for (size_t f = 0; f < arrays.size() && movable; ++f) {
+      Dest d{arrays[f], {}, {}, 0};
+      if (l->parts.empty()) d.src.push_back(*arrays[f]);
+      for (auto& p : l->parts) d.src.push_back(*packed_arrays(p)[f]);
+      int64_t rows = 0;
+      for (const auto& t : d.src) {
+        movable = movable && t.defined() && t.is_contiguous() && t.device().type() == at::kCPU;
+        if (!movable) break;
+        rows += t.size(0);
+        d.bytes += t.nbytes();
+      }
+      if (!movable) break;
+      d.sizes = d.src[0].sizes().vec();
+      d.sizes[0] = rows;
+      dests.push_back(std::move(d));
+    }
   }
-  auto padded = [&](const at::Tensor& t) { return (t.nbytes() + ALIGN - 1) / ALIGN * ALIGN; };
+  auto padded = [&](size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; };
   size_t total = 0;
-  for (auto* t : ts) {
-    if (!t->defined() || !t->is_contiguous() || t->device().type() != at::kCPU) return;
-    total += padded(*t);
-  }
-  if (total < HUGE) return;
+  for (const auto& d : dests) total += padded(d.bytes);
   const size_t size = (total + HUGE - 1) / HUGE * HUGE;
-  void* base = std::aligned_alloc(HUGE, size);
-  if (base == nullptr) return;  // keep them where they are
+  const bool faulted = arena.defined() && arena.is_contiguous() &&
+                       arena.device().type() == at::kCPU &&
+                       static_cast<size_t>(arena.nbytes()) == size &&
+                       reinterpret_cast<uintptr_t>(arena.data_ptr()) % HUGE == 0;
+  std::shared_ptr<void> block;
+  if (movable && total >= HUGE && faulted) {
+    block = std::shared_ptr<void>(arena.data_ptr(), [arena](void*) {});  // kept by the weights
+  } else if (movable && total >= HUGE) {
+    if (void* fresh = std::aligned_alloc(HUGE, size)) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(base, size, MADV_HUGEPAGE);  // advice: refused or ignored, 4 KiB pages as before
+      madvise(fresh, size, MADV_HUGEPAGE);  // advice: refused or ignored: 4 KiB pages
 #endif
-  std::shared_ptr<void> block(base, std::free);
-  char* dst = static_cast<char*>(base);
-  for (auto* t : ts) {
-    at::Tensor moved = at::from_blob(dst, t->sizes(), [block](void*) {}, t->options());
-    moved.copy_(*t);
-    dst += padded(*t);
-    *t = moved;
+      block = std::shared_ptr<void>(fresh, std::free);
+    }
   }
+  if (!block) {  // keep them where they are
+    for (Lin* l : lins) concat_parts(*l);
+    return 0;
+  }
+  void* base = block.get();
+  char* dst = static_cast<char*>(base);
+  for (auto& d : dests) {
+    at::Tensor moved = at::from_blob(dst, d.sizes, [block](void*) {}, d.src[0].options());
+    int64_t row = 0;
+    for (const auto& t : d.src) {
+      moved.slice(0, row, row + t.size(0)).copy_(t);
+      row += t.size(0);
+    }
+    *d.t = moved;
+    dst += padded(d.bytes);
+  }
+  for (Lin* l : lins) l->parts.clear();
 #if defined(__GLIBC__)
   malloc_trim(0);  // the old copies' pages back to the system, not kept in the heap
 #endif
+  return size;
 }
 
 // Projections that read the same rows (q, k, v; gate, up) as one block-kernel matmul: their
 // tiles concatenated, which is the same arithmetic per output, so the same bits. The rows
 // are quantised once instead of once per projection, and one split across threads covers
 // all outputs (k and v alone are 12 tiles each). Only our own packed copies are joined; a
-// draft head's weights stay views of its slot.
+// draft head's weights stay views of its slot. The arrays are not written here: the caller
+// passes the join to to_huge_pages, which places them (concat_parts where it cannot).
 std::vector<Lin> joined(std::vector<Lin> lins) {
   if (lins.size() < 2) return lins;
   const int64_t kind = lins[0].kind;
@@ -168,19 +232,13 @@ std::vector<Lin> joined(std::vector<Lin> lins) {
   j.kind = kind;
   if (bias) j.bias = cat([](const Lin& l) { return l.bias.to(at::kFloat); });
   if (kind == 3) {
-    j.q4.nib = cat([](const Lin& l) { return l.q4.nib; });
-    j.q4.d = cat([](const Lin& l) { return l.q4.d; });
-    j.q4.m = cat([](const Lin& l) { return l.q4.m; });
     j.q4.K = lins[0].q4.K;
     for (const auto& l : lins) j.q4.N += l.q4.N;
   } else {
-    j.q8.w = cat([](const Lin& l) { return l.q8.w; });
-    j.q8.d = cat([](const Lin& l) { return l.q8.d; });
-    j.q8.c = cat([](const Lin& l) { return l.q8.c; });
-    j.q8.s = cat([](const Lin& l) { return l.q8.s; });
     j.q8.K = lins[0].q8.K;
     for (const auto& l : lins) j.q8.N += l.q8.N;
   }
+  j.parts = std::move(lins);  // written side by side by to_huge_pages (or concat_parts)
   return {j};
 }
 
@@ -504,7 +562,7 @@ class Model : public Core {
   // `embed` None: the embedding is the LM head's own rows (tied, Q8_0 blocks), read from
   // the one packed copy the head's kernels read, not from a second plain copy
   Model(py::tuple dims, py::object embed, py::object embed_scale, py::list layers,
-        at::Tensor norm, py::tuple head, double rope_theta)
+        at::Tensor norm, py::tuple head, double rope_theta, py::object arena)
       : Core(dims, rope_theta), norm_(norm.to(at::kFloat).contiguous()), head_(make_lin(head)) {
     if (!embed.is_none()) embed_ = embed.cast<at::Tensor>();
     if (!embed_scale.is_none()) embed_scale_ = embed_scale.cast<at::Tensor>().to(at::kFloat);
@@ -528,7 +586,7 @@ class Model : public Core {
       own.push_back(&L.o);
       own.push_back(&L.down);
     }
-    to_huge_pages(own);
+    block_bytes_ = to_huge_pages(own, arena.is_none() ? at::Tensor() : arena.cast<at::Tensor>());
     if (embed.is_none()) {
       TORCH_CHECK(head_.kind == 4 && head_.q8.K == hidden_,
                   "an embedding read from the LM head needs its Q8_0 blocks");
@@ -537,6 +595,9 @@ class Model : public Core {
       tiled_embed_ = true;
     }
   }
+
+  // the size of the block its packed weights live in (forward/arena.py records it)
+  int64_t block_bytes() const { return static_cast<int64_t>(block_bytes_); }
 
   // the LM head's packed arrays as the kernels hold them (w, d, c, s; Q8_0 heads only):
   // what reads its rows in Python (draft heads' vocabularies) reads this copy
@@ -656,6 +717,7 @@ class Model : public Core {
 
   at::Tensor embed_, embed_scale_, norm_;
   bool tiled_embed_ = false;
+  size_t block_bytes_ = 0;
   Lin head_;
   std::vector<Layer> layers_;
 };
@@ -729,8 +791,12 @@ class Head : public Core {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Model>(m, "Model")
-      .def(py::init<py::tuple, py::object, py::object, py::list, at::Tensor, py::tuple, double>())
+      .def(py::init<py::tuple, py::object, py::object, py::list, at::Tensor, py::tuple, double,
+                    py::object>(),
+           py::arg("dims"), py::arg("embed"), py::arg("embed_scale"), py::arg("layers"),
+           py::arg("norm"), py::arg("head"), py::arg("rope_theta"), py::arg("arena") = py::none())
       .def("forward", &Model::forward)
+      .def("block_bytes", &Model::block_bytes)
       .def("set_pad_rows", &Model::set_pad_rows)
       .def("embed", &Model::embed)
       .def("head_parts", &Model::head_parts);

@@ -1,0 +1,124 @@
+"""The target's weight block, faulted in on another core while the decoder imports.
+
+The native model copies the target's packed weights into one 2 MB-aligned block of huge
+pages (csrc/lean_cpu.cpp `to_huge_pages`). A fresh start pays the kernel for every page of
+it, and on a VM that hands memory back to its host (free page reporting) that was 0.04-0.3 s
+of the 94 MB target's build, on the path to the first answer. The supervisor passes the
+size the last decoder of this pool needed (``ARENA_ENV``); the package's first import
+(memspec/__init__.py) maps that much here and zeroes it in a thread, and zeroing is one C
+call that lets go of the GIL, so the pages are faulted in beside ``import torch`` (~1 s)
+instead of after it. The native model takes the block when the size still fits, and the
+size it needed is written down for the next start. Torch-free: it runs before torch loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+ARENA_ENV = "MEMSPEC_ARENA"  # "<pool id>:<bytes>", set by the supervisor for the decoder
+HUGE = 2 << 20  # the block's alignment: a huge page
+RECORD = "calib/arena.json"  # under the memspec home: {pool id: bytes}
+
+
+class Prefault:
+    """A mapping of `nbytes` (a multiple of HUGE) at a HUGE-aligned address, zeroed in a
+    thread; `block()` waits for it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.map = mmap.mmap(-1, nbytes + HUGE)  # room to align the start
+        self._view = ctypes.c_char.from_buffer(self.map)
+        base = ctypes.addressof(self._view)
+        self.offset = -base % HUGE
+        self._thread = threading.Thread(target=self._fault, args=(base + self.offset,),
+                                        name="memspec-arena", daemon=True)
+        self._thread.start()
+
+    def _fault(self, addr: int) -> None:
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self.map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # advice refused: 4 KiB pages, faulted in all the same
+        ctypes.memset(addr, 0, self.nbytes)  # (ctypes calls release the GIL)
+
+    def block(self) -> Any:
+        """The aligned block as a uint8 tensor over the mapping (it keeps the mapping)."""
+        import torch
+
+        self._thread.join()
+        whole = torch.frombuffer(self.map, dtype=torch.uint8)
+        return whole[self.offset:self.offset + self.nbytes]
+
+
+_state: dict[str, Any] = {"key": "", "pending": None}
+
+
+def start_from_env() -> None:
+    """Begin faulting the block the supervisor sized (a no-op without ``ARENA_ENV``)."""
+    raw = os.environ.pop(ARENA_ENV, "")
+    key, _, size = raw.rpartition(":")
+    if not key:
+        return
+    _state["key"] = key
+    try:
+        nbytes = int(size)
+    except ValueError:
+        return
+    if nbytes > 0 and nbytes % HUGE == 0:
+        try:
+            _state["pending"] = Prefault(nbytes)
+        except (OSError, ValueError):  # no memory to map now: the model allocates its own
+            _state["pending"] = None
+
+
+def take() -> Any:
+    """The faulted block (once), or None where none was started."""
+    pending, _state["pending"] = _state["pending"], None
+    return pending.block() if pending is not None else None
+
+
+def remember(needed: int) -> None:
+    """The size this pool's target needed, for the supervisor's next start of it (the
+    first native model a decoder builds is its target; later ones are not recorded)."""
+    key, _state["key"] = _state["key"], ""
+    if not key or needed <= 0:
+        return
+    path = _record_path()
+    try:
+        sizes = json.loads(path.read_text())
+        sizes = sizes if isinstance(sizes, dict) else {}
+    except (OSError, ValueError):
+        sizes = {}
+    if sizes.get(key) == needed:
+        return
+    sizes[key] = needed
+    from memspec.common.files import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(sizes))
+    except OSError:
+        pass  # a read-only home: every start allocates as before
+
+
+def env_for(pool_id: str) -> dict[str, str]:
+    """The decoder's ``ARENA_ENV`` for this pool: its key always (so the decoder records
+    its size), the size where one was recorded."""
+    try:
+        size = json.loads(_record_path().read_text()).get(pool_id, 0)
+    except (OSError, ValueError, AttributeError):
+        size = 0
+    return {ARENA_ENV: f"{pool_id}:{int(size) if isinstance(size, int) else 0}"}
+
+
+def _record_path() -> Path:
+    from memspec.common.paths import memspec_home
+
+    return memspec_home() / RECORD
