@@ -20,11 +20,6 @@ if _gc_held:
 
     _gc.disable()
 
-if _os.environ.get("MEMSPEC_ARENA"):  # a supervised decoder: its target's block is faulted
-    from memspec.procs.decoder.forward import arena as _arena  # in beside its imports
-
-    _arena.start_from_env()
-
 if _os.environ.get("MEMSPEC_ISA"):  # a forced kernel path holds for PyTorch's kernels too
     from memspec.common.isa import torch_env as _torch_env
 

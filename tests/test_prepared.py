@@ -130,8 +130,21 @@ def test_a_block_faulted_in_beforehand_holds_the_weights(tmp_path, monkeypatch):
 
     for offered, taken in ((size, True), (size + arena.HUGE, False)):
         pending = started(offered)
+        assert _mapping_flags(ctypes.addressof(pending._view)).endswith("p")  # private: a
+        # shared anonymous mapping is shmem, which got no huge pages
         again = build_target(target, "int4", prepared=home)
         assert inside(again, pending) is taken
         assert again.model.block_bytes() == size
         assert torch.equal(_logits(again), _logits(first))
     assert arena.env_for("pool-a") == {arena.ARENA_ENV: f"pool-a:{size}"}
+
+
+def _mapping_flags(addr: int) -> str:
+    """The permissions of the mapping holding `addr` (/proc/self/maps: "rw-p" private)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return perms
+    raise AssertionError("no mapping holds the block")

@@ -55,6 +55,7 @@ from memspec.common.procexit import fast_exit
 from memspec.common.slotmem import SlotMemory, choose_transport
 from memspec.common.sockets import SUPERVISOR_ID_ENV, RejectLog, configure, recv, send
 from memspec.procs.decoder import standby
+from memspec.procs.decoder.forward import arena
 from memspec.procs.decoder.forward.lean import kv_cache_bytes
 from memspec.procs.decoder.forward.native import extension
 from memspec.procs.decoder.forward.threads import decoder_threads, make_plan
@@ -244,6 +245,7 @@ class DecoderProcess:
 
 def run(args: argparse.Namespace) -> int:
     clock = StartupClock()  # "process": spawn -> here (the interpreter and the imports)
+    arena.start_from_env()  # the target's block faulted in beside the next 0.1 s (arena.py)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pool = load_pool(args.pool)
     torch.manual_seed(0)
