@@ -125,6 +125,27 @@ def test_every_policy_emits_constrained_target_onlys_tokens_and_the_json_validat
     assert forced > 0  # braces, quotes and keys went out without a draft
 
 
+def test_a_long_forced_run_is_one_verify_with_the_same_tokens(rt):
+    """A key the grammar spells out whole (more tokens than gamma) goes out in one verify:
+    every forced token is accepted, and the answer is target-only's."""
+    from memspec.procs.decoder.engine import FORCED_MAX
+
+    key = "the_name_of_the_principal_character_in_the_story"
+    schema = {"type": "object", "properties": {key: S}, "required": [key],
+              "additionalProperties": False}
+    runs = {}
+    for name, select in (("target-only", None), ("lookup", lambda s: LOOKUP)):
+        runs[name] = _run(rt, "Describe a fictional person as JSON.", select,
+                          rt.grammar.compile("json_schema", json.dumps(schema)))
+    (base, _), (tokens, stats) = runs["target-only"], runs["lookup"]
+    assert tokens == base
+    gamma = rt.engine.gamma
+    longest = max(r.proposed for r in stats.records)
+    assert gamma < longest <= FORCED_MAX + gamma  # (forced, then the lookup's chain)
+    first = stats.records[0]  # `{"` and the whole key: forced from the first position
+    assert first.proposed > gamma and first.accepted >= first.proposed - gamma
+
+
 def test_sampling_under_a_schema_draws_only_legal_tokens(rt):
     from memspec.procs.decoder.sched.acceptance import SamplingParams
 

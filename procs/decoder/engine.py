@@ -66,6 +66,11 @@ DEFAULT_MAX_CONTEXT = 2048
 # that costs at most 3% over one whole prefill on dev (each piece is another pass over the
 # weights: measured on AVX-512, 32-token pieces cost 15% more, 128-token ones 0.5%)
 PREFILL_CHUNK = knob("engine.PREFILL_CHUNK")  # `memspec bench tune` (tuned.json)
+# forced tokens one verify takes: the grammar allows nothing else there, so each is accepted
+# and a whole run (a key and its quotes) costs rows, not iterations (dev, in process, the 20
+# prompts of `bench json`, 3 runs each: gamma's 4 3.2% [1.7, 4.6] slower than 12; 8, 12
+# and 24 within 1% of each other)
+FORCED_MAX = 16
 
 
 def prefill_pieces(n: int, chunk: int, between: Between | None) -> Iterator[tuple[int, int]]:
@@ -407,7 +412,7 @@ class Session:
             raise KeyError(f"draft '{draft}' is not resident")
         t0 = time.perf_counter()
         c = self.constraint
-        forced = c.forced()[:self.engine.gamma] \
+        forced = c.forced()[:self._forced_room()] \
             if c is not None and self.force_ahead and self.params.greedy else []
         if forced:  # the grammar's own proposal: a verify, no draft (booked as the lookup's)
             rec = self._lookup_step(t0, forced=forced)
@@ -435,6 +440,13 @@ class Session:
         self._prev = rec.draft
         self.stats.records.append(rec)
         return rec
+
+    def _forced_room(self) -> int:
+        """How many forced tokens the next verify takes: up to FORCED_MAX where the token
+        buffer (sized for gamma forced tokens and gamma more) leaves room for the lookup's
+        chain after them, never fewer than gamma."""
+        room = self._cap - len(self.tokens) - self.engine.gamma - 1
+        return max(self.engine.gamma, min(FORCED_MAX, room))
 
     def _lookup_matches(self) -> bool:
         """A model draft's iteration runs the lookup alone instead (a verify, no draft
