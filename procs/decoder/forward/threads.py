@@ -47,7 +47,11 @@ DROP_WAIT = 0.15          # of a window that a forward thread waited for a CPU: 
 WINDOW_S = 0.02           # how often the waits are judged (~4 decode steps)
 RESTORE_IDLE = 0.5        # cores idle over an idle window: one more thread may run
 IDLE_WINDOW_S = 0.1       # the first idle window after a drop (/proc/stat ticks are 10 ms)
-MAX_IDLE_WINDOW_S = 1.6   # the longest, after restores taken back again and again
+# the longest, after restores taken back again and again: a load that ends waits at most
+# this long for its thread back (issue: within 0.5 s; at 1.6 s one start-and-stop run kept
+# its last 48 tokens on one thread); a restore taken back costs a window of shared cores,
+# not a stall (the pool never waits for a thread that has not started)
+MAX_IDLE_WINDOW_S = 0.4
 STABLE_S = 2.0            # a restore that holds this long resets the idle window
 REST_S = 0.25             # no forward for this long: the decoder was idle (see rest())
 
