@@ -429,11 +429,22 @@ def _recoveries(row: dict[str, Any]) -> None:
         if not marks or not run.get("timeline"):
             continue
         after = sum(1 for t in token_times(run["timeline"]) if t >= marks[1])
+        back = rate_back_s(run["timeline"], marks[1], run["reference_timeline"])
         run["recovery"] = {"tokens_after_load": after,
-                           "ended_first": after <= SPAN,  # too short to judge
-                           "rate_back_s": rate_back_s(run["timeline"], marks[1],
-                                                      run["reference_timeline"]),
+                           "ended_first": after <= SPAN or (  # too short to judge
+                               back is None and not judgeable(run, marks[1])),
+                           "rate_back_s": back,
                            "threads_back_s": threads_back_s(run["timeline"], marks[1])}
+
+
+def judgeable(run: dict[str, Any], off: float) -> bool:
+    """Whether the run could show its rate back within the bound: a window of SPAN tokens
+    starts at or after `RECOVERY_BOUND_S` past the load's end. One that ended sooner and was
+    not back yet is too short to judge, not "never back" (31 tokens after the load, the
+    threads back after 0.12-0.18 s of them: no 20-token window started after that)."""
+    ts = token_times(run["timeline"])
+    n = min(len(ts), len(token_times(run["reference_timeline"])))
+    return any(ts[i] >= off + RECOVERY_BOUND_S for i in range(max(0, n - SPAN)))
 
 
 def _print(res: dict[str, Any]) -> None:
