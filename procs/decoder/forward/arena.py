@@ -23,6 +23,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from memspec.common.files import atomic_write_text
+from memspec.common.paths import memspec_home
+
 ARENA_ENV = "MEMSPEC_ARENA"  # "<pool id>:<bytes>", set by the supervisor for the decoder
 HUGE = 2 << 20  # the block's alignment: a huge page
 RECORD = "calib/arena.json"  # under the memspec home: {pool id: bytes}
@@ -93,22 +96,13 @@ def remember(needed: int) -> None:
     """The size this pool's target needed, for the supervisor's next start of it (the
     first native model a decoder builds is its target; later ones are not recorded)."""
     key, _state["key"] = _state["key"], ""
-    if not key or needed <= 0:
-        return
-    path = _record_path()
-    try:
-        sizes = json.loads(path.read_text())
-        sizes = sizes if isinstance(sizes, dict) else {}
-    except (OSError, ValueError):
-        sizes = {}
-    if sizes.get(key) == needed:
+    sizes = _sizes()
+    if not key or needed <= 0 or sizes.get(key) == needed:
         return
     sizes[key] = needed
-    from memspec.common.files import atomic_write_text
-
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(sizes))
+        _record_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(_record_path(), json.dumps(sizes))
     except OSError:
         pass  # a read-only home: every start allocates as before
 
@@ -116,14 +110,18 @@ def remember(needed: int) -> None:
 def env_for(pool_id: str) -> dict[str, str]:
     """The decoder's ``ARENA_ENV`` for this pool: its key always (so the decoder records
     its size), the size where one was recorded."""
+    size = _sizes().get(pool_id, 0)
+    return {ARENA_ENV: f"{pool_id}:{size if isinstance(size, int) else 0}"}
+
+
+def _sizes() -> dict[str, Any]:
+    """The recorded sizes, {pool id: bytes} ({} where none were or the file is unreadable)."""
     try:
-        size = json.loads(_record_path().read_text()).get(pool_id, 0)
-    except (OSError, ValueError, AttributeError):
-        size = 0
-    return {ARENA_ENV: f"{pool_id}:{int(size) if isinstance(size, int) else 0}"}
+        sizes = json.loads(_record_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return sizes if isinstance(sizes, dict) else {}
 
 
 def _record_path() -> Path:
-    from memspec.common.paths import memspec_home
-
     return memspec_home() / RECORD
